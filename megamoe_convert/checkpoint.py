@@ -1,0 +1,299 @@
+"""Reading a DeepSeek-V4 checkpoint: config, index, shard headers, and the expert tensors.
+
+Only headers are read up front (a few MB for a TB checkpoint); tensor bytes are read later,
+one expert at a time, by whoever needs them. Everything that can be checked without the
+bytes is checked here, so a bad checkpoint fails in seconds with a message that names the
+file or tensor, not after an hour of conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .layout import SCALE_BLOCK_K, LayoutError, check_dims
+from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+#: ``layers.{L}.ffn.experts.{e}.w{1,2,3}.{weight,scale}`` and the same under ``mtp.{k}.``.
+EXPERT_TENSOR = re.compile(
+    r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+#: Anything under ``.ffn.experts.`` is an expert tensor, recognised or not.
+UNDER_EXPERTS = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.")
+
+WEIGHT_DTYPES = ("I8", "U8", "F4")
+SCALE_DTYPES = ("F8_E8M0", "U8")
+PROJECTIONS = ("w1", "w2", "w3")
+KINDS = ("weight", "scale")
+
+
+class CheckpointError(ValueError):
+    """A source checkpoint that cannot be converted as it is."""
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes that fix the MegaMoE layout of every MoE layer."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+
+    def expert_byte_shapes(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Expected uint8 shape of each ``(projection, kind)`` of one expert."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {
+            ("w1", "weight"): (i, h // 2), ("w1", "scale"): (i, h // SCALE_BLOCK_K),
+            ("w3", "weight"): (i, h // 2), ("w3", "scale"): (i, h // SCALE_BLOCK_K),
+            ("w2", "weight"): (h, i // 2), ("w2", "scale"): (h, i // SCALE_BLOCK_K),
+        }
+
+    def bytes_per_expert(self) -> int:
+        return sum(a * b for a, b in self.expert_byte_shapes().values())
+
+
+@dataclass(frozen=True, order=True)
+class MoELayer:
+    """One MoE layer of the checkpoint, by its key ``layers.7`` or ``mtp.0``."""
+
+    is_mtp: bool
+    index: int
+
+    @classmethod
+    def parse(cls, key: str) -> "MoELayer":
+        kind, _, number = key.partition(".")
+        if kind not in ("layers", "mtp") or not number.isdigit():
+            raise ValueError(f"not a layer key: {key!r} (expected 'layers.N' or 'mtp.N')")
+        return cls(kind == "mtp", int(number))
+
+    @property
+    def key(self) -> str:
+        return f"{'mtp' if self.is_mtp else 'layers'}.{self.index}"
+
+    @property
+    def prefix(self) -> str:
+        """The checkpoint's module prefix, e.g. ``layers.7.ffn.experts`` (the loader's dict key)."""
+        return f"{self.key}.ffn.experts"
+
+    @property
+    def vllm_prefix(self) -> str:
+        """vLLM's module prefix: ``model.layers.7.ffn.experts`` / ``model.mtp.0.ffn.experts``."""
+        return f"model.{self.prefix}"
+
+    def tensor_name(self, expert: int, proj: str, kind: str) -> str:
+        return f"{self.prefix}.{expert}.{proj}.{kind}"
+
+
+def _load_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing {what}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable {what} ({e})") from None
+
+
+def _config_int(config: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CheckpointError(f"{path}: config field {key!r} must be an integer, got {value!r}")
+    return value
+
+
+@dataclass
+class Checkpoint:
+    """A DeepSeek-V4 checkpoint directory, validated from its config and shard headers."""
+
+    root: Path
+    config: dict[str, Any]
+    dims: ModelDims
+    weight_map: dict[str, str]
+    headers: dict[str, SafetensorsHeader]
+    index_bytes: bytes
+    tensors: dict[str, TensorEntry] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- opening
+    @classmethod
+    def open(cls, root: Path | str) -> "Checkpoint":
+        root = Path(root)
+        if not root.is_dir():
+            raise CheckpointError(f"{root}: not a checkpoint directory")
+        config_path = root / CONFIG_NAME
+        config = _load_json(config_path, "config.json")
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_path}: config.json must be a JSON object")
+        dims = cls._dims_from_config(config, config_path)
+        weight_map, index_bytes = cls._read_index(root)
+        headers = cls._read_headers(root, weight_map)
+        ckpt = cls(root, config, dims, weight_map, headers, index_bytes)
+        ckpt.tensors = ckpt._collect_tensors()
+        ckpt._check_experts()
+        return ckpt
+
+    @staticmethod
+    def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
+        expert_dtype = config.get("expert_dtype", "fp4")
+        if expert_dtype != "fp4":
+            raise CheckpointError(f"{path}: expert_dtype is {expert_dtype!r}; MegaMoE needs FP4 experts ('fp4')")
+        dims = ModelDims(_config_int(config, "hidden_size", path), _config_int(config, "moe_intermediate_size", path),
+                         _config_int(config, "n_routed_experts", path))
+        try:
+            check_dims(dims.hidden_size, dims.moe_intermediate_size)
+        except LayoutError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if dims.n_routed_experts <= 0:
+            raise CheckpointError(f"{path}: n_routed_experts must be positive, got {dims.n_routed_experts}")
+        return dims
+
+    @staticmethod
+    def _read_index(root: Path) -> tuple[dict[str, str], bytes]:
+        index_path = root / INDEX_NAME
+        if index_path.exists():
+            index = _load_json(index_path, "safetensors index")
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index_path}: no 'weight_map' in the index")
+            return {str(k): str(v) for k, v in weight_map.items()}, index_path.read_bytes()
+        single = root / SINGLE_FILE_NAME
+        if single.exists():
+            names = read_header(single).tensors
+            return {name: SINGLE_FILE_NAME for name in names}, b""
+        raise CheckpointError(f"{root}: no {INDEX_NAME} (or {SINGLE_FILE_NAME}) found")
+
+    @staticmethod
+    def _read_headers(root: Path, weight_map: dict[str, str]) -> dict[str, SafetensorsHeader]:
+        headers = {}
+        for filename in sorted(set(weight_map.values())):
+            path = root / filename
+            if not path.is_file():
+                raise CheckpointError(f"{root / INDEX_NAME}: index points at missing file {filename}")
+            try:
+                headers[filename] = read_header(path)
+            except SafetensorsError as e:
+                raise CheckpointError(str(e)) from None
+        return headers
+
+    def _collect_tensors(self) -> dict[str, TensorEntry]:
+        """Every tensor, found in the file the index names, and in no other file."""
+        owner: dict[str, str] = {}
+        for filename, header in self.headers.items():
+            for name in header.tensors:
+                if name in owner:
+                    raise CheckpointError(f"{self.root}: duplicated tensor {name} in {owner[name]} and {filename}")
+                owner[name] = filename
+        tensors = {}
+        for name, filename in self.weight_map.items():
+            entry = self.headers[filename].tensors.get(name)
+            if entry is None:
+                raise CheckpointError(f"{self.root / filename}: tensor {name} listed in the index is not in this file")
+            tensors[name] = entry
+        for name, filename in owner.items():
+            if name not in self.weight_map:
+                raise CheckpointError(f"{self.root / filename}: tensor {name} is not listed in {INDEX_NAME}")
+        return tensors
+
+    # ---------------------------------------------------------------- experts
+    @cached_property
+    def layers(self) -> list[MoELayer]:
+        """MoE layers with expert tensors, decoder layers first, then MTP, in order."""
+        keys = {m["layer"] for name in self.tensors if (m := EXPERT_TENSOR.match(name))}
+        return sorted(MoELayer.parse(k) for k in keys)
+
+    def _check_experts(self) -> None:
+        self._check_no_stray_expert_tensors()
+        self._check_layer_set()
+        shapes = self.dims.expert_byte_shapes()
+        for layer in self.layers:
+            for expert in range(self.dims.n_routed_experts):
+                for (proj, kind), shape in shapes.items():
+                    self._check_expert_tensor(layer.tensor_name(expert, proj, kind), kind, shape)
+
+    def _check_no_stray_expert_tensors(self) -> None:
+        n = self.dims.n_routed_experts
+        for name in self.tensors:
+            if not UNDER_EXPERTS.match(name):
+                continue
+            m = EXPERT_TENSOR.match(name)
+            if m is None:
+                raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} "
+                                      "(expected experts.{e}.w{1,2,3}.weight|scale)")
+            if int(m["expert"]) >= n:
+                raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {m['expert']}, "
+                                      f"but config.json has n_routed_experts={n}")
+
+    def _check_layer_set(self) -> None:
+        config_path = self.root / CONFIG_NAME
+        found_decoder = sorted(l.index for l in self.layers if not l.is_mtp)
+        found_mtp = sorted(l.index for l in self.layers if l.is_mtp)
+        want_decoder = list(range(_config_int(self.config, "num_hidden_layers", config_path, len(found_decoder))))
+        want_mtp = list(range(_config_int(self.config, "num_nextn_predict_layers", config_path, len(found_mtp))))
+        if not self.layers:
+            raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
+        if found_decoder != want_decoder:
+            raise CheckpointError(f"{config_path}: num_hidden_layers={len(want_decoder)} but the checkpoint has "
+                                  f"experts for decoder layers {_ranges(found_decoder)}")
+        if found_mtp != want_mtp:
+            raise CheckpointError(f"{config_path}: num_nextn_predict_layers={len(want_mtp)} but the checkpoint has "
+                                  f"experts for MTP layers {_ranges(found_mtp) or 'none'}")
+
+    def _check_expert_tensor(self, name: str, kind: str, byte_shape: tuple[int, int]) -> None:
+        entry = self.tensors.get(name)
+        if entry is None:
+            raise CheckpointError(f"{self.root}: missing expert tensor {name}")
+        allowed = WEIGHT_DTYPES if kind == "weight" else SCALE_DTYPES
+        if entry.dtype not in allowed:
+            raise CheckpointError(f"{entry.path}: {name} has dtype {entry.dtype}, expected one of {', '.join(allowed)}")
+        if entry.byte_shape != byte_shape:
+            logical = (byte_shape[0], byte_shape[1] * 2) if entry.dtype == "F4" else byte_shape
+            raise CheckpointError(f"{entry.path}: {name} has shape {list(entry.shape)}, expected {list(logical)} "
+                                  f"(hidden_size={self.dims.hidden_size}, "
+                                  f"moe_intermediate_size={self.dims.moe_intermediate_size} in config.json)")
+
+    def expert_entry(self, layer: MoELayer, expert: int, proj: str, kind: str) -> TensorEntry:
+        return self.tensors[layer.tensor_name(expert, proj, kind)]
+
+    def file_of(self, name: str) -> Path:
+        return self.root / self.weight_map[name]
+
+    # ---------------------------------------------------------------- everything else
+    def non_expert_tensors(self) -> list[TensorEntry]:
+        """Tensors that are not routed experts, in file then offset order (sequential reads)."""
+        rest = [e for name, e in self.tensors.items() if not UNDER_EXPERTS.match(name)]
+        return sorted(rest, key=lambda e: (e.path.name, e.begin))
+
+    def small_files(self) -> list[Path]:
+        """Files copied verbatim: config, tokenizer, generation config, licence... (not shards)."""
+        return sorted(p for p in self.root.iterdir()
+                      if p.is_file() and not p.name.startswith(".") and p.suffix != ".safetensors"
+                      and p.name != INDEX_NAME)
+
+    def expert_bytes(self) -> int:
+        return self.dims.bytes_per_expert() * self.dims.n_routed_experts * len(self.layers)
+
+    def source_record(self) -> dict[str, Any]:
+        """What identifies the source: path, every shard's size, and the index's hash."""
+        return {
+            "path": str(self.root.resolve()),
+            "files": {name: h.file_size for name, h in sorted(self.headers.items())},
+            "index_sha256": hashlib.sha256(self.index_bytes).hexdigest(),
+        }
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2,5'`` for short error messages."""
+    out, start = [], None
+    for i, v in enumerate(values):
+        if start is None:
+            start = v
+        if i + 1 == len(values) or values[i + 1] != v + 1:
+            out.append(f"{start}-{v}" if v != start else f"{v}")
+            start = None
+    return ",".join(out)

@@ -1,0 +1,300 @@
+"""The MegaMoE weight layout: the byte permutations DeepGEMM's fused kernel expects.
+
+Written from ``shared/docs/megamoe-layout.md`` (itself written from DeepGEMM's
+``transform_sf_into_required_layout`` / ``transform_weights_for_mega_moe`` and vLLM's
+``DeepseekV4MegaMoEExperts.finalize_weights``). Every function here only moves bytes:
+nothing is computed from values, so CPU and GPU produce identical output, and every step
+has an exact inverse.
+
+Names follow the spec: ``E`` expert slots, ``H`` hidden size, ``I`` intermediate size,
+``MN`` the row count of a matrix, ``K`` its reduction size. FP4 weights are packed two to
+a byte (``[N, K/2]``); UE8M0 scales are one byte per 32 K values (``[N, K/32]``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+#: Gate/up rows are interleaved in runs of this many rows (``_interleave_weights``).
+GATE_UP_GRANULARITY = 8
+#: The UTCCP scale transpose works on blocks of this many rows (4 x 32).
+UTCCP_BLOCK_ROWS = 128
+#: One UE8M0 scale byte covers this many K values (recipe ``(1, 32)``).
+SCALE_BLOCK_K = 32
+#: Scale bytes packed into one int32 word.
+SCALES_PER_WORD = 4
+#: TMA needs 16-byte aligned strides: 4 int32 words along MN.
+TMA_ALIGN_INT32 = 4
+#: H and I must be multiples of this (checked up front, as vLLM/DeepGEMM do).
+DIM_MULTIPLE = 128
+
+#: e2m1 code -> value; bit 3 is the sign. Nibble 2k is the low nibble of byte k.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class LayoutError(ValueError):
+    """Inputs that cannot be laid out (bad shape, dtype or dimension)."""
+
+
+class KernelWeights(NamedTuple):
+    """One GEMM's operands as the kernel takes them: ``(int8 weight, int32 MN-major scales)``."""
+
+    weight: torch.Tensor
+    sf: torch.Tensor
+
+
+# --------------------------------------------------------------------------------------
+# Checks
+# --------------------------------------------------------------------------------------
+
+def check_dims(hidden: int, intermediate: int) -> None:
+    """The spec's up-front requirement: ``H % 128 == 0`` and ``I % 128 == 0``."""
+    for name, value in (("hidden_size", hidden), ("moe_intermediate_size", intermediate)):
+        if value <= 0 or value % DIM_MULTIPLE:
+            raise LayoutError(f"{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
+
+
+def as_bytes(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """Reinterpret a 1-byte tensor (uint8, int8, float4_e2m1fn_x2, float8_e8m0fnu...) as uint8.
+
+    Never converts numerically: an e8m0 scale converted to float and back would lose the
+    exponent byte's meaning, so bytes are only ever viewed.
+    """
+    if t.element_size() != 1:
+        raise LayoutError(f"{name}: expected a 1-byte dtype (packed FP4 or UE8M0), got {t.dtype}")
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _expect_shape(t: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if tuple(t.shape) != shape:
+        raise LayoutError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+
+
+def expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """``(E, H, I)`` read off the packed weight shapes ``[E, 2I, H/2]`` and ``[E, H, I/2]``."""
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise LayoutError(f"w13/w2 must be 3-D [E, N, K/2], got {list(w13.shape)} and {list(w2.shape)}")
+    experts, two_i, half_h = w13.shape
+    return experts, half_h * 2, two_i // 2
+
+
+# --------------------------------------------------------------------------------------
+# Step 1: UE8M0 scale bytes -> packed int32, MN-major, TMA-aligned
+# --------------------------------------------------------------------------------------
+
+def widen_ue8m0_to_fp32(sf: torch.Tensor) -> torch.Tensor:
+    """What vLLM does before DeepGEMM: byte ``b`` becomes the FP32 whose bits are ``b << 23``."""
+    return (as_bytes(sf).to(torch.int32) << 23).view(torch.float32)
+
+
+def narrow_fp32_to_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """DeepGEMM's way back: the exponent bits ``bits >> 23``. Exact inverse of the widening."""
+    return (sf.view(torch.int32) >> 23).to(torch.uint8)
+
+
+def packed_k(k: int) -> int:
+    """Number of int32 words holding the ``K/32`` scale bytes of one row."""
+    return -(-(k // SCALE_BLOCK_K) // SCALES_PER_WORD)
+
+
+def tma_aligned_mn(mn: int) -> int:
+    """MN stride of an int32 scale tensor, rounded to 16 bytes."""
+    return -(-mn // TMA_ALIGN_INT32) * TMA_ALIGN_INT32
+
+
+def pack_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """``uint8 [E, MN, K/32]`` -> contiguous ``int32 [E, MN, packed_k]``.
+
+    Byte ``j`` of word ``q`` is ``sf[..., 4q + j]`` (little-endian); missing bytes are 0.
+    """
+    sf = as_bytes(sf, "scale")
+    blocks = sf.shape[-1]
+    pad = -blocks % SCALES_PER_WORD
+    if pad:
+        sf = torch.nn.functional.pad(sf, (0, pad))
+    return _bytes_as_little_endian_int32(sf.contiguous())
+
+
+def unpack_ue8m0(packed: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Inverse of :func:`pack_ue8m0`: ``int32 [E, MN, packed_k]`` -> ``uint8 [E, MN, blocks]``."""
+    return _int32_as_little_endian_bytes(packed.contiguous())[..., :blocks]
+
+
+def _bytes_as_little_endian_int32(b: torch.Tensor) -> torch.Tensor:
+    """Assemble words arithmetically, so the result is independent of the host's byte order."""
+    quads = b.reshape(*b.shape[:-1], -1, SCALES_PER_WORD).to(torch.int32)
+    return quads[..., 0] | (quads[..., 1] << 8) | (quads[..., 2] << 16) | (quads[..., 3] << 24)
+
+
+def _int32_as_little_endian_bytes(w: torch.Tensor) -> torch.Tensor:
+    shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=w.device)
+    quads = (w.unsqueeze(-1) >> shifts) & 0xFF
+    return quads.to(torch.uint8).reshape(*w.shape[:-1], -1)
+
+
+def to_mn_major(packed: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``int32 [E, MN, pk]`` -> the same values with strides ``(pk*MNa, 1, MNa)``.
+
+    Physically a contiguous ``[E, pk, MNa]`` array, transposed; rows ``MN..MNa-1`` are padding.
+    """
+    experts, mn, pk = packed.shape
+    mn_a = tma_aligned_mn(mn)
+    storage = torch.zeros((experts, pk, mn_a), dtype=torch.int32, device=packed.device)
+    storage[:, :, :mn] = packed.transpose(1, 2)
+    return storage.transpose(1, 2)[:, :mn, :]
+
+
+def sf_into_required_layout(sf: torch.Tensor) -> torch.Tensor:
+    """Step 1 whole: UE8M0 bytes -> packed, MN-major int32 (``transform_sf_into_required_layout``)."""
+    return to_mn_major(pack_ue8m0(sf))
+
+
+# --------------------------------------------------------------------------------------
+# Step 2: row permutations (gate/up interleave, UTCCP transpose)
+# --------------------------------------------------------------------------------------
+
+def interleave_gate_up(t: torch.Tensor, granularity: int = GATE_UP_GRANULARITY) -> torch.Tensor:
+    """Rows ``[gate | up]`` -> ``[gate 0..7, up 0..7, gate 8..15, up 8..15, ...]`` (dim 1).
+
+    Output row ``16b + j`` is gate row ``8b + j``; row ``16b + 8 + j`` is up row ``8b + j``.
+    Keeps the input's memory format (so MN-major scales stay MN-major).
+    """
+    experts, rows, *rest = t.shape
+    half = rows // 2
+    gate = t[:, :half].reshape(experts, half // granularity, granularity, *rest)
+    up = t[:, half:].reshape(experts, half // granularity, granularity, *rest)
+    interleaved = torch.stack([gate, up], dim=2).reshape(t.shape)
+    return torch.empty_like(t).copy_(interleaved)
+
+
+def deinterleave_gate_up(t: torch.Tensor, granularity: int = GATE_UP_GRANULARITY) -> torch.Tensor:
+    """Inverse of :func:`interleave_gate_up`."""
+    experts, rows, *rest = t.shape
+    pairs = t.reshape(experts, rows // (2 * granularity), 2, granularity, *rest)
+    separated = torch.cat([pairs[:, :, 0], pairs[:, :, 1]], dim=1).reshape(t.shape)
+    return torch.empty_like(t).copy_(separated)
+
+
+def transpose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
+    """Within each 128-row block, output row ``128c + 4j + i`` is input row ``128c + 32i + j``."""
+    experts, mn, pk = sf.shape
+    if mn % UTCCP_BLOCK_ROWS:
+        raise LayoutError(f"UTCCP transpose needs MN % {UTCCP_BLOCK_ROWS} == 0, got MN={mn}")
+    blocks = sf.reshape(experts, mn // UTCCP_BLOCK_ROWS, 4, 32, pk)
+    return torch.empty_like(sf).copy_(blocks.transpose(2, 3).reshape(sf.shape))
+
+
+def untranspose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`transpose_sf_for_utccp`."""
+    experts, mn, pk = sf.shape
+    blocks = sf.reshape(experts, mn // UTCCP_BLOCK_ROWS, 32, 4, pk)
+    return torch.empty_like(sf).copy_(blocks.transpose(2, 3).reshape(sf.shape))
+
+
+# --------------------------------------------------------------------------------------
+# The whole transform, as finalize_weights applies it
+# --------------------------------------------------------------------------------------
+
+def check_expert_tensors(w13: torch.Tensor, w13_sf: torch.Tensor,
+                         w2: torch.Tensor, w2_sf: torch.Tensor) -> tuple[int, int, int]:
+    """Validate the four per-rank inputs against each other; return ``(E, H, I)``."""
+    experts, hidden, inter = expert_dims(w13, w2)
+    check_dims(hidden, inter)
+    _expect_shape(w13, (experts, 2 * inter, hidden // 2), "w13")
+    _expect_shape(w13_sf, (experts, 2 * inter, hidden // SCALE_BLOCK_K), "w13_sf")
+    _expect_shape(w2, (experts, hidden, inter // 2), "w2")
+    _expect_shape(w2_sf, (experts, hidden, inter // SCALE_BLOCK_K), "w2_sf")
+    for name, t in (("w13", w13), ("w13_sf", w13_sf), ("w2", w2), ("w2_sf", w2_sf)):
+        as_bytes(t, name)
+    return experts, hidden, inter
+
+
+def transform_experts(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, w2_sf: torch.Tensor,
+                      ) -> tuple[KernelWeights, KernelWeights]:
+    """Per-rank checkpoint bytes -> ``(l1, l2)`` exactly as ``finalize_weights`` stores them.
+
+    Inputs: ``w13 [E,2I,H/2]`` (rows: w1 then w3), ``w13_sf [E,2I,H/32]``, ``w2 [E,H,I/2]``,
+    ``w2_sf [E,H,I/32]``, any 1-byte dtype. Outputs: ``l1 = (int8 [E,2I,H/2] contiguous,
+    int32 [E,2I,H/128] MN-major)``, ``l2 = (int8 [E,H,I/2], int32 [E,H,I/128] MN-major)``,
+    on the inputs' device.
+    """
+    check_expert_tensors(w13, w13_sf, w2, w2_sf)
+    l1_weight = interleave_gate_up(as_bytes(w13).view(torch.int8).contiguous())
+    l1_sf = transpose_sf_for_utccp(interleave_gate_up(sf_into_required_layout(w13_sf)))
+    l2_weight = as_bytes(w2).view(torch.int8).contiguous()
+    l2_sf = transpose_sf_for_utccp(sf_into_required_layout(w2_sf))
+    return KernelWeights(l1_weight, l1_sf), KernelWeights(l2_weight, l2_sf)
+
+
+def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Undo :func:`transform_experts`: back to uint8 ``(w13, w13_sf, w2, w2_sf)``."""
+    (l1_weight, l1_sf), (l2_weight, l2_sf) = l1, l2
+    _, hidden, inter = expert_dims(l1_weight, l2_weight)
+    w13 = deinterleave_gate_up(l1_weight.contiguous()).view(torch.uint8)
+    w13_sf = unpack_ue8m0(deinterleave_gate_up(untranspose_sf_for_utccp(l1_sf)), hidden // SCALE_BLOCK_K)
+    w2 = l2_weight.contiguous().view(torch.uint8)
+    w2_sf = unpack_ue8m0(untranspose_sf_for_utccp(l2_sf), inter // SCALE_BLOCK_K)
+    return w13, w13_sf, w2, w2_sf
+
+
+# --------------------------------------------------------------------------------------
+# Storage form: how an MN-major scale tensor lives in a file, and comes back with a view
+# --------------------------------------------------------------------------------------
+
+def sf_storage(sf: torch.Tensor) -> torch.Tensor:
+    """The contiguous ``[E, pk, MNa]`` array behind an MN-major scale tensor (a view, no copy)."""
+    storage = sf.transpose(1, 2)
+    if not storage.is_contiguous():
+        raise LayoutError(f"scale tensor with strides {sf.stride()} is not MN-major without padding")
+    return storage
+
+
+def sf_from_storage(storage: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`sf_storage`: the kernel's ``[E, MN, pk]`` MN-major view of the file bytes."""
+    return storage.transpose(1, 2)
+
+
+def kernel_strides(experts: int, mn: int, k: int) -> dict[str, tuple[int, ...]]:
+    """Expected ``(shape, stride)`` of the weight and scale tensors of one GEMM, for checks."""
+    pk, mn_a = packed_k(k), tma_aligned_mn(mn)
+    return {
+        "weight_shape": (experts, mn, k // 2), "weight_stride": (mn * k // 2, k // 2, 1),
+        "sf_shape": (experts, mn, pk), "sf_stride": (pk * mn_a, 1, mn_a),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# Dequantisation (FP4 e2m1 x UE8M0 -> float), of both forms
+# --------------------------------------------------------------------------------------
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """``uint8 [..., K/2]`` -> e2m1 codes ``uint8 [..., K]``; element ``2k`` is the low nibble."""
+    packed = as_bytes(packed, "fp4 weight")
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+def dequantize_fp4(packed: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Checkpoint form ``w [..., N, K/2]`` and ``sf [..., N, K/32]`` -> ``[..., N, K]`` values.
+
+    Exact in float32 (and in bf16 whenever the scaled value fits its 8-bit exponent).
+    """
+    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    values = table[unpack_fp4(packed).long()]
+    scale = widen_ue8m0_to_fp32(sf).repeat_interleave(SCALE_BLOCK_K, dim=-1)
+    return (values * scale).to(dtype)
+
+
+def dequantize_checkpoint(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, w2_sf: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-rank checkpoint form -> ``(w13 [E, 2I, H], w2 [E, H, I])`` dense matrices."""
+    return dequantize_fp4(w13, w13_sf, dtype), dequantize_fp4(w2, w2_sf, dtype)
+
+
+def dequantize_transformed(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
+                           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel form -> the same ``(w13, w2)`` dense matrices (undo the permutations first)."""
+    return dequantize_checkpoint(*inverse_transform_experts(l1, l2), dtype=dtype)

@@ -1,0 +1,133 @@
+"""Which logical expert each physical slot of each expert-parallel rank holds.
+
+vLLM's default (``_map_global_expert_id``): ``n_physical = n_routed + num_redundant`` slots,
+split evenly over ``ep_size`` ranks (rank ``r`` owns ``[r*L, (r+1)*L)``), and physical slot
+``p`` holds logical expert ``p % n_routed``. An explicit placement (e.g. from EPLB load
+statistics) is a list of logical ids, one per physical slot.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class PlacementError(ValueError):
+    """An impossible or inconsistent expert placement."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The logical expert id of every physical slot, and how slots split over ranks."""
+
+    n_logical: int
+    ep_size: int
+    physical_to_logical: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        n_physical = len(self.physical_to_logical)
+        if self.ep_size <= 0:
+            raise PlacementError(f"ep_size must be positive, got {self.ep_size}")
+        if n_physical % self.ep_size:
+            raise PlacementError(f"{n_physical} physical experts do not divide over ep_size={self.ep_size} "
+                                 f"(n_routed + num_redundant must be a multiple of the EP size)")
+        bad = [x for x in self.physical_to_logical if not 0 <= x < self.n_logical]
+        if bad:
+            raise PlacementError(f"logical expert id {bad[0]} out of range [0, {self.n_logical})")
+        missing = sorted(set(range(self.n_logical)) - set(self.physical_to_logical))
+        if missing:
+            raise PlacementError(f"logical experts {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
+                                 f"physical slot ({len(missing)} of {self.n_logical} missing)")
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def default(cls, n_logical: int, ep_size: int, num_redundant: int = 0) -> "Placement":
+        """vLLM's default placement: slot ``p`` holds ``p % n_logical``."""
+        if n_logical <= 0 or num_redundant < 0:
+            raise PlacementError(f"need n_routed > 0 and num_redundant >= 0, got {n_logical} and {num_redundant}")
+        n_physical = n_logical + num_redundant
+        if ep_size <= 0 or n_physical % ep_size:
+            raise PlacementError(f"n_routed_experts ({n_logical}) + num_redundant_experts ({num_redundant}) = "
+                                 f"{n_physical} is not divisible by ep_size={ep_size}")
+        return cls(n_logical, ep_size, tuple(p % n_logical for p in range(n_physical)))
+
+    @classmethod
+    def from_list(cls, ids: Sequence[Any], n_logical: int, ep_size: int, source: str = "placement") -> "Placement":
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+            raise PlacementError(f"{source}: expected a JSON list of integer logical expert ids, one per physical slot")
+        try:
+            return cls(n_logical, ep_size, tuple(ids))
+        except PlacementError as e:
+            raise PlacementError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: Path, n_logical: int, ep_size: int) -> "Placement":
+        """Read ``[l0, l1, ...]`` or ``{"physical_to_logical": [...]}`` from a JSON file."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlacementError(f"{path}: placement file not found") from None
+        except (OSError, ValueError) as e:
+            raise PlacementError(f"{path}: unreadable placement file ({e})") from None
+        if isinstance(data, dict):
+            data = data.get("physical_to_logical")
+        return cls.from_list(data, n_logical, ep_size, source=str(path))
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def n_physical(self) -> int:
+        return len(self.physical_to_logical)
+
+    @property
+    def num_redundant(self) -> int:
+        return self.n_physical - self.n_logical
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.n_physical // self.ep_size
+
+    def experts_start(self, rank: int) -> int:
+        """First physical slot of ``rank`` (vLLM's ``experts_start_idx``)."""
+        self.check_rank(rank)
+        return rank * self.experts_per_rank
+
+    def rank_logical_ids(self, rank: int) -> tuple[int, ...]:
+        """Logical expert held by each local slot of ``rank``, in slot order."""
+        start = self.experts_start(rank)
+        return self.physical_to_logical[start:start + self.experts_per_rank]
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.ep_size:
+            raise PlacementError(f"rank {rank} out of range for ep_size={self.ep_size} (valid: 0..{self.ep_size - 1})")
+
+    def is_default(self) -> bool:
+        return self == Placement.default(self.n_logical, self.ep_size, self.num_redundant)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n_logical": self.n_logical, "ep_size": self.ep_size, "num_redundant": self.num_redundant,
+                "experts_per_rank": self.experts_per_rank, "default": self.is_default(),
+                "physical_to_logical": list(self.physical_to_logical)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Placement":
+        return cls(int(data["n_logical"]), int(data["ep_size"]), tuple(int(x) for x in data["physical_to_logical"]))
+
+
+def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
+    """``"0,3-5"`` -> ``[0, 3, 4, 5]``; ``None`` -> every rank. Out-of-range ranks are errors."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(range(ep_size))
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        try:
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise PlacementError(f"--ranks: cannot parse {part!r} (expected e.g. 0,3-5)") from None
+        if first > last or first < 0 or last >= ep_size:
+            raise PlacementError(f"--ranks: {part!r} is outside 0..{ep_size - 1} for ep_size={ep_size}")
+        ranks.update(range(first, last + 1))
+    return sorted(ranks)

@@ -1,0 +1,222 @@
+"""Raw, streaming access to safetensors files.
+
+The ``safetensors`` library reads whole tensors and writes whole files from memory. The
+converter needs less and more: byte ranges of tensors whose dtype it only reinterprets
+(F4, F8_E8M0, I8, U8 all become bytes), and output files written chunk by chunk with
+bounded memory. The file format is tiny (8-byte length, JSON header, raw data), so this
+module reads and writes it directly and the library stays the independent cross-check in
+tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+#: Bytes per element of each safetensors dtype (F4 packs two elements per byte).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+TORCH_DTYPES: dict[torch.dtype, str] = {torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32",
+                                        torch.float32: "F32", torch.bfloat16: "BF16"}
+
+#: A header larger than this is not a model shard (guards against a corrupted length).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: Data of files we write starts at this alignment (page-aligned mmap, direct I/O friendly).
+DATA_ALIGNMENT = 4096
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a well-formed safetensors file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes live: absolute ``[begin, end)`` in ``path``."""
+
+    name: str
+    path: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def byte_shape(self) -> tuple[int, ...]:
+        """Shape of the same bytes viewed as uint8 (F4's last dim counts elements, not bytes)."""
+        bits = DTYPE_BITS[self.dtype]
+        if not self.shape:
+            return (self.nbytes,)
+        last = self.shape[-1] * bits
+        if last % 8:
+            raise SafetensorsError(f"{self.path.name}: {self.name}: last dim {self.shape[-1]} of {self.dtype} "
+                                   "does not fill whole bytes")
+        return (*self.shape[:-1], last // 8)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: Path
+    data_start: int
+    file_size: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str]
+
+
+def read_header(path: Path) -> SafetensorsHeader:
+    """Parse and validate a safetensors header; every error names the file."""
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise SafetensorsError(f"{path}: truncated safetensors file ({file_size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > min(MAX_HEADER_BYTES, file_size - 8):
+                raise SafetensorsError(f"{path}: corrupted safetensors header (declares {header_len} header bytes "
+                                       f"in a {file_size}-byte file)")
+            raw = f.read(header_len)
+    except OSError as e:
+        raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SafetensorsError(f"{path}: corrupted safetensors header ({e})") from None
+    data_start = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {name: _parse_entry(path, name, spec, data_start) for name, spec in header.items()}
+    _check_coverage(path, tensors, data_start, file_size)
+    return SafetensorsHeader(path, data_start, file_size, tensors, metadata)
+
+
+def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEntry:
+    try:
+        dtype, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
+        begin, end = int(begin), int(end)
+    except (KeyError, TypeError, ValueError):
+        raise SafetensorsError(f"{path}: corrupted safetensors header entry for {name!r}") from None
+    if dtype not in DTYPE_BITS:
+        raise SafetensorsError(f"{path}: {name}: unknown dtype {dtype!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if any(d < 0 for d in shape) or end < begin or (numel * DTYPE_BITS[dtype] + 7) // 8 != end - begin:
+        raise SafetensorsError(f"{path}: {name}: data_offsets [{begin}, {end}) do not match {dtype}{list(shape)}")
+    return TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
+
+
+def _check_coverage(path: Path, tensors: dict[str, TensorEntry], data_start: int, file_size: int) -> None:
+    """Tensors must tile the data area without overlap, and the file must hold all of it."""
+    cursor = data_start
+    for entry in sorted(tensors.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin != cursor:
+            raise SafetensorsError(f"{path}: corrupted safetensors header ({entry.name} starts at "
+                                   f"{entry.begin - data_start}, expected {cursor - data_start})")
+        cursor = entry.end
+    if cursor > file_size:
+        raise SafetensorsError(f"{path}: truncated: header needs {cursor} bytes, file has {file_size}")
+    if cursor < file_size:
+        raise SafetensorsError(f"{path}: {file_size - cursor} unexpected bytes after the last tensor")
+
+
+# --------------------------------------------------------------------------------------
+# Reading bytes
+# --------------------------------------------------------------------------------------
+
+def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
+    """Fill a contiguous CPU tensor with file bytes at ``offset`` (``preadv``, GIL released)."""
+    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise SafetensorsError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+class FileCache:
+    """Opened file descriptors shared by readers (opening thousands of times is not free)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
+        return fd
+
+    def read(self, entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's raw bytes as ``uint8`` of :attr:`TensorEntry.byte_shape`."""
+        if out is None:
+            out = torch.empty(entry.byte_shape, dtype=torch.uint8)
+        if out.numel() != entry.nbytes:
+            raise SafetensorsError(f"{entry.name}: buffer of {out.numel()} bytes for {entry.nbytes}")
+        read_into(self.fd(entry.path), entry.begin, out)
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "FileCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: its name, safetensors dtype, shape and size in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None = None,
+                  alignment: int = DATA_ALIGNMENT) -> bytes:
+    """The header bytes (length prefix included) for tensors laid out in the order given.
+
+    The JSON is padded with spaces (as the format allows) so the data starts aligned.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    body = json.dumps(header, separators=(",", ":")).encode()
+    padded = -(-(8 + len(body)) // alignment) * alignment - 8
+    return struct.pack("<Q", padded) + body + b" " * (padded - len(body))
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes in memory order (moved to the CPU and made contiguous if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())

@@ -1,0 +1,177 @@
+"""Synthetic DeepSeek-V4-format checkpoints with random bytes, for tests, demos and benchmarks.
+
+The files look like a released checkpoint where it matters to the converter: the real
+tensor names (no ``model.`` prefix, ``mtp.{k}.`` for MTP blocks), FP4 experts with
+``float8_e8m0fnu`` scales, FP8 shared experts with float scales, and shards cut by size,
+not by layer, so one layer's experts span several files. Generation streams tensor by
+tensor: a checkpoint larger than memory can be written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from .checkpoint import CONFIG_NAME, INDEX_NAME, MoELayer
+from .layout import SCALE_BLOCK_K, check_dims
+from .safetensors_io import DTYPE_BITS, TensorSpec
+from .writer import write_json_atomic, write_safetensors
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS = ("tiny", "flash", "pro")
+
+#: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
+SCALE_BYTE_RANGE = (110, 136)
+
+WEIGHT_DTYPES = {"int8": "I8", "uint8": "U8", "float4": "F4"}
+SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8"}
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """A preset's ``config.json`` fields, from ``configs/{name}.json`` (or a path to a JSON file)."""
+    path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {name!r}: no {path} (presets: {', '.join(PRESETS)})")
+    return json.loads(path.read_text())
+
+
+@dataclass(frozen=True)
+class SynthTensor:
+    """One tensor to generate: name, dtype, logical shape, and how its bytes are drawn."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    fill: str = "random"  # "random" bytes, "scale" bytes in SCALE_BYTE_RANGE, or "ones" (bf16 1.0)
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return (numel * DTYPE_BITS[self.dtype] + 7) // 8
+
+    def spec(self) -> TensorSpec:
+        return TensorSpec(self.name, self.dtype, self.shape, self.nbytes)
+
+
+def _expert_tensors(layer: MoELayer, config: dict[str, Any], weight_dtype: str, scale_dtype: str) -> Iterator[SynthTensor]:
+    h, i = config["hidden_size"], config["moe_intermediate_size"]
+    fp4_cols = 2 if weight_dtype == "F4" else 1  # safetensors counts F4 shapes in elements
+    shapes = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+    for e in range(config["n_routed_experts"]):
+        for proj in ("w1", "w2", "w3"):
+            n, k = shapes[proj]
+            yield SynthTensor(layer.tensor_name(e, proj, "weight"), weight_dtype, (n, k // 2 * fp4_cols))
+            yield SynthTensor(layer.tensor_name(e, proj, "scale"), scale_dtype, (n, k // SCALE_BLOCK_K), "scale")
+
+
+def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool) -> Iterator[SynthTensor]:
+    """Non-expert tensors of one block: norms, attention, router, FP8 shared experts."""
+    h, i = config["hidden_size"], config["moe_intermediate_size"]
+    q_lora, kv = config.get("q_lora_rank", 128), config.get("head_dim", 128)
+    yield SynthTensor(f"{key}.attn_norm.weight", "BF16", (h,), "ones")
+    yield SynthTensor(f"{key}.attn.wq_a.weight", "F8_E4M3", (q_lora, h))
+    yield SynthTensor(f"{key}.attn.wq_a.scale", "F32", (-(-q_lora // 128), h // 128))
+    yield SynthTensor(f"{key}.attn.wkv.weight", "F8_E4M3", (kv, h))
+    yield SynthTensor(f"{key}.attn.wkv.scale", "F32", (-(-kv // 128), h // 128))
+    yield SynthTensor(f"{key}.attn.wo.weight", "BF16", (h, kv))
+    yield SynthTensor(f"{key}.ffn_norm.weight", "BF16", (h,), "ones")
+    n_routed = config["n_routed_experts"]
+    if not is_mtp and layer_index < config.get("num_hash_layers", 0):
+        yield SynthTensor(f"{key}.ffn.gate.tid2eid", "I32", (config["vocab_size"], config["num_experts_per_tok"]))
+    else:
+        yield SynthTensor(f"{key}.ffn.gate.weight", "BF16", (n_routed, h))
+        yield SynthTensor(f"{key}.ffn.gate.bias", "F32", (n_routed,))
+    shared_i = i * config.get("n_shared_experts", 1)
+    for proj, (n, k) in (("w1", (shared_i, h)), ("w2", (h, shared_i)), ("w3", (shared_i, h))):
+        yield SynthTensor(f"{key}.ffn.shared_experts.{proj}.weight", "F8_E4M3", (n, k))
+        yield SynthTensor(f"{key}.ffn.shared_experts.{proj}.scale", "F32", (-(-n // 128), -(-k // 128)))
+
+
+def checkpoint_tensors(config: dict[str, Any], weight_dtype: str = "I8", scale_dtype: str = "F8_E8M0",
+                       ) -> Iterator[SynthTensor]:
+    """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head)."""
+    h = config["hidden_size"]
+    yield SynthTensor("embed.weight", "BF16", (config["vocab_size"], h))
+    for index in range(config["num_hidden_layers"]):
+        yield from _block_tensors(f"layers.{index}", index, config, is_mtp=False)
+        yield from _expert_tensors(MoELayer(False, index), config, weight_dtype, scale_dtype)
+    for index in range(config.get("num_nextn_predict_layers", 0)):
+        key = f"mtp.{index}"
+        yield SynthTensor(f"{key}.e_proj.weight", "BF16", (h, h))
+        yield SynthTensor(f"{key}.h_proj.weight", "BF16", (h, h))
+        yield SynthTensor(f"{key}.enorm.weight", "BF16", (h,), "ones")
+        yield SynthTensor(f"{key}.hnorm.weight", "BF16", (h,), "ones")
+        yield from _block_tensors(key, index, config, is_mtp=True)
+        yield from _expert_tensors(MoELayer(True, index), config, weight_dtype, scale_dtype)
+    yield SynthTensor("norm.weight", "BF16", (h,), "ones")
+    yield SynthTensor("head.weight", "BF16", (config["vocab_size"], h))
+
+
+def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
+    if t.fill == "scale":
+        return rng.integers(*SCALE_BYTE_RANGE, size=t.nbytes, dtype=np.uint8).tobytes()
+    if t.fill == "ones":
+        return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
+    return rng.bytes(t.nbytes)
+
+
+def _shards(tensors: list[SynthTensor], shard_bytes: int) -> list[list[SynthTensor]]:
+    """Cut the tensor sequence by size (as releases do), never by layer."""
+    shards: list[list[SynthTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, experts: int | None = None,
+               mtp_layers: int | None = None, seed: int = 0, weight_dtype: str = "int8", scale_dtype: str = "e8m0",
+               shard_bytes: int | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config."""
+    config = dict(load_preset(preset))
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        config["num_hash_layers"] = min(config.get("num_hash_layers", 0), layers)
+    if experts is not None:
+        config["n_routed_experts"] = experts
+        config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
+    if mtp_layers is not None:
+        config["num_nextn_predict_layers"] = mtp_layers
+    check_dims(config["hidden_size"], config["moe_intermediate_size"])
+    tensors = list(checkpoint_tensors(config, WEIGHT_DTYPES[weight_dtype], SCALE_DTYPES[scale_dtype]))
+    if shard_bytes is None:
+        layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
+        shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))
+    shards = _shards(tensors, shard_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        rng = np.random.default_rng([seed, number])
+        chunks = (_tensor_bytes(t, rng) for t in shard)
+        write_safetensors(out / filename, out, [t.spec() for t in shard], _reporting(chunks, progress),
+                          metadata={"format": "pt"}, fsync=False)
+        weight_map.update({t.name: filename for t in shard})
+    total = sum(t.nbytes for t in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_json_atomic(out / INDEX_NAME, json.dumps(index, indent=2), fsync=False)
+    write_json_atomic(out / CONFIG_NAME, json.dumps(config, indent=2), fsync=False)
+    (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, "synthetic": True}))
+    return config
+
+
+def _reporting(chunks: Iterator[bytes], progress: Callable[[int], None] | None) -> Iterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+        if progress:
+            progress(len(chunk))

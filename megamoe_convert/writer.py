@@ -1,0 +1,132 @@
+"""Atomic, checksummed output files.
+
+Every output file is written under a hidden temporary name in its final directory,
+checksummed while it is written, flushed to disk and only then renamed into place: a
+reader sees either nothing or the complete file, never a prefix of it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import xxhash
+
+from .safetensors_io import TensorSpec, encode_header, tensor_bytes
+
+CHECKSUM_ALGORITHM = "xxh3_128"
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A finished output file, as the manifest lists it (path relative to the output root)."""
+
+    path: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"path": self.path, "size": self.size, "checksum": self.checksum}
+
+
+def new_hasher() -> "xxhash.xxh3_128":
+    return xxhash.xxh3_128()
+
+
+def file_checksum(path: Path, chunk_bytes: int = 16 << 20) -> str:
+    """Checksum of a whole file, read in large chunks (the hash runs at memory speed)."""
+    hasher = new_hasher()
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
+
+
+def partial_path(final: Path) -> Path:
+    """The hidden temporary name a file is written under before its rename."""
+    return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+class AtomicWriter:
+    """Write a file sequentially under a temporary name; :meth:`commit` renames it into place."""
+
+    def __init__(self, final: Path, root: Path, fsync: bool = True) -> None:
+        self.final = final
+        self.root = root
+        self.fsync = fsync
+        self.tmp = partial_path(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._hasher = new_hasher()
+        self.size = 0
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        self.size += len(view)
+
+    def commit(self) -> FileRecord:
+        if self.fsync:
+            os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self.tmp, self.final)
+        if self.fsync:
+            fsync_dir(self.final.parent)
+        return FileRecord(self.final.relative_to(self.root).as_posix(), self.size, self._hasher.hexdigest())
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "AtomicWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._fd >= 0:
+            self.abort()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable: fsync the directory that holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(final: Path, root: Path, specs: list[TensorSpec], chunks: Iterable[torch.Tensor | memoryview],
+                      metadata: dict[str, str] | None = None, fsync: bool = True) -> FileRecord:
+    """Stream a safetensors file: header from ``specs``, then the data ``chunks`` in order.
+
+    The chunks must add up to exactly the bytes the specs declare; anything else aborts
+    the file (a short or long file must never be renamed into place).
+    """
+    expected = sum(s.nbytes for s in specs)
+    with AtomicWriter(final, root, fsync=fsync) as out:
+        header = encode_header(specs, metadata)
+        out.write(header)
+        for chunk in chunks:
+            out.write(tensor_bytes(chunk) if isinstance(chunk, torch.Tensor) else chunk)
+        if out.size - len(header) != expected:
+            raise RuntimeError(f"{final}: wrote {out.size - len(header)} data bytes, header declares {expected}")
+        return out.commit()
+
+
+def write_json_atomic(final: Path, text: str, fsync: bool = True) -> None:
+    """Small JSON files (manifest, index, state) get the same temp-then-rename treatment."""
+    with AtomicWriter(final, final.parent, fsync=fsync) as out:
+        out.write(text.encode())
+        out.commit()
