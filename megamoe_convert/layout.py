@@ -222,11 +222,31 @@ def transform_experts(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor,
     on the inputs' device.
     """
     check_expert_tensors(w13, w13_sf, w2, w2_sf)
-    l1_weight = interleave_gate_up(as_bytes(w13).view(torch.int8).contiguous())
-    l1_sf = transpose_sf_for_utccp(interleave_gate_up(sf_into_required_layout(w13_sf)))
-    l2_weight = as_bytes(w2).view(torch.int8).contiguous()
-    l2_sf = transpose_sf_for_utccp(sf_into_required_layout(w2_sf))
-    return KernelWeights(l1_weight, l1_sf), KernelWeights(l2_weight, l2_sf)
+    return (KernelWeights(l1_weight(w13), l1_sf(w13_sf)),
+            KernelWeights(l2_weight(w2), l2_sf(w2_sf)))
+
+
+# Each output depends on one input only, so a converter can produce them one at a time,
+# in file order, for any subset of experts.
+
+def l1_weight(w13: torch.Tensor) -> torch.Tensor:
+    """L1 weight: gate/up row interleave of the packed FP4 bytes."""
+    return interleave_gate_up(as_bytes(w13).view(torch.int8).contiguous())
+
+
+def l1_sf(w13_sf: torch.Tensor) -> torch.Tensor:
+    """L1 scales: packed MN-major, gate/up interleave, then the UTCCP transpose."""
+    return transpose_sf_for_utccp(interleave_gate_up(sf_into_required_layout(w13_sf)))
+
+
+def l2_weight(w2: torch.Tensor) -> torch.Tensor:
+    """L2 weight: unchanged bytes."""
+    return as_bytes(w2).view(torch.int8).contiguous()
+
+
+def l2_sf(w2_sf: torch.Tensor) -> torch.Tensor:
+    """L2 scales: packed MN-major, then the UTCCP transpose."""
+    return transpose_sf_for_utccp(sf_into_required_layout(w2_sf))
 
 
 def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],

@@ -1,0 +1,30 @@
+# Two entry points, each doing all set-up on a fresh machine (a local venv in .venv):
+#   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load a rank
+#   make test   run the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(STAMP)
+	rm -rf demo-out
+	$(VENV)/bin/megamoe synth demo-out/checkpoint --preset tiny
+	$(VENV)/bin/megamoe inspect demo-out/checkpoint --ep-size 4
+	$(VENV)/bin/megamoe convert demo-out/checkpoint demo-out/converted --ep-size 4 --num-redundant-experts 4
+	$(PY) -m megamoe_convert.demo demo-out/converted
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_convert.py --quick
+
+clean:
+	rm -rf demo-out $(VENV)

@@ -1,0 +1,284 @@
+"""The ``megamoe`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.table import Table
+
+from . import __version__
+from .ui import ByteProgress, err_console, human_bytes, out_console
+
+app = typer.Typer(
+    name="megamoe",
+    help="Pre-bake DeepSeek-V4 MoE experts into DeepGEMM's MegaMoE per-rank layout, offline, "
+         "so that vLLM ranks load them with no transform work.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from .checkpoint import CheckpointError
+    from .convert import ConvertError
+    from .layout import LayoutError
+    from .loader import LoadError
+    from .manifest import ManifestError
+    from .placement import PlacementError
+    from .safetensors_io import SafetensorsError
+    return (CheckpointError, ConvertError, LayoutError, LoadError, ManifestError, PlacementError,
+            SafetensorsError, OSError)
+
+
+def run_command(body: Callable[[], Any]) -> Any:
+    """Run a command body; expected failures become one line on stderr and exit code 2."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        err_console.print("[red]interrupted[/red]: rerun the same command to resume")
+        raise typer.Exit(130) from None
+    except _known_errors() as e:
+        if _state["debug"]:
+            raise
+        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
+        print(f"error: {message}", file=sys.stderr)
+        raise typer.Exit(2) from None
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+@app.callback()
+def main_options(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+) -> None:
+    _state["debug"] = debug
+    if version:
+        print(f"megamoe-convert {__version__}")
+        raise typer.Exit(0)
+
+
+# --------------------------------------------------------------------------------------
+# synth
+# --------------------------------------------------------------------------------------
+
+class Preset(str, Enum):
+    tiny = "tiny"
+    flash = "flash"
+    pro = "pro"
+
+
+class WeightDtype(str, Enum):
+    int8 = "int8"
+    uint8 = "uint8"
+    float4 = "float4"
+
+
+class ScaleDtype(str, Enum):
+    e8m0 = "e8m0"
+    uint8 = "uint8"
+
+
+@app.command()
+def synth(
+    out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
+    preset: Annotated[Preset, typer.Option(help="Model dimensions: tiny (tests), flash/pro (real DeepSeek-V4 "
+                                                "dims, cut down with --layers/--experts).")] = Preset.tiny,
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: the preset's).")] = None,
+    experts: Annotated[Optional[int], typer.Option(help="Routed experts per layer (default: the preset's).")] = None,
+    mtp_layers: Annotated[Optional[int], typer.Option(help="MTP blocks (default: the preset's).")] = None,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same bytes).")] = 0,
+    weight_dtype: Annotated[WeightDtype, typer.Option(help="Stored dtype of packed FP4 expert weights.")] = WeightDtype.int8,
+    scale_dtype: Annotated[ScaleDtype, typer.Option(help="Stored dtype of UE8M0 expert scales.")] = ScaleDtype.e8m0,
+    shard_mb: Annotated[Optional[float], typer.Option(help="Shard size in MB (default: 0.4 of a layer's "
+                                                           "experts, so layers span shards).")] = None,
+) -> None:
+    """Write a random DeepSeek-V4-format checkpoint (real tensor names, FP4 experts, size-cut shards)."""
+    from .synth import synthesize
+
+    def body() -> None:
+        with ByteProgress(f"synth {preset.value}") as progress:
+            progress.start(0, 0)
+            config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
+                                weight_dtype=weight_dtype.value, scale_dtype=scale_dtype.value,
+                                shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
+                                progress=lambda n: progress.advance(n, "", False))
+        err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"
+                          f" MTP, {config['n_routed_experts']} experts, H={config['hidden_size']}, "
+                          f"I={config['moe_intermediate_size']})")
+    run_command(body)
+
+
+# --------------------------------------------------------------------------------------
+# inspect / plan
+# --------------------------------------------------------------------------------------
+
+@app.command()
+def inspect(
+    src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    ep_size: Annotated[int, typer.Option(help="EP size used for the bytes-per-rank column.")] = 8,
+    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+) -> None:
+    """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank."""
+    from .checkpoint import Checkpoint
+    from .placement import Placement
+
+    def body() -> None:
+        ckpt = Checkpoint.open(resolve_source(src))
+        placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
+        per_expert = ckpt.dims.bytes_per_expert()
+        first = ckpt.layers[0]
+        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
+        summary = {
+            "path": str(ckpt.root), "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
+            "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
+            "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
+            "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
+            "ep_size": ep_size, "experts_per_rank": placement.experts_per_rank,
+            "expert_bytes_per_rank": per_expert * placement.experts_per_rank * len(ckpt.layers),
+        }
+        if as_json:
+            print_json(summary)
+            return
+        table = Table(title=f"{ckpt.root}", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        d = ckpt.dims
+        table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
+        table.add_row("routed experts", str(d.n_routed_experts))
+        decoder = [l for l in ckpt.layers if not l.is_mtp]
+        table.add_row("MoE layers", f"{len(decoder)} decoder + {len(summary['mtp_layers'])} MTP")
+        table.add_row("expert dtypes", ", ".join(f"{k}={v}" for k, v in dtypes.items()))
+        table.add_row("shards / tensors", f"{summary['shards']} / {summary['tensors']}")
+        table.add_row("expert bytes", human_bytes(summary["expert_bytes"]))
+        table.add_row("non-expert bytes", human_bytes(summary["non_expert_bytes"]))
+        table.add_row(f"expert bytes per rank (EP {ep_size})",
+                      f"{human_bytes(summary['expert_bytes_per_rank'])} ({placement.experts_per_rank} slots/layer)")
+        out_console.print(table)
+    run_command(body)
+
+
+@app.command()
+def plan(
+    src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    ep_size: Annotated[int, typer.Option(help="Expert-parallel size (number of ranks).")],
+    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB).")] = 0,
+    placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
+                                                                             "every physical slot.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
+) -> None:
+    """Print which logical experts every rank's slots hold."""
+    from .checkpoint import Checkpoint
+    from .convert import ConvertOptions, make_placement
+
+    def body() -> None:
+        ckpt = Checkpoint.open(resolve_source(src))
+        placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file))
+        if as_json:
+            print_json(placement.to_json())
+            return
+        table = Table(title=f"EP {ep_size}: {placement.n_physical} physical slots for {placement.n_logical} logical "
+                            f"experts ({placement.experts_per_rank} per rank)")
+        for col in ("rank", "physical slots", "logical experts"):
+            table.add_column(col)
+        for rank in range(ep_size):
+            start = placement.experts_start(rank)
+            table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
+                          _short_list(placement.rank_logical_ids(rank)))
+        out_console.print(table)
+    run_command(body)
+
+
+def _short_list(ids: tuple[int, ...]) -> str:
+    text = ", ".join(map(str, ids))
+    return text if len(text) < 80 else text[:76] + " ..."
+
+
+def resolve_source(src: str) -> Path:
+    """A local directory (hub repo ids are resolved by :mod:`.hub` where available)."""
+    path = Path(src)
+    if path.exists():
+        return path
+    try:
+        from .hub import resolve_source as hub_resolve
+    except ImportError:
+        return path
+    return hub_resolve(src)
+
+
+# --------------------------------------------------------------------------------------
+# convert
+# --------------------------------------------------------------------------------------
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index).")],
+    out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
+    ep_size: Annotated[int, typer.Option(help="Expert-parallel size the model will be served with.")],
+    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB); n_routed + this must "
+                                                            "divide by --ep-size.")] = 0,
+    placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
+                                                                             "every physical slot.")] = None,
+    device: Annotated[Device, typer.Option(help="Where the layout transform runs (same bytes either way).")] = Device.cpu,
+    workers: Annotated[int, typer.Option(help="Parallel files in flight (0: one per core, at most 8).")] = 0,
+    ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: all).")] = None,
+    experts_only: Annotated[bool, typer.Option(help="Skip copying the non-expert tensors.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an OUT made with different options.")] = False,
+    chunk_mb: Annotated[int, typer.Option(help="Experts read and transformed per step, in MB (bounds memory).")] = 256,
+    no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
+                                                              "crash-durable on power loss).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+) -> None:
+    """Convert a checkpoint into per-rank MegaMoE shards, non-expert shards and manifest.json.
+
+    Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
+    manifest last) and resumable: rerun the same command after a crash or Ctrl-C.
+    """
+    from .convert import ConvertOptions, convert as run_convert
+
+    options = ConvertOptions(ep_size=ep_size, num_redundant_experts=num_redundant_experts,
+                             placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
+                             layers=layers, experts_only=experts_only, overwrite=overwrite,
+                             chunk_bytes=chunk_mb << 20, fsync=not no_fsync)
+
+    def body() -> None:
+        with ByteProgress("convert", quiet=False) as progress:
+            summary = run_convert(resolve_source(src), out, options, progress)
+        data = summary.to_json()
+        if as_json:
+            print_json(data)
+        else:
+            err_console.print(f"[green]done[/green]: {out} ({data['files_written']} files written, "
+                              f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "
+                              f"{data['seconds']:.1f} s)")
+    run_command(body)
+
+
+# Commands that live in modules of their own (one concept each).
+from . import cli_fleet, cli_verify  # noqa: E402
+
+cli_verify.register(app, run_command, print_json)
+cli_fleet.register(app, run_command, print_json)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

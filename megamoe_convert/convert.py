@@ -1,0 +1,489 @@
+"""``megamoe convert``: a checkpoint -> per-rank MegaMoE shards + non-expert shards + manifest.
+
+The job is a list of *units*, each producing exactly one output file: a small file copy,
+a non-expert shard, or one rank's shard of one MoE layer. Units run on a thread pool
+(file I/O and torch kernels release the GIL); each streams its file in order, in chunks
+of a few experts, so memory is bounded by ``workers x chunk`` whatever the checkpoint
+size. Every file is written to a hidden temporary name and renamed when complete, then
+recorded in a journal; a rerun skips journaled files whose size and checksum still match.
+The manifest is written last and removed first: a directory without one is unfinished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+from filelock import FileLock, Timeout
+
+from . import layout
+from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
+from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
+                       rank_file)
+from .placement import Placement, PlacementError, parse_ranks
+from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into
+from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, write_json_atomic,
+                     write_safetensors)
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+NON_EXPERT_SHARD_BYTES = 4 << 30
+COPY_CHUNK_BYTES = 64 << 20
+
+
+class ConvertError(RuntimeError):
+    """A conversion that cannot start or continue (bad options, busy or foreign OUT)."""
+
+
+class Cancelled(ConvertError):
+    pass
+
+
+# --------------------------------------------------------------------------------------
+# Options and plan
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class ConvertOptions:
+    ep_size: int
+    num_redundant_experts: int = 0
+    placement_file: Path | None = None
+    device: str = "cpu"
+    workers: int = 0  # 0: one per CPU core, at most 8
+    ranks: str | None = None
+    layers: str | None = None
+    experts_only: bool = False
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fsync: bool = True
+
+    def worker_count(self) -> int:
+        return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
+
+
+def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
+    """``--layers``: ``"0-3,7,mtp"`` style; decoder indices, ``mtp.K`` or ``mtp`` for all MTP."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(ckpt.layers)
+    available = set(ckpt.layers)
+    chosen: set[MoELayer] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "mtp":
+            chosen.update(l for l in available if l.is_mtp)
+            continue
+        try:
+            if part.startswith(("mtp.", "layers.")):
+                picked = {MoELayer.parse(part)}
+            else:
+                lo, _, hi = part.partition("-")
+                picked = {MoELayer(False, i) for i in range(int(lo), int(hi or lo) + 1)}
+        except ValueError:
+            raise ConvertError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
+        missing = sorted(picked - available)
+        if missing:
+            raise ConvertError(f"--layers: {missing[0].key} is not an MoE layer of {ckpt.root}")
+        chosen |= picked
+    return sorted(chosen)
+
+
+def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
+    n = ckpt.dims.n_routed_experts
+    if options.placement_file is not None:
+        if options.num_redundant_experts:
+            raise PlacementError("give either --placement or --num-redundant-experts, not both")
+        return Placement.from_file(options.placement_file, n, options.ep_size)
+    return Placement.default(n, options.ep_size, options.num_redundant_experts)
+
+
+@dataclass
+class Unit:
+    """One output file and how to produce it."""
+
+    path: str  # relative to OUT
+    nbytes: int  # approximate output size, for progress
+    run: Callable[[], FileRecord]
+    kind: str  # "small" | "non_expert" | "experts"
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    out: Path
+    options: ConvertOptions
+    placement: Placement
+    ranks: list[int]
+    layers: list[MoELayer]
+    units: list[Unit] = field(default_factory=list)
+    non_expert_index: dict[str, str] = field(default_factory=dict)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that determines the output bytes (not workers, device or verbosity)."""
+        source = self.ckpt.source_record()
+        return {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION,
+                "source_files": source["files"], "source_index_sha256": source["index_sha256"],
+                "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
+                "ranks": self.ranks, "layers": [l.key for l in self.layers],
+                "experts_only": self.options.experts_only}
+
+    def manifest(self, records: dict[str, FileRecord]) -> Manifest:
+        return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
+                        ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
+                        files=[records[u.path] for u in self.units])
+
+
+# --------------------------------------------------------------------------------------
+# Units: rank shards
+# --------------------------------------------------------------------------------------
+
+class ExpertReader:
+    """Reads and stacks the source bytes of a group of experts, one projection at a time."""
+
+    def __init__(self, ckpt: Checkpoint, files: FileCache, device: str) -> None:
+        self.ckpt, self.files, self.device = ckpt, files, device
+
+    def stacked(self, layer: MoELayer, experts: Sequence[int], projs: Sequence[str], kind: str) -> torch.Tensor:
+        """``uint8 [len(experts), sum of rows, cols]``: for ``("w1", "w3")`` that is w13's row order."""
+        shapes = [self.ckpt.expert_entry(layer, 0, p, kind).byte_shape for p in projs]
+        rows, cols = sum(s[0] for s in shapes), shapes[0][1]
+        out = torch.empty((len(experts), rows, cols), dtype=torch.uint8)
+        for i, expert in enumerate(experts):
+            start = 0
+            for proj, (n, _) in zip(projs, shapes):
+                self.files.read(self.ckpt.expert_entry(layer, expert, proj, kind), out[i, start:start + n])
+                start += n
+        return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
+
+
+def rank_shard_specs(layer: MoELayer, experts: int, hidden: int, inter: int) -> list[TensorSpec]:
+    """The tensors of one rank shard, in file order."""
+    names = expert_tensor_names(layer)
+    pk_h, pk_i = layout.packed_k(hidden), layout.packed_k(inter)
+    return [
+        TensorSpec(names["l1_weight"], "I8", (experts, 2 * inter, hidden // 2), experts * inter * hidden),
+        TensorSpec(names["l1_sf"], "I32", (experts, pk_h, 2 * inter), experts * pk_h * 2 * inter * 4),
+        TensorSpec(names["l2_weight"], "I8", (experts, hidden, inter // 2), experts * hidden * inter // 2),
+        TensorSpec(names["l2_sf"], "I32", (experts, pk_i, hidden), experts * pk_i * hidden * 4),
+        TensorSpec(names["logical_ids"], "I32", (experts,), experts * 4),
+    ]
+
+
+def _groups(items: Sequence[int], size: int) -> Iterator[Sequence[int]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], chunk_bytes: int,
+                      cancelled: threading.Event | None = None) -> Iterator[torch.Tensor]:
+    """The rank shard's data in file order, a few experts at a time.
+
+    Each output tensor depends on one input only (see :func:`layout.transform_experts`), so
+    the four tensors are produced one after another, each in expert chunks.
+    """
+    per_expert = reader.ckpt.dims.bytes_per_expert()
+    group = max(1, chunk_bytes // max(1, per_expert))
+    steps = (
+        (("w1", "w3"), "weight", layout.l1_weight),
+        (("w1", "w3"), "scale", lambda sf: layout.sf_storage(layout.l1_sf(sf))),
+        (("w2",), "weight", layout.l2_weight),
+        (("w2",), "scale", lambda sf: layout.sf_storage(layout.l2_sf(sf))),
+    )
+    for projs, kind, transform in steps:
+        for experts in _groups(logical_ids, group):
+            if cancelled is not None and cancelled.is_set():
+                raise Cancelled("cancelled")
+            yield transform(reader.stacked(layer, experts, projs, kind))
+    yield torch.tensor(list(logical_ids), dtype=torch.int32)
+
+
+def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank: int, layer: MoELayer,
+                    cancelled: threading.Event) -> Unit:
+    dims = plan.ckpt.dims
+    ids = plan.placement.rank_logical_ids(rank)
+    specs = rank_shard_specs(layer, len(ids), dims.hidden_size, dims.moe_intermediate_size)
+    rel = rank_file(rank, plan.placement.ep_size, layer)
+    metadata = {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
+                "rank": str(rank), "ep_size": str(plan.placement.ep_size),
+                "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+
+    def run() -> FileRecord:
+        chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)
+        return write_safetensors(plan.out / rel, plan.out, specs, chunks, metadata, fsync=plan.options.fsync)
+
+    return Unit(rel, sum(s.nbytes for s in specs), run, "experts")
+
+
+# --------------------------------------------------------------------------------------
+# Units: non-expert shards and small files
+# --------------------------------------------------------------------------------------
+
+def _pack_non_expert(entries: list[TensorEntry], shard_bytes: int) -> list[list[TensorEntry]]:
+    shards: list[list[TensorEntry]] = []
+    size = shard_bytes
+    for entry in entries:
+        if size + entry.nbytes > shard_bytes and (not shards or shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    return [s for s in shards if s]
+
+
+def _copy_chunks(files: FileCache, entries: list[TensorEntry], cancelled: threading.Event) -> Iterator[torch.Tensor]:
+    """Tensor bytes verbatim, in bounded chunks (an embedding can be GBs)."""
+    for entry in entries:
+        for start in range(entry.begin, entry.end, COPY_CHUNK_BYTES):
+            if cancelled.is_set():
+                raise Cancelled("cancelled")
+            buf = torch.empty(min(COPY_CHUNK_BYTES, entry.end - start), dtype=torch.uint8)
+            read_into(files.fd(entry.path), start, buf)
+            yield buf
+
+
+def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
+                     shard_bytes: int = NON_EXPERT_SHARD_BYTES) -> list[Unit]:
+    shards = _pack_non_expert(plan.ckpt.non_expert_tensors(), shard_bytes)
+    units = []
+    for number, entries in enumerate(shards, start=1):
+        rel = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        specs = [TensorSpec(e.name, e.dtype, e.shape, e.nbytes) for e in entries]
+        plan.non_expert_index.update({e.name: rel for e in entries})
+
+        def run(rel: str = rel, specs: list[TensorSpec] = specs, entries: list[TensorEntry] = entries) -> FileRecord:
+            return write_safetensors(plan.out / rel, plan.out, specs, _copy_chunks(files, entries, cancelled),
+                                     {"format": "pt"}, fsync=plan.options.fsync)
+
+        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert"))
+    return units
+
+
+def small_file_units(plan: Plan) -> list[Unit]:
+    def unit(src: Path) -> Unit:
+        def run() -> FileRecord:
+            with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
+                while block := f.read(COPY_CHUNK_BYTES):
+                    w.write(block)
+                return w.commit()
+        return Unit(src.name, src.stat().st_size, run, "small")
+    return [unit(p) for p in plan.ckpt.small_files()]
+
+
+# --------------------------------------------------------------------------------------
+# State: lock, plan fingerprint, journal
+# --------------------------------------------------------------------------------------
+
+class OutputState:
+    """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the journal."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.dir = out / STATE_DIR
+        self.plan_path = self.dir / "plan.json"
+        self.journal_path = self.dir / "journal.jsonl"
+        self._journal_lock = threading.Lock()
+
+    def lock(self) -> FileLock:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return FileLock(self.dir / "lock")
+
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
+        """Refuse foreign or differently-planned output; clear it when ``overwrite``."""
+        if self.plan_path.exists():
+            previous = json.loads(self.plan_path.read_text())
+            if previous != fingerprint:
+                if not overwrite:
+                    changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+                    raise ConvertError(f"{self.out} holds a conversion made with different options "
+                                       f"({', '.join(changed)} differ); pass --overwrite to replace it")
+                self.clear()
+        elif overwrite:
+            self.clear()
+        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True))
+
+    def clear(self) -> None:
+        """Remove a previous conversion's files (only what a conversion writes)."""
+        (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+        for record in self.journal().values():
+            (self.out / record.path).unlink(missing_ok=True)
+        for path in self.out.glob("rank-*-of-*"):
+            if path.is_dir():
+                shutil.rmtree(path)
+        self.journal_path.unlink(missing_ok=True)
+
+    def journal(self) -> dict[str, FileRecord]:
+        records: dict[str, FileRecord] = {}
+        if not self.journal_path.exists():
+            return records
+        for line in self.journal_path.read_text().splitlines():
+            try:
+                data = json.loads(line)
+                records[data["path"]] = FileRecord(data["path"], int(data["size"]), data["checksum"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash: that file is redone
+        return records
+
+    def record(self, rec: FileRecord) -> None:
+        with self._journal_lock, open(self.journal_path, "a") as f:
+            f.write(json.dumps(rec.to_json()) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def remove_partials(self) -> None:
+        for path in self.out.rglob(f".*{PARTIAL_SUFFIX}"):
+            path.unlink(missing_ok=True)
+
+
+def check_output_dir(out: Path) -> None:
+    """OUT must be new, empty, or a previous megamoe output: never someone else's files."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    if out.is_dir() and not (out / STATE_DIR).is_dir() and any(out.iterdir()):
+        raise ConvertError(f"{out}: directory is not empty and is not a megamoe output; choose an empty directory")
+
+
+def is_done(out: Path, record: FileRecord | None) -> bool:
+    """A journaled file counts as done only if its size and checksum still match."""
+    if record is None:
+        return False
+    path = out / record.path
+    try:
+        if path.stat().st_size != record.size:
+            return False
+    except FileNotFoundError:
+        return False
+    return file_checksum(path) == record.checksum
+
+
+# --------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------
+
+class Progress(Protocol):
+    def start(self, total_bytes: int, total_files: int) -> None: ...
+    def advance(self, nbytes: int, path: str, skipped: bool) -> None: ...
+
+
+class NoProgress:
+    def start(self, total_bytes: int, total_files: int) -> None:
+        pass
+
+    def advance(self, nbytes: int, path: str, skipped: bool) -> None:
+        pass
+
+
+@dataclass
+class Summary:
+    out: str
+    ep_size: int
+    ranks: list[int]
+    layers: list[str]
+    files_written: int
+    files_skipped: int
+    bytes_written: int
+    expert_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["gb_per_s"] = round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds > 0 else None
+        return data
+
+
+def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
+               cancelled: threading.Event) -> Plan:
+    ckpt = Checkpoint.open(src)
+    placement = make_placement(ckpt, options)
+    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, options.ep_size),
+                select_layers(ckpt, options.layers))
+    plan.units.extend(small_file_units(plan))
+    if not options.experts_only:
+        plan.units.extend(non_expert_units(plan, files, cancelled))
+    reader_factory = lambda: ExpertReader(ckpt, files, options.device)  # noqa: E731
+    for layer in plan.layers:  # layer-major: a layer's source bytes are read while hot
+        for rank in plan.ranks:
+            plan.units.append(rank_shard_unit(plan, reader_factory, rank, layer, cancelled))
+    return plan
+
+
+def convert(src: Path | str, out: Path | str, options: ConvertOptions,
+            progress: Progress | None = None) -> Summary:
+    """Run (or resume) a conversion. Raises on any problem; OUT then has no manifest."""
+    src, out = Path(src), Path(out)
+    progress = progress or NoProgress()
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConvertError("--device cuda: no CUDA GPU is available to this process")
+    cancelled = threading.Event()
+    started = time.perf_counter()
+    with FileCache() as files:
+        plan = build_plan(src, out, options, files, cancelled)
+        check_output_dir(out)
+        state = OutputState(out)
+        try:
+            with state.lock().acquire(timeout=0):
+                return _run_locked(plan, state, progress, cancelled, started)
+        except Timeout:
+            raise ConvertError(f"{out}: another `megamoe convert` is writing this directory "
+                               f"(lock {state.dir / 'lock'} is held)") from None
+
+
+def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
+                started: float) -> Summary:
+    out = plan.out
+    (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
+    state.prepare(plan.fingerprint(), plan.options.overwrite)
+    state.remove_partials()
+    journal = state.journal()
+    records: dict[str, FileRecord] = {}
+    todo: list[Unit] = []
+    progress.start(sum(u.nbytes for u in plan.units), len(plan.units))
+    for unit in plan.units:
+        if is_done(out, journal.get(unit.path)):
+            records[unit.path] = journal[unit.path]
+            progress.advance(unit.nbytes, unit.path, skipped=True)
+        else:
+            todo.append(unit)
+    written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
+    if not plan.options.experts_only:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in plan.ckpt.non_expert_tensors()),
+                              "megamoe": "routed experts are in rank-*/ (see manifest.json)"},
+                 "weight_map": dict(sorted(plan.non_expert_index.items()))}
+        write_json_atomic(out / INDEX_NAME, json.dumps(index, indent=2), fsync=plan.options.fsync)
+    write_json_atomic(out / MANIFEST_NAME, plan.manifest(records).dumps(), fsync=plan.options.fsync)
+    return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
+                   files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
+                   expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
+                   seconds=time.perf_counter() - started)
+
+
+def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,
+               cancelled: threading.Event, workers: int) -> int:
+    written = 0
+
+    def run(unit: Unit) -> FileRecord:
+        record = unit.run()
+        state.record(record)
+        return record
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megamoe")
+    try:
+        futures = {pool.submit(run, u): u for u in units}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION, timeout=0.5)
+            for future in done:
+                record = future.result()  # re-raises the first failure
+                records[record.path] = record
+                written += record.size
+                progress.advance(futures[future].nbytes, record.path, skipped=False)
+    except BaseException:
+        cancelled.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return written

@@ -1,0 +1,264 @@
+"""Serving side: one rank's pre-laid-out experts, straight into the kernel's tensors.
+
+On the CPU the tensors are zero-copy views of memory-mapped shard files: nothing is read
+until touched. On a GPU, a small ring of pinned buffers is filled by parallel reads while
+earlier buffers are copied to the device on a side stream, so disk/page-cache reads and
+host-to-device copies overlap; each destination tensor is allocated once, in its final
+strided form. Either way the result needs no transform: it is what ``finalize_weights``
+would have produced.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from . import layout
+from .checkpoint import MoELayer
+from .layout import KernelWeights
+from .manifest import Manifest, ManifestError, expert_tensor_names, read_manifest
+from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
+from .writer import FileRecord, file_checksum
+
+#: Pinned staging ring for the GPU path: buffers x bytes each.
+RING_BUFFERS = 6
+RING_BUFFER_BYTES = 32 << 20
+READ_THREADS = 4
+
+
+class LoadError(ValueError):
+    """A rank that cannot be loaded from this directory, and why."""
+
+
+@dataclass
+class ExpertLayer:
+    """One MoE layer of one rank, as the fused kernel takes it."""
+
+    key: str  # "layers.7" / "mtp.0"
+    l1: KernelWeights  # (int8 [E, 2I, H/2], int32 [E, 2I, H/128] MN-major)
+    l2: KernelWeights  # (int8 [E, H, I/2],  int32 [E, H, I/128] MN-major)
+    logical_ids: tuple[int, ...]  # logical expert of each local slot
+    experts_start_idx: int  # first physical slot of this rank
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.logical_ids)
+
+
+# --------------------------------------------------------------------------------------
+# Checks before any byte is read
+# --------------------------------------------------------------------------------------
+
+def resolve_layers(manifest: Manifest, layers: Iterable[str] | None) -> list[MoELayer]:
+    """Manifest layers, or the subset named by key (``layers.7``) or prefix (``layers.7.ffn.experts``)."""
+    if layers is None:
+        return list(manifest.layers)
+    by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
+    missing = [name for name in layers if name not in by_name]
+    if missing:
+        raise LoadError(f"layer {missing[0]!r} is not in this conversion "
+                        f"(layers: {', '.join(l.key for l in manifest.layers)})")
+    return sorted({by_name[name] for name in layers})
+
+
+def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
+                     verify: bool) -> dict[MoELayer, FileRecord]:
+    """The manifest must list this rank; every file must exist with its recorded size."""
+    if not 0 <= rank < manifest.ep_size:
+        raise LoadError(f"rank {rank} is out of range: {out} was converted for ep_size={manifest.ep_size} "
+                        f"(ranks 0..{manifest.ep_size - 1})")
+    if rank not in manifest.ranks:
+        raise LoadError(f"rank {rank} was not converted into {out} (converted ranks: {manifest.ranks})")
+    records = manifest.rank_files(rank)
+    chosen = {layer: records[layer] for layer in layers}
+    for record in chosen.values():
+        path = out / record.path
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise LoadError(f"{path}: missing (listed in manifest.json)") from None
+        if size != record.size:
+            raise LoadError(f"{path}: size {size} bytes, manifest.json records {record.size}")
+        if verify and file_checksum(path) != record.checksum:
+            raise LoadError(f"{path}: checksum mismatch (file is corrupted or was modified)")
+    return chosen
+
+
+def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
+    """The shard must hold exactly the tensors the manifest's dims and placement imply."""
+    from .convert import rank_shard_specs  # the writer's own spec is the contract
+
+    dims = manifest.dims
+    experts = manifest.placement.experts_per_rank
+    expected = rank_shard_specs(layer, experts, dims.hidden_size, dims.moe_intermediate_size)
+    entries = {}
+    for spec in expected:
+        entry = header.tensors.get(spec.name)
+        if entry is None:
+            raise LoadError(f"{header.path}: missing tensor {spec.name}")
+        if entry.dtype != spec.dtype or entry.shape != spec.shape:
+            raise LoadError(f"{header.path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected "
+                            f"{spec.dtype}{list(spec.shape)} (hidden_size={dims.hidden_size}, moe_intermediate_size="
+                            f"{dims.moe_intermediate_size}, {experts} experts per rank)")
+        entries[spec.name] = entry
+    meta = header.metadata
+    if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \
+            or meta.get("ep_size") != str(manifest.ep_size):
+        raise LoadError(f"{header.path}: shard metadata (rank={meta.get('rank')}, ep_size={meta.get('ep_size')}, "
+                        f"layout_version={meta.get('layout_version')}) does not match rank={rank}, "
+                        f"ep_size={manifest.ep_size}, layout_version={manifest.layout_version}")
+    return entries
+
+
+# --------------------------------------------------------------------------------------
+# CPU: zero-copy memory maps
+# --------------------------------------------------------------------------------------
+
+def _mmap_tensor(mapped: mmap.mmap, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
+    flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry.begin)
+    return flat.view(entry.shape)
+
+
+def _cpu_layer(path: Path, entries: dict[str, TensorEntry], names: dict[str, str]) -> tuple[KernelWeights, ...]:
+    with open(path, "rb") as f:
+        # Private (copy-on-write) mapping: pages load lazily on first touch; writes never reach the file.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    t = {key: _mmap_tensor(mapped, entries[name], torch.int8 if key.endswith("weight") else torch.int32)
+         for key, name in names.items() if key != "logical_ids"}
+    return (KernelWeights(t["l1_weight"], layout.sf_from_storage(t["l1_sf"])),
+            KernelWeights(t["l2_weight"], layout.sf_from_storage(t["l2_sf"])))
+
+
+# --------------------------------------------------------------------------------------
+# GPU: pipelined page cache -> pinned ring -> device
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class _Piece:
+    fd: int
+    file_offset: int
+    dest: torch.Tensor  # flat uint8 view of the destination, on the GPU
+
+
+class PinnedRing:
+    """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
+
+    def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+        self.events: list[torch.cuda.Event | None] = [None] * count
+        self.nbytes = nbytes
+
+
+def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[_Piece]:
+    flat = dest.view(torch.uint8).reshape(-1)
+    for start in range(0, entry.nbytes, piece_bytes):
+        n = min(piece_bytes, entry.nbytes - start)
+        yield _Piece(fd, entry.begin + start, flat[start:start + n])
+
+
+def copy_pieces_to_device(pieces: list[_Piece], ring: PinnedRing, stream: torch.cuda.Stream,
+                          readers: ThreadPoolExecutor) -> None:
+    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream)."""
+    slots = len(ring.buffers)
+
+    def read(i: int) -> int:
+        slot = i % slots
+        event = ring.events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last used this buffer has finished
+        n = pieces[i].dest.numel()
+        read_into(pieces[i].fd, pieces[i].file_offset, ring.buffers[slot][:n])
+        return slot
+
+    futures = {i: readers.submit(read, i) for i in range(min(slots, len(pieces)))}
+    for i, piece in enumerate(pieces):
+        slot = futures.pop(i).result()
+        with torch.cuda.stream(stream):
+            piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        ring.events[slot] = event
+        if i + slots < len(pieces):
+            futures[i + slots] = readers.submit(read, i + slots)
+    stream.synchronize()
+
+
+def _empty_like_entry(entry: TensorEntry, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(entry.shape, dtype=dtype, device=device)
+
+
+def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
+               device: torch.device) -> dict[MoELayer, tuple[KernelWeights, ...]]:
+    ring = PinnedRing()
+    stream = torch.cuda.Stream(device=device)
+    result = {}
+    pieces: list[_Piece] = []
+    fds = []
+    try:
+        for layer, record in files.items():
+            fd = os.open(out / record.path, os.O_RDONLY)
+            fds.append(fd)
+            names = expert_tensor_names(layer)
+            tensors = {}
+            for key, name in names.items():
+                if key == "logical_ids":
+                    continue
+                entry = headers[layer][name]
+                dest = _empty_like_entry(entry, torch.int8 if key.endswith("weight") else torch.int32, device)
+                pieces.extend(_pieces(fd, entry, dest, ring.nbytes))
+                tensors[key] = dest
+            result[layer] = (KernelWeights(tensors["l1_weight"], layout.sf_from_storage(tensors["l1_sf"])),
+                             KernelWeights(tensors["l2_weight"], layout.sf_from_storage(tensors["l2_sf"])))
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read") as readers:
+            copy_pieces_to_device(pieces, ring, stream, readers)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------
+
+def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
+              layers: Iterable[str] | None = None, verify: bool = False) -> dict[str, ExpertLayer]:
+    """Load one EP rank's MegaMoE expert tensors from a converted directory.
+
+    Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
+    prefix. ``device="cpu"`` gives lazy memory-mapped tensors; a CUDA device gives device
+    tensors. ``verify=True`` also checks every file's checksum before use.
+    """
+    out = Path(out)
+    try:
+        manifest = read_manifest(out)
+    except ManifestError as e:
+        raise LoadError(str(e)) from None
+    chosen = resolve_layers(manifest, layers)
+    records = check_rank_files(out, manifest, rank, chosen, verify)
+    headers: dict[MoELayer, dict[str, TensorEntry]] = {}
+    for layer, record in records.items():
+        try:
+            header = read_header(out / record.path)
+        except SafetensorsError as e:
+            raise LoadError(str(e)) from None
+        headers[layer] = check_shard(header, manifest, layer, rank)
+    device = torch.device(device)
+    if device.type == "cuda":
+        tensors = _load_cuda(out, records, headers, device)
+    elif device.type == "cpu":
+        tensors = {layer: _cpu_layer(out / rec.path, headers[layer], expert_tensor_names(layer))
+                   for layer, rec in records.items()}
+    else:
+        raise LoadError(f"device {device} is not supported (use 'cpu' or 'cuda[:N]')")
+    start = manifest.placement.experts_start(rank)
+    ids = manifest.placement.rank_logical_ids(rank)
+    return {layer.prefix: ExpertLayer(layer.key, l1, l2, ids, start) for layer, (l1, l2) in tensors.items()}

@@ -1,0 +1,78 @@
+"""Terminal output shared by the commands: progress bars on a TTY, plain lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
+
+#: Status and progress go to stderr so that ``--json`` output on stdout stays clean.
+err_console = Console(stderr=True)
+out_console = Console()
+
+
+def is_interactive() -> bool:
+    return err_console.is_terminal
+
+
+class ByteProgress:
+    """Bytes + files progress: rich bars on a terminal, a line every few seconds otherwise.
+
+    Implements the ``start``/``advance`` protocol the long-running jobs report to.
+    """
+
+    def __init__(self, description: str, quiet: bool = False, plain_interval_s: float = 5.0) -> None:
+        self.description = description
+        self.quiet = quiet
+        self.plain_interval_s = plain_interval_s
+        self._rich: Progress | None = None
+        self._bytes_task: Any = None
+        self._files_task: Any = None
+        self.total_bytes = self.total_files = self.done_bytes = self.done_files = self.skipped = 0
+        self._last_line = 0.0
+
+    def __enter__(self) -> "ByteProgress":
+        if not self.quiet and is_interactive():
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                                  DownloadColumn(), TransferSpeedColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
+            self._rich.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(*exc)
+
+    def start(self, total_bytes: int, total_files: int) -> None:
+        self.total_bytes, self.total_files = total_bytes, total_files
+        if self._rich is not None:
+            self._bytes_task = self._rich.add_task(self.description, total=total_bytes)
+        elif not self.quiet:
+            print(f"{self.description}: {total_files} files, {total_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
+
+    def advance(self, nbytes: int, path: str, skipped: bool) -> None:
+        self.done_bytes += nbytes
+        self.done_files += 1
+        self.skipped += int(skipped)
+        if self._rich is not None:
+            self._rich.update(self._bytes_task, advance=nbytes,
+                              description=f"{self.description} [dim]{path}[/dim]")
+        elif not self.quiet:
+            now = time.monotonic()
+            if now - self._last_line >= self.plain_interval_s or self.done_files == self.total_files:
+                self._last_line = now
+                pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
+                print(f"{self.description}: {self.done_files}/{self.total_files} files, {pct:5.1f}% "
+                      f"({self.skipped} already done)", file=sys.stderr, flush=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,42 @@
+"""Shared fixtures: real checkpoints on disk and real CLI runs in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megamoe_convert.synth import synthesize
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: object, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None,
+            ) -> subprocess.CompletedProcess[str]:
+    """Run ``megamoe ARGS...`` as a real subprocess (the installed console script's module)."""
+    cmd = [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"megamoe {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset (H=256, I=128, 8 experts, 2 layers + 1 MTP), int8 weights. Read-only."""
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    synthesize(path, "tiny", seed=1)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``tiny_ckpt`` converted through the CLI for EP 4 with 4 redundant experts. Read-only."""
+    out = tmp_path_factory.mktemp("converted") / "ep4"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4)
+    return out
