@@ -435,8 +435,8 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
 def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
                 started: float) -> Summary:
     out = plan.out
+    state.prepare(plan.fingerprint(), plan.options.overwrite)  # refuses before anything is touched
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
-    state.prepare(plan.fingerprint(), plan.options.overwrite)
     state.remove_partials()
     journal = state.journal()
     records: dict[str, FileRecord] = {}

@@ -1,0 +1,239 @@
+"""`megamoe convert` end to end: real CLI subprocesses on synthesized checkpoints on disk.
+
+The reference for every rank shard is computed from the source with the plain
+``safetensors`` library (an independent reader) and ``layout.transform_experts``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from safetensors import safe_open
+
+from conftest import REPO, run_cli
+from megamoe_convert import layout
+from megamoe_convert.loader import load_rank
+from megamoe_convert.placement import Placement
+from megamoe_convert.synth import synthesize
+
+
+def source_tensors(src: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    out = {}
+    for filename in sorted(set(index["weight_map"].values())):
+        with safe_open(src / filename, framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def expected_layer(src_tensors: dict[str, torch.Tensor], prefix: str, ids: tuple[int, ...]):
+    def stack(projs, kind):
+        return torch.stack([torch.cat([src_tensors[f"{prefix}.{e}.{p}.{kind}"].view(torch.uint8) for p in projs])
+                            for e in ids])
+    return layout.transform_experts(stack(("w1", "w3"), "weight"), stack(("w1", "w3"), "scale"),
+                                    stack(("w2",), "weight"), stack(("w2",), "scale"))
+
+
+def assert_rank_matches_source(out: Path, src: Path, rank: int, placement: Placement, layers: list[str]) -> None:
+    tensors = source_tensors(src)
+    loaded = load_rank(out, rank)
+    assert sorted(loaded) == sorted(f"{key}.ffn.experts" for key in layers)
+    for prefix, layer in loaded.items():
+        assert layer.logical_ids == placement.rank_logical_ids(rank)
+        assert layer.experts_start_idx == placement.experts_start(rank)
+        want = expected_layer(tensors, prefix, layer.logical_ids)
+        for got, ref in zip((*layer.l1, *layer.l2), (*want[0], *want[1])):
+            assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride()
+            assert torch.equal(got, ref), f"rank {rank} {prefix}"
+
+
+def output_files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("weight_dtype,scale_dtype,ep_size,redundant", [
+    ("int8", "e8m0", 1, 0),
+    ("float4", "e8m0", 2, 0),
+    ("uint8", "uint8", 4, 4),
+    ("int8", "e8m0", 8, 8),
+])
+def test_every_rank_equals_the_layout_of_its_source_experts(tmp_path, weight_dtype, scale_dtype, ep_size, redundant):
+    src = tmp_path / "src"
+    synthesize(src, "tiny", seed=ep_size, weight_dtype=weight_dtype, scale_dtype=scale_dtype)
+    out = tmp_path / "out"
+    proc = run_cli("convert", src, out, "--ep-size", ep_size, "--num-redundant-experts", redundant, "--json")
+    summary = json.loads(proc.stdout)
+    assert summary["ep_size"] == ep_size and summary["files_skipped"] == 0
+    placement = Placement.default(8, ep_size, redundant)
+    for rank in range(ep_size):
+        assert_rank_matches_source(out, src, rank, placement, ["layers.0", "layers.1", "mtp.0"])
+
+
+def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_converted):
+    manifest = json.loads((tiny_converted / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["format_version"] == 1 and manifest["layout_version"] == 1
+    assert manifest["ep_size"] == 4 and manifest["ranks"] == [0, 1, 2, 3]
+    assert manifest["placement"]["physical_to_logical"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8}
+    assert [l["key"] for l in manifest["layers"]] == ["layers.0", "layers.1", "mtp.0"]
+    assert manifest["layers"][2]["vllm_prefix"] == "model.mtp.0.ffn.experts"
+    src_sizes = {p.name: p.stat().st_size for p in tiny_ckpt.glob("*.safetensors")}
+    assert manifest["source"]["files"] == src_sizes and len(manifest["source"]["index_sha256"]) == 64
+    listed = {f["path"]: f for f in manifest["files"]}
+    on_disk = output_files(tiny_converted)
+    assert set(on_disk) - set(listed) == {"manifest.json", "model.safetensors.index.json"}
+    for path, record in listed.items():
+        assert record["size"] == len(on_disk[path])
+        assert record["checksum"] == xxhash.xxh3_128_hexdigest(on_disk[path])
+    assert sum(1 for p in listed if p.startswith("rank-00002-of-00004/")) == 3
+
+
+def test_rank_shards_are_plain_safetensors_with_recoverable_strides(tiny_converted):
+    with safe_open(tiny_converted / "rank-00001-of-00004" / "layers.1.safetensors", framework="pt") as f:
+        assert f.metadata()["layer"] == "layers.1"
+        storage = f.get_tensor("layers.1.ffn.experts.l1.sf")
+        ids = f.get_tensor("layers.1.ffn.experts.logical_ids")
+    assert storage.dtype == torch.int32 and tuple(storage.shape) == (3, 2, 256)  # [E, packed_k, MN]
+    kernel_view = storage.transpose(1, 2)
+    assert kernel_view.stride() == (512, 1, 256)  # exact MN-major strides with a view, no copy
+    assert ids.tolist() == [3, 4, 5]
+
+
+def test_non_expert_tensors_and_small_files_are_copied_byte_identical(tiny_ckpt, tiny_converted):
+    src = source_tensors(tiny_ckpt)
+    index = json.loads((tiny_converted / "model.safetensors.index.json").read_text())
+    non_expert = {n for n in src if ".ffn.experts." not in n}
+    assert set(index["weight_map"]) == non_expert
+    for filename in set(index["weight_map"].values()):
+        with safe_open(tiny_converted / filename, framework="pt") as f:
+            for name in f.keys():
+                got = f.get_tensor(name)
+                assert got.dtype == src[name].dtype and got.shape == src[name].shape
+                assert torch.equal(got.view(torch.uint8), src[name].view(torch.uint8))
+    for small in ("config.json", "tokenizer_config.json"):
+        assert (tiny_converted / small).read_bytes() == (tiny_ckpt / small).read_bytes()
+
+
+# ----------------------------------------------------------------------------- options
+
+
+def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
+    placement = [7, 6, 5, 4, 3, 2, 1, 0]
+    (tmp_path / "eplb.json").write_text(json.dumps(placement))
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--placement", tmp_path / "eplb.json",
+            "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "config.json", "manifest.json", "rank-00001-of-00002", "tokenizer_config.json"]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["ranks"] == [1] and manifest["experts_only"] is True
+    assert manifest["placement"]["default"] is False
+    assert_rank_matches_source(out, tiny_ckpt, 1, Placement(8, 2, tuple(placement)), ["layers.1", "mtp.0"])
+    with pytest.raises(ValueError, match="rank 0 was not converted"):
+        load_rank(out, 0)
+
+
+def test_inspect_and_plan_report_the_checkpoint(tiny_ckpt):
+    info = json.loads(run_cli("inspect", tiny_ckpt, "--ep-size", 4, "--json").stdout)
+    assert info["moe_layers"] == ["layers.0", "layers.1", "mtp.0"] and info["mtp_layers"] == ["mtp.0"]
+    assert info["dims"]["n_routed_experts"] == 8 and info["expert_dtypes"]["w1.scale"] == "F8_E8M0"
+    assert info["expert_bytes_per_rank"] * 4 == info["expert_bytes"]
+    table = run_cli("inspect", tiny_ckpt).stdout
+    assert "2 decoder + 1 MTP" in table
+    plan = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--json").stdout)
+    assert plan["physical_to_logical"][8:] == [0, 1, 2, 3]
+    assert "6, 7, 0" in run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4).stdout
+
+
+# ----------------------------------------------------------------------------- resume and refusal
+
+
+def test_rerun_skips_verified_files_and_redoes_damaged_ones(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    args = ("convert", tiny_ckpt, out, "--ep-size", 2, "--json")
+    first = json.loads(run_cli(*args).stdout)
+    clean = output_files(out)
+    again = json.loads(run_cli(*args).stdout)
+    assert again["files_written"] == 0 and again["files_skipped"] == first["files_written"]
+    (out / "rank-00000-of-00002" / "layers.1.safetensors").unlink()
+    damaged = out / "rank-00001-of-00002" / "mtp.0.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-100] ^= 0xFF  # same size, different checksum
+    damaged.write_bytes(bytes(data))
+    resumed = json.loads(run_cli(*args).stdout)
+    assert resumed["files_written"] == 2
+    assert output_files(out) == clean
+
+
+def test_different_options_over_existing_output_are_refused_unless_overwrite(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 4, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "different options" in proc.stderr and "--overwrite" in proc.stderr
+    assert json.loads((out / "manifest.json").read_text())["ep_size"] == 2  # untouched
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--overwrite")
+    assert json.loads((out / "manifest.json").read_text())["ep_size"] == 4
+    assert not (out / "rank-00000-of-00002").exists()
+
+
+def test_foreign_non_empty_output_directory_is_refused(tiny_ckpt, tmp_path):
+    out = tmp_path / "important"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for extra in ((), ("--overwrite",)):
+        proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2, *extra, check=False)
+        assert proc.returncode == 2 and "not a megamoe output" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_cuda_device_without_gpu_is_a_clear_error(tiny_ckpt, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_cli("convert", tiny_ckpt, tmp_path / "o", "--ep-size", 2, "--device", "cuda", check=False)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+PEAK_RSS_SCRIPT = """
+import resource, sys
+from megamoe_convert.cli import app
+try:
+    app(sys.argv[1:], standalone_mode=False)
+finally:
+    print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def peak_rss_mb(*args: object) -> float:
+    import subprocess
+    proc = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = [l for l in proc.stderr.splitlines() if l.startswith("PEAK_RSS_KB")][-1]
+    return int(line.split()[1]) / 1024
+
+
+def test_peak_memory_does_not_grow_with_the_number_of_layers(tmp_path):
+    """A 20-layer checkpoint must not need more memory than a 2-layer one (streaming)."""
+    peaks = {}
+    for layers in (2, 20):
+        src = tmp_path / f"src{layers}"
+        synthesize(src, "tiny", layers=layers, experts=128, mtp_layers=0, seed=layers)
+        expert_mb = sum(p.stat().st_size for p in src.glob("*.safetensors")) / 1e6
+        peaks[layers] = peak_rss_mb("convert", src, tmp_path / f"out{layers}", "--ep-size", 2, "--workers", 2,
+                                    "--no-fsync")
+    assert expert_mb > 100  # the 20-layer checkpoint is far bigger than any allowed growth
+    print("peak RSS MB by layers:", peaks)
+    assert peaks[20] - peaks[2] < 48, peaks
