@@ -1,0 +1,186 @@
+"""`load_rank`: exact kernel tensors, lazily mapped on CPU, pipelined to a GPU, refusing what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+from megamoe_convert import layout
+from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert.manifest import read_manifest
+from megamoe_convert.synth import synthesize
+from test_convert import assert_rank_matches_source
+
+
+def test_every_rank_round_trips_with_exact_dtypes_shapes_strides(tiny_ckpt, tiny_converted):
+    manifest = read_manifest(tiny_converted)
+    for rank in range(4):
+        assert_rank_matches_source(tiny_converted, tiny_ckpt, rank, manifest.placement,
+                                   ["layers.0", "layers.1", "mtp.0"])
+        layer = load_rank(tiny_converted, rank)["mtp.0.ffn.experts"]
+        e, h, i = 3, 256, 128
+        assert layer.l1.weight.dtype == torch.int8 and layer.l1.weight.shape == (e, 2 * i, h // 2)
+        assert layer.l1.sf.dtype == torch.int32 and layer.l1.sf.shape == (e, 2 * i, h // 128)
+        assert layer.l1.sf.stride() == (h // 128 * 2 * i, 1, 2 * i)
+        assert layer.l2.sf.shape == (e, h, i // 128) and layer.l2.sf.stride() == (i // 128 * h, 1, h)
+        assert layer.num_local_experts == 3 and layer.experts_start_idx == 3 * rank
+        # vLLM's EPLB views: [E, -1] of contiguous weights and of transposed scales.
+        assert layer.l1.weight.view(e, -1).shape == (e, 2 * i * h // 2)
+        assert layer.l1.sf.transpose(1, 2).is_contiguous()
+
+
+def test_layers_subset_and_verify(tiny_converted):
+    subset = load_rank(tiny_converted, 2, layers=["layers.1", "mtp.0.ffn.experts"], verify=True)
+    assert sorted(subset) == ["layers.1.ffn.experts", "mtp.0.ffn.experts"]
+    with pytest.raises(LoadError, match="layer 'layers.9' is not in this conversion"):
+        load_rank(tiny_converted, 0, layers=["layers.9"])
+
+
+def test_cpu_tensors_are_writable_private_maps(tiny_converted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_converted, out)
+    path = out / "rank-00000-of-00004" / "layers.0.safetensors"
+    before = path.read_bytes()
+    layer = load_rank(out, 0)["layers.0.ffn.experts"]
+    layer.l1.weight.zero_()  # copy-on-write: the process may scribble, the file never changes
+    assert path.read_bytes() == before
+
+
+LAZY_SCRIPT = """
+import sys, psutil, torch
+from megamoe_convert.loader import load_rank
+import megamoe_convert.convert  # imported by the shard check; keep import costs out of the measurement
+proc = psutil.Process()
+base = proc.memory_info().rss
+layers = load_rank(sys.argv[1], 0)
+after_load = proc.memory_info().rss
+total = sum(t.numel() * t.element_size() for l in layers.values() for t in (*l.l1, *l.l2))
+checksum = sum(int(t.sum()) for l in layers.values() for t in (*l.l1, *l.l2))
+after_touch = proc.memory_info().rss
+print(base, after_load, after_touch, total, checksum)
+"""
+
+
+def test_cpu_load_is_lazy_memory_mapped(tmp_path):
+    config = json.loads((REPO / "configs" / "tiny.json").read_text())
+    config.update(hidden_size=1024, moe_intermediate_size=512, n_routed_experts=48, num_hidden_layers=2,
+                  num_nextn_predict_layers=0, vocab_size=256)
+    (tmp_path / "preset.json").write_text(json.dumps(config))
+    synthesize(tmp_path / "src", str(tmp_path / "preset.json"))
+    run_cli("convert", tmp_path / "src", tmp_path / "out", "--ep-size", 1, "--experts-only", "--no-fsync")
+    proc = subprocess.run([sys.executable, "-c", LAZY_SCRIPT, str(tmp_path / "out")], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    base, after_load, after_touch, total, _ = map(int, proc.stdout.split())
+    assert total > 70e6
+    assert after_load - base < 0.1 * total, "load_rank read the shard eagerly"
+    assert after_touch - base > 0.8 * total, "touching the tensors should page the file in"
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def edited_copy(src: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "edited"
+    shutil.copytree(src, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest, out)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_wrong_rank_is_refused(tiny_converted):
+    with pytest.raises(LoadError, match=r"rank 4 is out of range: .* ep_size=4 \(ranks 0..3\)"):
+        load_rank(tiny_converted, 4)
+
+
+def test_unknown_newer_layout_version_is_refused(tiny_converted, tmp_path):
+    out = edited_copy(tiny_converted, tmp_path, lambda m, _: m.update(layout_version=2))
+    with pytest.raises(LoadError, match="layout_version 2 is newer than this megamoe-convert understands"):
+        load_rank(out, 0)
+
+
+def test_missing_and_resized_files_are_refused(tiny_converted, tmp_path):
+    out = edited_copy(tiny_converted, tmp_path, lambda m, o: (o / "rank-00001-of-00004" / "layers.0.safetensors").unlink())
+    with pytest.raises(LoadError, match=r"rank-00001-of-00004/layers.0.safetensors: missing"):
+        load_rank(out, 1)
+    with open(out / "rank-00002-of-00004" / "mtp.0.safetensors", "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(LoadError, match=r"mtp.0.safetensors: size \d+ bytes, manifest.json records \d+"):
+        load_rank(out, 2)
+
+
+def test_manifest_of_another_ep_size_is_refused(tiny_converted, tmp_path):
+    def other_ep(manifest, _):
+        manifest["placement"]["ep_size"] = manifest["ep_size"] = 2
+        manifest["placement"]["experts_per_rank"] = 6
+    out = edited_copy(tiny_converted, tmp_path, other_ep)
+    with pytest.raises(LoadError, match=r"(expected I8\[6, 256, 128\]|ep_size)"):
+        load_rank(out, 0)
+
+
+def test_unfinished_directory_is_refused(tiny_converted, tmp_path):
+    out = edited_copy(tiny_converted, tmp_path, lambda m, _: m.update(complete=False))
+    with pytest.raises(LoadError, match="did not finish"):
+        load_rank(out, 0)
+    (out / "manifest.json").unlink()
+    with pytest.raises(LoadError, match="not a finished megamoe conversion"):
+        load_rank(out, 0)
+
+
+def test_verify_true_catches_a_flipped_byte(tiny_converted, tmp_path):
+    out = edited_copy(tiny_converted, tmp_path, lambda m, _: None)
+    path = out / "rank-00003-of-00004" / "layers.1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    load_rank(out, 3)  # size is right: without verify the damage is not seen ...
+    with pytest.raises(LoadError, match="layers.1.safetensors: checksum mismatch"):
+        load_rank(out, 3, verify=True)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_load_equals_cpu_load(tiny_converted):
+    for rank in range(4):
+        cpu = load_rank(tiny_converted, rank)
+        gpu = load_rank(tiny_converted, rank, device="cuda", verify=True)
+        for prefix in cpu:
+            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2)):
+                assert b.is_cuda and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+                assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
+    """A rank bigger than the pinned ring (6 x 32 MB) exercises buffer reuse and ordering."""
+    config = json.loads((REPO / "configs" / "flash.json").read_text())
+    config.update(n_routed_experts=40, num_hidden_layers=2, num_nextn_predict_layers=0, vocab_size=256)
+    (tmp_path / "preset.json").write_text(json.dumps(config))
+    synthesize(tmp_path / "src", str(tmp_path / "preset.json"))
+    run_cli("convert", tmp_path / "src", tmp_path / "out", "--ep-size", 1, "--experts-only", "--no-fsync")
+    cpu = load_rank(tmp_path / "out", 0)
+    gpu = load_rank(tmp_path / "out", 0, device="cuda")
+    total = 0
+    for prefix in cpu:
+        for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2)):
+            assert torch.equal(a, b.cpu())
+            total += a.numel() * a.element_size()
+    assert total > 6 * 32 << 20
+    # Dequantised from the GPU tensors == dequantised from the CPU ones (same bytes, same math).
+    l1, l2 = gpu["layers.0.ffn.experts"].l1, gpu["layers.0.ffn.experts"].l2
+    d_gpu = layout.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
+    c = cpu["layers.0.ffn.experts"]
+    d_cpu = layout.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu))
