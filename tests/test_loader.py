@@ -184,3 +184,13 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     c = cpu["layers.0.ffn.experts"]
     d_cpu = layout.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
     assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu))
+
+
+def test_shard_whose_experts_disagree_with_the_manifest_placement_is_refused(tiny_converted, tmp_path):
+    def swap_ranks(manifest, _):
+        p = manifest["placement"]["physical_to_logical"]
+        p[0:3], p[3:6] = p[3:6], p[0:3]
+    out = edited_copy(tiny_converted, tmp_path, swap_ranks)
+    with pytest.raises(LoadError, match=r"holds logical experts \[0, 1, 2\], but manifest.json's placement gives "
+                                        r"this rank \[3, 4, 5\]"):
+        load_rank(out, 0)
