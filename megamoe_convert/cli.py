@@ -27,12 +27,13 @@ _state = {"debug": False}
 def _known_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .convert import ConvertError
+    from .hub import HubError
     from .layout import LayoutError
     from .loader import LoadError
     from .manifest import ManifestError
     from .placement import PlacementError
     from .safetensors_io import SafetensorsError
-    return (CheckpointError, ConvertError, LayoutError, LoadError, ManifestError, PlacementError,
+    return (CheckpointError, ConvertError, HubError, LayoutError, LoadError, ManifestError, PlacementError,
             SafetensorsError, OSError)
 
 
@@ -203,7 +204,7 @@ def _short_list(ids: tuple[int, ...]) -> str:
     return text if len(text) < 80 else text[:76] + " ..."
 
 
-def resolve_source(src: str) -> Path:
+def resolve_source(src: str, revision: str | None = None) -> Path:
     """A local directory (hub repo ids are resolved by :mod:`.hub` where available)."""
     path = Path(src)
     if path.exists():
@@ -212,7 +213,7 @@ def resolve_source(src: str) -> Path:
         from .hub import resolve_source as hub_resolve
     except ImportError:
         return path
-    return hub_resolve(src)
+    return hub_resolve(src, revision)
 
 
 # --------------------------------------------------------------------------------------
@@ -224,9 +225,15 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class ShardBy(str, Enum):
+    layer = "layer"
+    rank = "rank"
+
+
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index).")],
+    src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index), "
+                                            "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
     ep_size: Annotated[int, typer.Option(help="Expert-parallel size the model will be served with.")],
     num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB); n_routed + this must "
@@ -243,25 +250,40 @@ def convert(
     no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
                                                               "crash-durable on power loss).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
+                                                         "download (default: main).")] = None,
+    shard: Annotated[Optional[str], typer.Option(help="Convert only part I of N (0-based, e.g. 3/8), to run one "
+                                                      "conversion on N machines; see `megamoe merge`.")] = None,
+    shard_by: Annotated[ShardBy, typer.Option(help="What --shard splits the expert shards by.")] = ShardBy.layer,
+    auto_merge: Annotated[bool, typer.Option(help="With --shard: the last part to finish in a shared OUT writes "
+                                                  "the manifest (merges all parts).")] = True,
 ) -> None:
     """Convert a checkpoint into per-rank MegaMoE shards, non-expert shards and manifest.json.
 
     Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
     manifest last) and resumable: rerun the same command after a crash or Ctrl-C.
     """
-    from .convert import ConvertOptions, convert as run_convert
+    from .convert import ConvertOptions, convert as run_convert, parse_shard
 
     options = ConvertOptions(ep_size=ep_size, num_redundant_experts=num_redundant_experts,
                              placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
                              layers=layers, experts_only=experts_only, overwrite=overwrite,
-                             chunk_bytes=chunk_mb << 20, fsync=not no_fsync)
+                             chunk_bytes=chunk_mb << 20, fsync=not no_fsync, shard_by=shard_by.value,
+                             auto_merge=auto_merge)
 
     def body() -> None:
-        with ByteProgress("convert", quiet=False) as progress:
-            summary = run_convert(resolve_source(src), out, options, progress)
+        options.shard = parse_shard(shard) if shard is not None else None
+        with ByteProgress("convert" if shard is None else f"convert part {shard}", quiet=False) as progress:
+            summary = run_convert(resolve_source(src, revision), out, options, progress)
         data = summary.to_json()
         if as_json:
             print_json(data)
+        elif shard is not None:
+            err_console.print(f"[green]done[/green]: part {shard} in {out} ({data['files_written']} files written, "
+                              f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "
+                              f"{data['seconds']:.1f} s); " + ("all parts present: merged, manifest.json written"
+                                                               if data["merged"] else
+                                                               "run `megamoe merge` once every part is done"))
         else:
             err_console.print(f"[green]done[/green]: {out} ({data['files_written']} files written, "
                               f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "

@@ -1,12 +1,103 @@
-"""`megamoe` commands for fleet (registered into the main app by cli.py)."""
+"""`megamoe` commands for fleet (registered into the main app by cli.py): push, pull, merge."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
 
 import typer
+
+from .ui import ByteProgress, err_console, human_bytes
 
 
 def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
              print_json: Callable[[Any], None]) -> None:
     """Add this module's commands to `app`."""
+
+    @app.command()
+    def push(
+        out: Annotated[Path, typer.Argument(help="A finished converted directory (with manifest.json).")],
+        repo_id: Annotated[str, typer.Argument(help="Hugging Face model repo (owner/name); created if needed.")],
+        revision: Annotated[Optional[str], typer.Option(help="Branch to push to (created from main if needed; "
+                                                             "default: main).")] = None,
+        private: Annotated[bool, typer.Option(help="Create the repo private (an existing repo keeps its "
+                                                   "visibility).")] = False,
+        verify: Annotated[bool, typer.Option(help="Check every file's checksum before uploading (sizes are "
+                                                  "always checked).")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+    ) -> None:
+        """Upload a conversion to the Hugging Face hub: data first (resumable), then manifest.json and a
+        generated model card (README.md) in one last commit. Rerun the same command to resume."""
+        from .hub import push as hub_push
+
+        def body() -> None:
+            result = hub_push(out, repo_id, revision=revision, private=private, verify=verify)
+            if as_json:
+                print_json(result)
+            else:
+                err_console.print(f"[green]pushed[/green] {out} to {result['url']} @ {result['revision']} "
+                                  f"({result['files']} files, {human_bytes(result['bytes'])}, EP {result['ep_size']})")
+        run_command(body)
+
+    @app.command()
+    def pull(
+        repo_id: Annotated[str, typer.Argument(help="Hugging Face repo of a pushed conversion (owner/name).")],
+        ranks: Annotated[Optional[str], typer.Option(help="Only these ranks' shards, e.g. 0-7 or 8,9 "
+                                                          "(default: every converted rank).")] = None,
+        local_dir: Annotated[Optional[Path], typer.Option(help="Download into this directory (default: the "
+                                                               "Hugging Face cache; the path is printed).")] = None,
+        revision: Annotated[Optional[str], typer.Option(help="Branch, tag or commit (default: main).")] = None,
+        experts_only: Annotated[bool, typer.Option(help="Skip the non-expert shards (model-*.safetensors).")] = False,
+        verify: Annotated[bool, typer.Option(help="Check checksums of everything downloaded (sizes are always "
+                                                  "checked).")] = True,
+        force_download: Annotated[bool, typer.Option(help="Download again even if present (after a checksum "
+                                                          "failure).")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+    ) -> None:
+        """Download the manifest, small files, non-expert shards and just the named ranks' shards of a
+        pushed conversion, then verify them against manifest.json. Honours HF_HUB_OFFLINE and the cache."""
+        from .hub import pull as hub_pull
+
+        def body() -> None:
+            result = hub_pull(repo_id, ranks, local_dir, revision, non_expert=not experts_only, verify=verify,
+                              force_download=force_download)
+            data = result.to_json()
+            if as_json:
+                print_json(data)
+            else:
+                err_console.print(f"[green]pulled[/green] {repo_id}@{result.commit[:12]} ranks "
+                                  f"{','.join(map(str, result.ranks))} into {result.path} ({data['files']} files, "
+                                  f"{human_bytes(data['bytes'])}, {data['verified']}s verified)")
+                print(result.path)
+        run_command(body)
+
+    @app.command()
+    def merge(
+        out: Annotated[Path, typer.Argument(help="Where the merged conversion goes: a new directory, the shared "
+                                                 "directory the parts were written into, or one of the parts.")],
+        parts: Annotated[Optional[list[Path]], typer.Argument(help="Directories holding parts (from "
+                                                                   "`megamoe convert --shard I/N`); OUT is "
+                                                                   "always searched too.")] = None,
+        verify: Annotated[bool, typer.Option(help="Re-check every file's checksum (sizes are always "
+                                                  "checked).")] = True,
+        workers: Annotated[int, typer.Option(help="Files checked/copied in parallel (0: one per core, at most "
+                                                  "8).")] = 0,
+        no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+    ) -> None:
+        """Assemble the N parts of a split conversion into one: files hard-linked (or copied) into OUT and
+        re-checked, then the non-expert index and manifest.json, byte for byte what one machine writes."""
+        from .fleet import merge as run_merge
+
+        def body() -> None:
+            with ByteProgress("merge", quiet=False) as progress:
+                result = run_merge(out, parts or [], verify=verify, fsync=not no_fsync, workers=workers,
+                                   progress=progress)
+            if as_json:
+                print_json(result)
+            else:
+                err_console.print(f"[green]merged[/green] {result['parts']} parts into {out} ({result['files']} "
+                                  f"files, {human_bytes(result['bytes'])}: {result['linked']} linked, "
+                                  f"{result['copied']} copied, {result['in_place'] + result['present']} already "
+                                  f"in place; {result['verified']}s verified)")
+        run_command(body)

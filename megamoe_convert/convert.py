@@ -30,7 +30,7 @@ from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR,
                        rank_file)
 from .placement import Placement, PlacementError, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into
-from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, write_json_atomic,
+from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, partial_path, write_json_atomic,
                      write_safetensors)
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -63,6 +63,10 @@ class ConvertOptions:
     overwrite: bool = False
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     fsync: bool = True
+    #: ``(index, count)``: convert only part ``index`` (0-based) of ``count`` (see :func:`shard_units`).
+    shard: tuple[int, int] | None = None
+    shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
+    auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
@@ -110,6 +114,8 @@ class Unit:
     nbytes: int  # approximate output size, for progress
     run: Callable[[], FileRecord]
     kind: str  # "small" | "non_expert" | "experts"
+    layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
+    rank: int | None = None
 
 
 @dataclass
@@ -122,6 +128,7 @@ class Plan:
     layers: list[MoELayer]
     units: list[Unit] = field(default_factory=list)
     non_expert_index: dict[str, str] = field(default_factory=dict)
+    all_paths: list[str] = field(default_factory=list)  # --shard: every file of the whole conversion, in order
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything that determines the output bytes (not workers, device or verbosity)."""
@@ -216,7 +223,7 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)
         return write_safetensors(plan.out / rel, plan.out, specs, chunks, metadata, fsync=plan.options.fsync)
 
-    return Unit(rel, sum(s.nbytes for s in specs), run, "experts")
+    return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank)
 
 
 # --------------------------------------------------------------------------------------
@@ -361,6 +368,111 @@ def is_done(out: Path, record: FileRecord | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------
+# Splitting one conversion over machines (--shard I/N)
+# --------------------------------------------------------------------------------------
+
+SHARD_BY = ("layer", "rank")
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"2/8"`` -> ``(2, 8)``: part 2 of 8, numbered from 0 (a Kubernetes completion index)."""
+    index, sep, count = spec.strip().partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise ConvertError(f"--shard: cannot parse {spec!r} (expected I/N, e.g. 0/8 for the first of 8 parts)") from None
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
+    return i, n
+
+
+def part_name(index: int, count: int) -> str:
+    return f"part-{index:05d}-of-{count:05d}"
+
+
+def part_manifest_name(index: int, count: int) -> str:
+    """What a part writes instead of ``manifest.json`` (which only ``merge`` writes)."""
+    return f"manifest.{part_name(index, count)}.json"
+
+
+#: Where ``merge`` keeps the part manifests it consumed (relative to OUT), so merging is repeatable.
+MERGED_PARTS_DIR = f"{STATE_DIR}/parts"
+
+
+def _block(items: Sequence[Any], index: int, count: int) -> Sequence[Any]:
+    return items[index * len(items) // count:(index + 1) * len(items) // count]
+
+
+def shard_units(plan: Plan, index: int, count: int, by: str = "layer") -> list[Unit]:
+    """Part ``index`` of ``count`` of the plan's units; every unit lands in exactly one part.
+
+    Rank shards are split into ``count`` contiguous, balanced blocks of MoE layers
+    (``by="layer"``: each machine reads only its layers' source bytes) or of ranks
+    (``by="rank"``); non-expert shards go round-robin from the last part, small files to
+    part 0. The split depends only on the plan, so every machine computes the same one.
+    """
+    if by not in SHARD_BY:
+        raise ConvertError(f"--shard-by {by!r}: expected one of {', '.join(SHARD_BY)}")
+    mine = set(_block(plan.layers if by == "layer" else plan.ranks, index, count))
+    non_expert = [u.path for u in plan.units if u.kind == "non_expert"]
+    chosen = []
+    for unit in plan.units:
+        if unit.kind == "small":
+            take = index == 0
+        elif unit.kind == "non_expert":
+            take = (count - 1 - non_expert.index(unit.path)) % count == index
+        else:
+            take = (unit.layer if by == "layer" else unit.rank) in mine
+        if take:
+            chosen.append(unit)
+    return chosen
+
+
+class PartState(OutputState):
+    """State of one part of a split conversion, in ``OUT/.megamoe/part-I-of-N/``.
+
+    Parts may run at the same time into one shared OUT: each has its own lock, plan and
+    journal, and touches only its own files (no directory-wide cleanup).
+    """
+
+    def __init__(self, out: Path, plan: Plan) -> None:
+        super().__init__(out)
+        assert plan.options.shard is not None
+        index, count = plan.options.shard
+        self.root_plan_path, self.root_journal_path = self.plan_path, self.journal_path
+        self.shard = {"index": index, "count": count, "by": plan.options.shard_by}
+        self.dir = out / STATE_DIR / part_name(index, count)
+        self.plan_path = self.dir / "plan.json"
+        self.journal_path = self.dir / "journal.jsonl"
+        self.part_manifest = out / part_manifest_name(index, count)
+        self.merged_part_manifest = out / MERGED_PARTS_DIR / part_manifest_name(index, count)
+        self.paths = [u.path for u in plan.units]
+
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
+        # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
+        if self.root_plan_path.exists() and json.loads(self.root_plan_path.read_text()) != fingerprint:
+            if not overwrite:
+                raise ConvertError(f"{self.out} holds a conversion made with different options; "
+                                   "pass --overwrite (to every part) to replace it")
+            self.root_plan_path.unlink(missing_ok=True)
+            self.root_journal_path.unlink(missing_ok=True)
+        super().prepare(fingerprint | {"shard": self.shard}, overwrite)
+        self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten
+        self.merged_part_manifest.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for record in self.journal().values():
+            (self.out / record.path).unlink(missing_ok=True)
+        self.journal_path.unlink(missing_ok=True)
+        self.part_manifest.unlink(missing_ok=True)
+        self.merged_part_manifest.unlink(missing_ok=True)
+
+    def remove_partials(self) -> None:
+        for rel in self.paths:  # only this part's: other parts may be writing theirs right now
+            partial_path(self.out / rel).unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------
 
@@ -388,6 +500,8 @@ class Summary:
     bytes_written: int
     expert_bytes: int
     seconds: float
+    shard: str | None = None  # "i/n" for a part of a split conversion
+    merged: bool | None = None  # a part: whether it found all parts in OUT and merged them
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -408,6 +522,9 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
     for layer in plan.layers:  # layer-major: a layer's source bytes are read while hot
         for rank in plan.ranks:
             plan.units.append(rank_shard_unit(plan, reader_factory, rank, layer, cancelled))
+    if options.shard is not None:
+        plan.all_paths = [u.path for u in plan.units]
+        plan.units = shard_units(plan, *options.shard, options.shard_by)
     return plan
 
 
@@ -423,13 +540,17 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     with FileCache() as files:
         plan = build_plan(src, out, options, files, cancelled)
         check_output_dir(out)
-        state = OutputState(out)
+        state = OutputState(out) if options.shard is None else PartState(out, plan)
         try:
             with state.lock().acquire(timeout=0):
-                return _run_locked(plan, state, progress, cancelled, started)
+                summary = _run_locked(plan, state, progress, cancelled, started)
         except Timeout:
             raise ConvertError(f"{out}: another `megamoe convert` is writing this directory "
                                f"(lock {state.dir / 'lock'} is held)") from None
+    if options.shard is not None and options.auto_merge:
+        from .fleet import auto_merge  # the last part to finish in a shared OUT writes the manifest
+        summary.merged = auto_merge(out, fsync=options.fsync)
+    return summary
 
 
 def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
@@ -449,16 +570,32 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
         else:
             todo.append(unit)
     written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
-    if not plan.options.experts_only:
-        index = {"metadata": {"total_size": sum(e.nbytes for e in plan.ckpt.non_expert_tensors()),
-                              "megamoe": "routed experts are in rank-*/ (see manifest.json)"},
-                 "weight_map": dict(sorted(plan.non_expert_index.items()))}
-        write_json_atomic(out / INDEX_NAME, json.dumps(index, indent=2), fsync=plan.options.fsync)
-    write_json_atomic(out / MANIFEST_NAME, plan.manifest(records).dumps(), fsync=plan.options.fsync)
+    shard = plan.options.shard
+    if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
+        from .fleet import write_part_manifest
+        write_part_manifest(plan, records)
+    else:
+        index = non_expert_index(plan)
+        if index is not None:
+            write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)
+        write_json_atomic(out / MANIFEST_NAME, plan.manifest(records).dumps(), fsync=plan.options.fsync)
     return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
-                   seconds=time.perf_counter() - started)
+                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None)
+
+
+def non_expert_index(plan: Plan) -> dict[str, Any] | None:
+    """``model.safetensors.index.json`` of the non-expert shards (``None`` with ``--experts-only``)."""
+    if plan.options.experts_only:
+        return None
+    return {"metadata": {"total_size": sum(e.nbytes for e in plan.ckpt.non_expert_tensors()),
+                         "megamoe": "routed experts are in rank-*/ (see manifest.json)"},
+            "weight_map": dict(sorted(plan.non_expert_index.items()))}
+
+
+def index_text(index: dict[str, Any]) -> str:
+    return json.dumps(index, indent=2)
 
 
 def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,

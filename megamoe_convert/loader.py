@@ -235,9 +235,12 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
 
     Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
     prefix. ``device="cpu"`` gives lazy memory-mapped tensors; a CUDA device gives device
-    tensors. ``verify=True`` also checks every file's checksum before use.
+    tensors. ``verify=True`` also checks every file's checksum before use. ``out`` may also
+    be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
     """
-    out = Path(out)
+    from .hub import resolve_converted
+
+    out = resolve_converted(out, [rank])
     try:
         manifest = read_manifest(out)
     except ManifestError as e:

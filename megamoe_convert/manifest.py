@@ -166,6 +166,10 @@ def read_manifest(out: Path) -> Manifest:
     try:
         text = path.read_text()
     except FileNotFoundError:
+        parts = sorted(p.name for p in Path(out).glob("manifest.part-*-of-*.json"))
+        if parts:
+            raise ManifestError(f"{path}: missing; {out} holds {parts[0]}{' ...' if len(parts) > 1 else ''}, a part "
+                                "of a conversion split with --shard: run `megamoe merge` to assemble the parts") from None
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)") from None
     try:

@@ -1,0 +1,332 @@
+"""One conversion spread over many machines: part manifests and ``megamoe merge``.
+
+``megamoe convert ... --shard I/N`` converts part I of N (see :func:`.convert.shard_units`)
+and, instead of ``manifest.json``, writes ``manifest.part-0000I-of-0000N.json``: the whole
+plan (fingerprint, manifest skeleton, every file's path, the non-expert index) plus the
+size and checksum of the files this part wrote. A part is never loadable on its own.
+
+:func:`merge` gathers the N parts (from one shared OUT, or from N separate directories),
+checks that they are the same plan and cover it exactly once, brings every file into OUT
+(hard link where possible, else copy) re-checking sizes and checksums, then writes the
+non-expert index and, last, ``manifest.json``: byte for byte what a single-machine
+``megamoe convert`` writes. In a shared OUT the last part to finish merges automatically
+(:func:`auto_merge`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from filelock import FileLock, Timeout
+
+from .checkpoint import INDEX_NAME
+from .convert import (MERGED_PARTS_DIR, ConvertError, NoProgress, OutputState, Progress, check_output_dir, index_text,
+                      non_expert_index, part_manifest_name)
+from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError
+from .writer import AtomicWriter, FileRecord, file_checksum, new_hasher, partial_path, write_json_atomic
+
+if TYPE_CHECKING:
+    from .convert import Plan
+
+PART_FORMAT = "megamoe-convert-part"
+PART_FORMAT_VERSION = 1
+PART_GLOB = "manifest.part-*-of-*.json"
+MERGE_LOCK = "merge.lock"
+COPY_CHUNK_BYTES = 64 << 20
+
+
+class MergeError(ConvertError):
+    """Parts that cannot be merged (missing, foreign, overlapping, or corrupted)."""
+
+
+# --------------------------------------------------------------------------------------
+# Part manifests
+# --------------------------------------------------------------------------------------
+
+def write_part_manifest(plan: "Plan", records: dict[str, FileRecord]) -> Path:
+    """Written by a part when all its files are done (in place of ``manifest.json``)."""
+    assert plan.options.shard is not None
+    index, count = plan.options.shard
+    skeleton = Manifest(
+        source=plan.ckpt.source_record(), dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks,
+        layers=plan.layers, experts_only=plan.options.experts_only, files=[], complete=False)
+    data = {
+        "format": PART_FORMAT, "format_version": PART_FORMAT_VERSION,
+        "shard": {"index": index, "count": count, "by": plan.options.shard_by},
+        "fingerprint": plan.fingerprint(),
+        "manifest": skeleton.to_json(),
+        "plan_files": plan.all_paths,
+        "index": non_expert_index(plan),
+        "files": [records[u.path].to_json() for u in plan.units],
+    }
+    path = plan.out / part_manifest_name(index, count)
+    write_json_atomic(path, json.dumps(data, indent=1) + "\n", fsync=plan.options.fsync)
+    return path
+
+
+@dataclass
+class Part:
+    """A finished part, as read from its part manifest."""
+
+    dir: Path
+    path: Path
+    index: int
+    count: int
+    by: str
+    fingerprint: dict[str, Any]
+    manifest: dict[str, Any]
+    plan_files: list[str]
+    index_json: dict[str, Any] | None
+    files: list[FileRecord]
+
+    @property
+    def name(self) -> str:
+        return f"part {self.index}/{self.count} ({self.path})"
+
+
+def read_part(path: Path, root: Path | None = None) -> Part:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != PART_FORMAT:
+            raise MergeError(f"{path}: not a megamoe part manifest (format={data.get('format')!r})")
+        if data.get("format_version", 0) > PART_FORMAT_VERSION:
+            raise MergeError(f"{path}: part format_version {data['format_version']} is newer than this "
+                             "megamoe-convert understands; upgrade megamoe-convert")
+        shard = data["shard"]
+        files = [FileRecord(str(f["path"]), int(f["size"]), str(f["checksum"])) for f in data["files"]]
+        part = Part(root or path.parent, path, int(shard["index"]), int(shard["count"]), str(shard["by"]),
+                    dict(data["fingerprint"]), dict(data["manifest"]), [str(p) for p in data["plan_files"]],
+                    data["index"], files)
+    except MergeError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise MergeError(f"{path}: unreadable part manifest ({type(e).__name__}: {e})") from None
+    for rel in part.plan_files:
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise MergeError(f"{path}: file path {rel!r} escapes the directory")
+    return part
+
+
+def find_parts(dirs: Iterable[Path]) -> list[Part]:
+    """Every part manifest in ``dirs``, finished (top level) or already merged (kept in
+    ``.megamoe/parts/``); each file once, however often its directory is named."""
+    seen: set[Path] = set()
+    parts = []
+    for d in dirs:
+        if not d.is_dir():
+            raise MergeError(f"{d}: no such directory")
+        for path in sorted(d.glob(PART_GLOB)) + sorted((d / MERGED_PARTS_DIR).glob(PART_GLOB)):
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                parts.append(read_part(path, d))
+    return parts
+
+
+def select_parts(parts: Sequence[Part], prefer: Path | None = None) -> tuple[list[Part] | None, str]:
+    """The one complete set of parts (all of 0..N-1, one plan), or ``None`` and why not.
+
+    Where a part is found twice (e.g. in OUT and in its own directory) with the same files,
+    the copy under ``prefer`` (OUT) is used.
+    """
+    if not parts:
+        return None, "no part manifests (manifest.part-*-of-*.json) found; run `megamoe convert --shard I/N` first"
+    groups: dict[str, list[Part]] = {}
+    for part in parts:
+        key = json.dumps([part.count, part.fingerprint], sort_keys=True)
+        groups.setdefault(key, []).append(part)
+    complete, reasons = [], []
+    for group in groups.values():
+        count = group[0].count
+        by_index: dict[int, Part] = {}
+        for part in sorted(group, key=lambda p: prefer is not None and p.dir.resolve() != prefer.resolve()):
+            other = by_index.get(part.index)
+            if other is None:
+                by_index[part.index] = part
+            elif other.files != part.files:
+                return None, f"{part.name} and {other.name} are the same part with different files"
+        missing = [i for i in range(count) if i not in by_index]
+        if missing:
+            reasons.append(f"{len(missing)} of {count} parts missing (part {_ranges(missing)} not found; "
+                           f"found {', '.join(str(p.path) for p in by_index.values())})")
+        else:
+            complete.append([by_index[i] for i in range(count)])
+    if len(complete) > 1:
+        return None, (f"{len(complete)} complete sets of parts of different conversions found; "
+                      "merge them from separate directories")
+    if not complete:
+        return None, "; ".join(reasons) if len(groups) == 1 else \
+            f"parts of {len(groups)} different conversions (or --shard N) found, none complete: " + "; ".join(reasons)
+    return complete[0], ""
+
+
+def _ranges(values: list[int]) -> str:
+    from .checkpoint import _ranges as ranges
+    return ranges(values)
+
+
+def check_coverage(parts: Sequence[Part]) -> list[tuple[Part, FileRecord]]:
+    """Every file of the plan from exactly one part, in the plan's order."""
+    plan_files = parts[0].plan_files
+    owner: dict[str, tuple[Part, FileRecord]] = {}
+    for part in parts:
+        for record in part.files:
+            if record.path in owner:
+                raise MergeError(f"{record.path} was written by both {owner[record.path][0].name} and {part.name}")
+            owner[record.path] = (part, record)
+    missing = [p for p in plan_files if p not in owner]
+    extra = sorted(set(owner) - set(plan_files))
+    if missing or extra:
+        what = f"{missing[0]} is in no part" if missing else f"{extra[0]} is not in the plan"
+        raise MergeError(f"the parts do not cover the conversion exactly ({what})")
+    return [owner[p] for p in plan_files]
+
+
+# --------------------------------------------------------------------------------------
+# Bringing files into OUT
+# --------------------------------------------------------------------------------------
+
+def _check(path: Path, record: FileRecord, where: str, verify: bool) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MergeError(f"{path}: missing (listed in {where})") from None
+    if size != record.size:
+        raise MergeError(f"{path}: size {size} bytes, {where} records {record.size}")
+    if verify and file_checksum(path) != record.checksum:
+        raise MergeError(f"{path}: checksum mismatch with {where} (file is corrupted or was modified)")
+
+
+def _copy(src: Path, dst: Path, out: Path, record: FileRecord, where: str, fsync: bool) -> None:
+    """Copy under a temporary name, checking size and checksum before the rename."""
+    hasher = new_hasher()
+    with AtomicWriter(dst, out, fsync=fsync) as w, open(src, "rb") as f:
+        while block := f.read(COPY_CHUNK_BYTES):
+            hasher.update(block)
+            w.write(block)
+        if w.size != record.size:
+            raise MergeError(f"{src}: size {w.size} bytes, {where} records {record.size}")
+        if hasher.hexdigest() != record.checksum:
+            raise MergeError(f"{src}: checksum mismatch with {where} (file is corrupted or was modified)")
+        w.commit()
+
+
+def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: bool) -> str:
+    """Make ``OUT/record.path`` the part's file, checked; returns how: in_place/present/linked/copied."""
+    src, dst = part.dir / record.path, out / record.path
+    where = str(part.path)
+    if not src.exists():
+        raise MergeError(f"{src}: missing (listed in {where})")
+    if dst.exists() and os.path.samefile(src, dst):
+        _check(dst, record, where, verify)
+        return "in_place"
+    if dst.is_file() and dst.stat().st_size == record.size and (not verify or file_checksum(dst) == record.checksum):
+        return "present"  # an earlier merge already brought it (sizes and checksum match)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = partial_path(dst)
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # another filesystem, or no hard links: copy (and check while copying)
+        _copy(src, dst, out, record, where, fsync)
+        return "copied"
+    try:
+        _check(tmp, record, where, verify)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return "linked"
+
+
+# --------------------------------------------------------------------------------------
+# Merge
+# --------------------------------------------------------------------------------------
+
+def merge(out: Path | str, parts: Sequence[Path | str] = (), *, verify: bool = True, fsync: bool = True,
+          workers: int = 0, wait: bool = False, if_needed: bool = False,
+          progress: Progress | None = None) -> dict[str, Any]:
+    """Merge the parts of a split conversion into ``out``; returns a summary.
+
+    ``parts``: directories holding part outputs (``out`` itself is always searched too, so
+    ``merge(out)`` merges parts written into one shared directory). ``verify=False`` checks
+    sizes only. ``wait``: wait for a concurrent merge into ``out`` instead of failing.
+    ``if_needed``: do nothing if ``out`` already holds the merge of every part found.
+    """
+    out = Path(out)
+    dirs = ([out] if out.is_dir() else []) + [Path(p) for p in parts]
+    chosen, reason = select_parts(find_parts(dirs), prefer=out)
+    if chosen is None:
+        raise MergeError(f"cannot merge into {out}: {reason}")
+    check_output_dir(out)
+    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out / STATE_DIR / MERGE_LOCK)
+    try:
+        lock.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        raise MergeError(f"{out}: another `megamoe merge` is writing this directory") from None
+    try:
+        return _merge_locked(out, dirs, verify, fsync, workers, if_needed, progress or NoProgress())
+    finally:
+        lock.release()
+
+
+def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, workers: int, if_needed: bool,
+                  progress: Progress) -> dict[str, Any]:
+    started = time.perf_counter()
+    all_parts = find_parts(dirs)  # again, under the lock
+    chosen, reason = select_parts(all_parts, prefer=out)
+    if chosen is None:
+        raise MergeError(f"cannot merge into {out}: {reason}")
+    if if_needed and (out / MANIFEST_NAME).exists() and all(p.path.parent.resolve() != out.resolve() for p in chosen):
+        return {"out": str(out), "parts": len(chosen), "already_merged": True}
+    files = check_coverage(chosen)
+    (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
+    progress.start(sum(r.size for _, r in files), len(files))
+    how: dict[str, int] = {}
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+        placed = pool.map(lambda item: place_file(item[0], item[1], out, verify, fsync), files)
+        for (_, record), kind in zip(files, placed):  # in order; the first failure is raised here
+            how[kind] = how.get(kind, 0) + 1
+            progress.advance(record.size, record.path, skipped=kind in ("in_place", "present"))
+    first = chosen[0]
+    if first.index_json is not None:
+        write_json_atomic(out / INDEX_NAME, index_text(first.index_json), fsync=fsync)
+    # The whole-conversion state, as a single-machine run leaves it: a rerun of the same
+    # `megamoe convert` (without --shard) into OUT then finds every file done.
+    state = OutputState(out)
+    write_json_atomic(state.plan_path, json.dumps(first.fingerprint, indent=1, sort_keys=True), fsync=fsync)
+    write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync)
+    data = dict(first.manifest, complete=True, files=[r.to_json() for _, r in files])
+    try:
+        manifest = Manifest.from_json(data, str(first.path))
+    except ManifestError as e:
+        raise MergeError(str(e)) from None
+    write_json_atomic(out / MANIFEST_NAME, manifest.dumps(), fsync=fsync)
+    (out / MERGED_PARTS_DIR).mkdir(parents=True, exist_ok=True)
+    for part in chosen:  # consumed: OUT is now the whole conversion; kept out of sight for a re-merge
+        if part.dir.resolve() == out.resolve() and part.path.parent.resolve() == out.resolve():
+            os.replace(part.path, out / MERGED_PARTS_DIR / part.path.name)
+    used = {p.path.resolve() for p in chosen}
+    return {"out": str(out), "parts": len(chosen), "shard_by": first.by, "files": len(files),
+            "bytes": sum(r.size for _, r in files), "verified": "checksum" if verify else "size",
+            **{k: how.get(k, 0) for k in ("linked", "copied", "in_place", "present")},
+            "ignored_part_manifests": [str(p.path) for p in all_parts if p.path.resolve() not in used],
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+def auto_merge(out: Path, fsync: bool = True) -> bool:
+    """After a part finishes: if every part is now in ``out``, merge them (once, under a lock).
+
+    Returns whether ``out`` holds the merged conversion. Parts elsewhere are left to an
+    explicit ``megamoe merge``.
+    """
+    chosen, _ = select_parts(find_parts([out]), prefer=out)
+    if chosen is None:
+        return False
+    merge(out, verify=True, fsync=fsync, wait=True, if_needed=True)  # once, if parts finish at the same time
+    return True

@@ -1,0 +1,179 @@
+"""One conversion on many machines: ``convert --shard I/N`` and ``megamoe merge``.
+
+The reference is a single-machine ``megamoe convert`` of the same checkpoint
+(``tiny_converted``: EP 4, 4 redundant experts): parts + merge must give the same files,
+byte for byte, whether the parts ran into separate directories or into one shared one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli
+from megamoe_convert.convert import (ConvertError, ConvertOptions, build_plan, convert, parse_shard)
+from megamoe_convert.fleet import MergeError, merge
+from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert.safetensors_io import FileCache
+
+EP4 = ("--ep-size", 4, "--num-redundant-experts", 4)
+
+
+def output_files(out: Path) -> dict[str, bytes]:
+    """Every file except the hidden conversion state."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
+
+
+def start_cli(*args: object) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", *map(str, args)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen[str]) -> dict:
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    return json.loads(stdout)
+
+
+def options(shard: tuple[int, int] | None = None, by: str = "layer", **kw: object) -> ConvertOptions:
+    return ConvertOptions(ep_size=4, num_redundant_experts=4, shard=shard, shard_by=by, fsync=False, **kw)
+
+
+# ----------------------------------------------------------------------------- real CLI runs
+
+def test_parts_in_separate_directories_then_merge_equal_a_single_machine_convert(tiny_ckpt, tiny_converted,
+                                                                                 tmp_path):
+    parts = [tmp_path / f"part{i}" for i in range(3)]
+    procs = [start_cli("convert", tiny_ckpt, parts[i], *EP4, "--shard", f"{i}/3", "--json") for i in range(3)]
+    summaries = [finish(p) for p in procs]
+    assert [s["shard"] for s in summaries] == ["0/3", "1/3", "2/3"]
+    assert not any(s["merged"] for s in summaries)  # each OUT holds one part only
+    written = [set(output_files(p)) for p in parts]
+    for i, part in enumerate(parts):
+        assert not (part / "manifest.json").exists() and (part / f"manifest.part-0000{i}-of-00003.json").exists()
+        with pytest.raises(LoadError, match="megamoe merge"):  # a part is never loadable on its own
+            load_rank(part, 0)
+    assert not (written[0] & written[1]) and not (written[1] & written[2])  # no file converted twice
+
+    out = tmp_path / "merged"
+    result = json.loads(run_cli("merge", out, *parts, "--json").stdout)
+    assert result["parts"] == 3 and result["verified"] == "checksum" and result["copied"] + result["linked"] == 15
+    assert output_files(out) == output_files(tiny_converted)
+    # OUT is now an ordinary conversion: the same single-machine command finds every file done.
+    again = convert(tiny_ckpt, out, options())
+    assert again.files_written == 0 and again.files_skipped == 15
+    assert output_files(out) == output_files(tiny_converted)
+
+
+def test_parts_running_at_once_into_one_shared_directory_merge_themselves(tiny_ckpt, tiny_converted, tmp_path):
+    out = tmp_path / "shared"
+    procs = [start_cli("convert", tiny_ckpt, out, *EP4, "--shard", f"{i}/2", "--shard-by", "rank", "--json")
+             for i in range(2)]
+    summaries = [finish(p) for p in procs]
+    assert any(s["merged"] for s in summaries)  # the last part to finish wrote the manifest
+    assert output_files(out) == output_files(tiny_converted)
+    assert not list(out.glob("manifest.part-*"))  # consumed (kept under .megamoe/ for a re-merge)
+
+
+# ----------------------------------------------------------------------------- the split itself
+
+@pytest.mark.parametrize("by", ["layer", "rank"])
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 7])
+def test_every_file_is_in_exactly_one_part_whatever_n(tiny_ckpt, tmp_path, by, count):
+    def paths(shard):
+        with FileCache() as files:
+            plan = build_plan(tiny_ckpt, tmp_path, options(shard, by), files, threading.Event())
+            return [u.path for u in plan.units], plan.all_paths
+
+    whole, _ = paths(None)
+    seen: list[str] = []
+    for i in range(count):
+        mine, all_paths = paths((i, count))
+        assert all_paths == whole
+        assert mine == paths((i, count))[0]  # deterministic
+        seen += mine
+    assert sorted(seen) == sorted(whole)
+    assert len(set(seen)) == len(seen)
+
+
+def test_layer_split_gives_each_part_whole_layers(tiny_ckpt, tmp_path):
+    with FileCache() as files:
+        plan = build_plan(tiny_ckpt, tmp_path, options((1, 3)), files, threading.Event())
+    assert {u.layer.key for u in plan.units if u.kind == "experts"} == {"layers.1"}
+    assert {u.rank for u in plan.units if u.kind == "experts"} == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("spec", ["3/3", "-1/2", "1", "a/b", "0/0", "1/2/3"])
+def test_bad_shard_specs_are_refused(spec):
+    with pytest.raises(ConvertError, match="--shard"):
+        parse_shard(spec)
+
+
+# ----------------------------------------------------------------------------- merge checks
+
+@pytest.fixture()
+def three_parts(tiny_ckpt, tmp_path):
+    parts = [tmp_path / f"p{i}" for i in range(3)]
+    for i, part in enumerate(parts):
+        convert(tiny_ckpt, part, options((i, 3)))
+    return parts
+
+
+def test_merge_refuses_missing_or_foreign_parts(tiny_ckpt, tmp_path, three_parts):
+    with pytest.raises(MergeError, match=r"1 of 3 parts missing \(part 2 not found"):
+        merge(tmp_path / "out", three_parts[:2])
+    other = tmp_path / "ep2"
+    convert(tiny_ckpt, other, ConvertOptions(ep_size=2, shard=(2, 3), fsync=False))
+    with pytest.raises(MergeError, match="different conversions"):
+        merge(tmp_path / "out", [*three_parts[:2], other])
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ConvertError, match="not a megamoe output"):
+        merge(foreign, three_parts)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_merge_rechecks_sizes_and_checksums(tmp_path, three_parts):
+    victim = next((three_parts[2] / "rank-00001-of-00004").glob("*.safetensors"))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))  # same size, different bytes
+    with pytest.raises(MergeError, match="checksum mismatch"):
+        merge(tmp_path / "out", three_parts)
+    victim.write_bytes(bytes(data[:-1]))
+    with pytest.raises(MergeError, match="size"):
+        merge(tmp_path / "out", three_parts, verify=False)
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_merge_into_one_of_the_parts_and_again(tiny_converted, three_parts):
+    own = len(json.loads((three_parts[0] / "manifest.part-00000-of-00003.json").read_text())["files"])
+    first = merge(three_parts[0], three_parts[1:])
+    assert first["in_place"] == own and first["linked"] + first["copied"] == 15 - own > 0
+    assert output_files(three_parts[0]) == output_files(tiny_converted)
+    again = merge(three_parts[0], three_parts[1:])  # repeatable: the consumed part manifest is kept
+    assert again["in_place"] + again["present"] == 15
+    assert output_files(three_parts[0]) == output_files(tiny_converted)
+
+
+def test_a_part_refuses_an_output_holding_a_different_conversion(tiny_ckpt, tiny_converted, tmp_path):
+    out = tmp_path / "ep2"
+    convert(tiny_ckpt, out, ConvertOptions(ep_size=2, fsync=False))
+    with pytest.raises(ConvertError, match="different options"):
+        convert(tiny_ckpt, out, options((0, 2)))
+    assert (out / "manifest.json").exists()  # refused before touching anything
+
+
+def test_single_part_merges_itself_and_can_still_be_merged_elsewhere(tiny_ckpt, tiny_converted, tmp_path):
+    summary = convert(tiny_ckpt, tmp_path / "p0", options((0, 1)))
+    assert summary.merged
+    assert output_files(tmp_path / "p0") == output_files(tiny_converted)
+    merge(tmp_path / "copy", [tmp_path / "p0"])
+    assert output_files(tmp_path / "copy") == output_files(tiny_converted)
