@@ -116,6 +116,19 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
     return entries
 
 
+def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...]) -> None:
+    """The shard says which logical experts it holds; it must be what the placement says."""
+    stored = torch.empty(entry.shape, dtype=torch.int32)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_into(fd, entry.begin, stored)
+    finally:
+        os.close(fd)
+    if tuple(stored.tolist()) != expected:
+        raise LoadError(f"{path}: holds logical experts {stored.tolist()}, but manifest.json's placement gives "
+                        f"this rank {list(expected)}")
+
+
 # --------------------------------------------------------------------------------------
 # CPU: zero-copy memory maps
 # --------------------------------------------------------------------------------------
@@ -254,6 +267,8 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
         except SafetensorsError as e:
             raise LoadError(str(e)) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
+        check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
+                          manifest.placement.rank_logical_ids(rank))
     device = torch.device(device)
     if device.type == "cuda":
         tensors = _load_cuda(out, records, headers, device)
