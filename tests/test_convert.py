@@ -237,3 +237,13 @@ def test_peak_memory_does_not_grow_with_the_number_of_layers(tmp_path):
     assert expert_mb > 100  # the 20-layer checkpoint is far bigger than any allowed growth
     print("peak RSS MB by layers:", peaks)
     assert peaks[20] - peaks[2] < 48, peaks
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_convert_on_cuda_writes_the_same_bytes_as_on_cpu(tiny_ckpt, tmp_path):
+    run_cli("convert", tiny_ckpt, tmp_path / "cpu", "--ep-size", 4, "--num-redundant-experts", 4)
+    run_cli("convert", tiny_ckpt, tmp_path / "gpu", "--ep-size", 4, "--num-redundant-experts", 4, "--device", "cuda")
+    cpu, gpu = output_files(tmp_path / "cpu"), output_files(tmp_path / "gpu")
+    assert cpu.keys() == gpu.keys()
+    assert all(cpu[k] == gpu[k] for k in cpu)
