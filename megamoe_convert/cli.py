@@ -246,7 +246,7 @@ def convert(
     layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: all).")] = None,
     experts_only: Annotated[bool, typer.Option(help="Skip copying the non-expert tensors.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an OUT made with different options.")] = False,
-    chunk_mb: Annotated[int, typer.Option(help="Experts read and transformed per step, in MB (bounds memory).")] = 256,
+    chunk_mb: Annotated[int, typer.Option(help="Experts read and transformed per step, in MB (bounds memory).")] = 32,
     no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
                                                               "crash-durable on power loss).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,

@@ -11,9 +11,11 @@ The manifest is written last and removed first: a directory without one is unfin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -29,11 +31,11 @@ from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
                        rank_file)
 from .placement import Placement, PlacementError, parse_ranks
-from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into
+from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
 from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, partial_path, write_json_atomic,
                      write_safetensors)
 
-DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
 NON_EXPERT_SHARD_BYTES = 4 << 30
 COPY_CHUNK_BYTES = 64 << 20
 
@@ -168,6 +170,131 @@ class ExpertReader:
         return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
 
 
+# --------------------------------------------------------------------------------------
+# The CPU path: every source byte is read once, straight to its place in the output
+# --------------------------------------------------------------------------------------
+#
+# layout.py states the transform as tensor operations (stack, pad, pack, interleave,
+# transpose), each a full pass over memory. On the CPU the same bytes come with far less
+# traffic: each weight row run lands at its final offset by one scatter read (``preadv``)
+# per source tensor, so user code never touches weight bytes; scale bytes become int32
+# words by a reinterpreting view (little-endian host) and are permuted by one gather and
+# one transpose. The row orders are computed *by* the layout functions (applied to row
+# numbers), so the two paths cannot drift apart, and the tests compare every output with
+# ``layout.transform_experts``. Buffers are per thread and reused across chunks and files:
+# a fresh multi-MB allocation costs a page fault per 4 KiB.
+
+_thread_buffers = threading.local()
+
+
+def _thread_buffer(nbytes: int) -> torch.Tensor:
+    """A flat uint8 buffer of at least ``nbytes``, owned by (and reused within) this thread."""
+    buf = getattr(_thread_buffers, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        _thread_buffers.buf = _thread_buffers.iovecs = None  # free the smaller one before taking the larger
+        buf = _thread_buffers.buf = torch.empty(nbytes, dtype=torch.uint8)
+        _thread_buffers.iovecs = {}  # scatter-read buffer lists into ``buf``, built once per shape
+    return buf
+
+
+@functools.lru_cache(maxsize=64)
+def _row_order(rows: int, gate_up: bool, utccp: bool) -> torch.Tensor:
+    """Output row ``r`` is input row ``order[r]``: the layout's row permutation, computed by it."""
+    order = torch.arange(rows, dtype=torch.int64).view(1, rows, 1)
+    if gate_up:
+        order = layout.interleave_gate_up(order)
+    if utccp:
+        order = layout.transpose_sf_for_utccp(order)
+    return order.view(rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_runs(rows: int, gate_up: bool, splits: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``(out_row, in_row, count)`` runs of consecutive rows of the weight row order, in input
+    order; a run never crosses an input row in ``splits`` (where one source tensor ends)."""
+    runs: list[list[int]] = []
+    for out_row, in_row in enumerate(_row_order(rows, gate_up, False).tolist()):
+        last = runs[-1] if runs else None
+        if last and last[0] + last[2] == out_row and last[1] + last[2] == in_row and in_row not in splits:
+            last[2] += 1
+        else:
+            runs.append([out_row, in_row, 1])
+    return tuple(sorted((tuple(r) for r in runs), key=lambda r: r[1]))
+
+
+def direct_path_supported(dims: Any, device: str) -> bool:
+    """The direct path's assumptions: CPU, little-endian int32 words, no scale padding."""
+    h, i = dims.hidden_size, dims.moe_intermediate_size
+    return (device == "cpu" and sys.byteorder == "little"
+            and all(k // layout.SCALE_BLOCK_K % layout.SCALES_PER_WORD == 0 for k in (h, i))
+            and all(layout.tma_aligned_mn(mn) == mn and mn % layout.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
+
+
+def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
+                   gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
+    """``uint8 [E, rows, cols]``: the experts' weight rows in output order, read in place."""
+    heights = [reader.ckpt.expert_entry(layer, 0, p, "weight").byte_shape[0] for p in projs]
+    cols = reader.ckpt.expert_entry(layer, 0, projs[0], "weight").byte_shape[1]
+    rows = sum(heights)
+    splits = tuple(sum(heights[:n]) for n in range(1, len(heights)))
+    runs = _row_runs(rows, gate_up, splits)
+    out = buf[:len(experts) * rows * cols]
+    cache = _thread_buffers.iovecs
+    for e, expert in enumerate(experts):
+        iovecs = cache.get((rows, cols, splits, gate_up, e))
+        if iovecs is None:  # expert e's rows of each projection, in the file's order
+            flat, base = memoryview(buf.numpy()), e * rows * cols
+            bounds = (0, *splits, rows)
+            iovecs = cache[rows, cols, splits, gate_up, e] = [
+                [flat[base + o * cols:base + (o + n) * cols] for o, i, n in runs if lo <= i < hi]
+                for lo, hi in zip(bounds, bounds[1:])]
+        for proj, views in zip(projs, iovecs):
+            entry = reader.ckpt.expert_entry(layer, expert, proj, "weight")
+            readv_into(reader.files.fd(entry.path), views, entry.begin)
+    return out.view(len(experts), rows, cols)
+
+
+def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
+               gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
+    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`layout.sf_storage`) of the experts."""
+    heights = [reader.ckpt.expert_entry(layer, 0, p, "scale").byte_shape[0] for p in projs]
+    blocks = reader.ckpt.expert_entry(layer, 0, projs[0], "scale").byte_shape[1]
+    mn, pk, count = sum(heights), blocks // layout.SCALES_PER_WORD, len(experts)
+    size = count * mn * blocks
+    staging, gathered, out = buf[:size], buf[size:2 * size], buf[2 * size:3 * size]
+    flat = memoryview(staging.numpy())
+    for e, expert in enumerate(experts):
+        first = e * mn * blocks
+        for proj, height in zip(projs, heights):
+            entry = reader.ckpt.expert_entry(layer, expert, proj, "scale")
+            readv_into(reader.files.fd(entry.path), [flat[first:first + height * blocks]], entry.begin)
+            first += height * blocks
+    words = staging.view(torch.int32).view(count, mn, pk)  # pack_ue8m0, as little-endian words
+    rows = gathered.view(torch.int32).view(count, mn, pk)
+    torch.index_select(words, 1, _row_order(mn, gate_up, True), out=rows)  # interleave + UTCCP rows
+    storage = out.view(torch.int32).view(count, pk, mn)
+    storage.copy_(rows.transpose(1, 2))  # MN-major: the contiguous [E, pk, MN] behind it
+    return storage
+
+
+def direct_rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
+                             cancelled: threading.Event | None = None) -> Iterator[torch.Tensor]:
+    """:func:`rank_shard_chunks`'s four tensors, produced by the direct path (same bytes).
+
+    Every chunk is a view of this thread's buffer: valid until the next one is asked for.
+    """
+    dims = reader.ckpt.dims
+    h, i = dims.hidden_size, dims.moe_intermediate_size
+    per_expert = max(2 * i * h // 2, h * i // 2, 3 * 2 * i * h // layout.SCALE_BLOCK_K)
+    buf = _thread_buffer(min(group, len(logical_ids)) * per_expert)
+    for projs, gate_up in ((("w1", "w3"), True), (("w2",), False)):
+        for produce in (_direct_weight, _direct_sf):
+            for experts in _groups(logical_ids, group):
+                if cancelled is not None and cancelled.is_set():
+                    raise Cancelled("cancelled")
+                yield produce(reader, layer, experts, projs, gate_up, buf)
+
+
 def rank_shard_specs(layer: MoELayer, experts: int, hidden: int, inter: int) -> list[TensorSpec]:
     """The tensors of one rank shard, in file order."""
     names = expert_tensor_names(layer)
@@ -195,6 +322,10 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
     """
     per_expert = reader.ckpt.dims.bytes_per_expert()
     group = max(1, chunk_bytes // max(1, per_expert))
+    if direct_path_supported(reader.ckpt.dims, reader.device):
+        yield from direct_rank_shard_chunks(reader, layer, logical_ids, group, cancelled)
+        yield torch.tensor(list(logical_ids), dtype=torch.int32)
+        return
     steps = (
         (("w1", "w3"), "weight", layout.l1_weight),
         (("w1", "w3"), "scale", lambda sf: layout.sf_storage(layout.l1_sf(sf))),
@@ -243,14 +374,20 @@ def _pack_non_expert(entries: list[TensorEntry], shard_bytes: int) -> list[list[
 
 
 def _copy_chunks(files: FileCache, entries: list[TensorEntry], cancelled: threading.Event) -> Iterator[torch.Tensor]:
-    """Tensor bytes verbatim, in bounded chunks (an embedding can be GBs)."""
+    """Tensor bytes verbatim, in bounded chunks (an embedding can be GBs).
+
+    One buffer serves every chunk (each is written before the next is read): fresh
+    allocations would cost a page fault per 4 KiB.
+    """
+    largest = max((min(COPY_CHUNK_BYTES, e.nbytes) for e in entries), default=0)
+    buf = torch.empty(largest, dtype=torch.uint8)
     for entry in entries:
         for start in range(entry.begin, entry.end, COPY_CHUNK_BYTES):
             if cancelled.is_set():
                 raise Cancelled("cancelled")
-            buf = torch.empty(min(COPY_CHUNK_BYTES, entry.end - start), dtype=torch.uint8)
-            read_into(files.fd(entry.path), start, buf)
-            yield buf
+            chunk = buf[:min(COPY_CHUNK_BYTES, entry.end - start)]
+            read_into(files.fd(entry.path), start, chunk)
+            yield chunk
 
 
 def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
@@ -294,6 +431,7 @@ class OutputState:
         self.plan_path = self.dir / "plan.json"
         self.journal_path = self.dir / "journal.jsonl"
         self._journal_lock = threading.Lock()
+        self.fsync = True  # --no-fsync: files are not durable, so neither need their journal lines be
 
     def lock(self) -> FileLock:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -339,7 +477,8 @@ class OutputState:
         with self._journal_lock, open(self.journal_path, "a") as f:
             f.write(json.dumps(rec.to_json()) + "\n")
             f.flush()
-            os.fsync(f.fileno())
+            if self.fsync:
+                os.fsync(f.fileno())
 
     def remove_partials(self) -> None:
         for path in self.out.rglob(f".*{PARTIAL_SUFFIX}"):
@@ -541,6 +680,7 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
         plan = build_plan(src, out, options, files, cancelled)
         check_output_dir(out)
         state = OutputState(out) if options.shard is None else PartState(out, plan)
+        state.fsync = options.fsync
         try:
             with state.lock().acquire(timeout=0):
                 summary = _run_locked(plan, state, progress, cancelled, started)

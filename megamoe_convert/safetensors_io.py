@@ -149,6 +149,35 @@ def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
         done += n
 
 
+#: Most buffers one ``preadv`` call takes.
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def readv_into(fd: int, views: list[memoryview], offset: int) -> None:
+    """Scatter read: consecutive file bytes from ``offset`` fill ``views`` in order.
+
+    One ``preadv`` call (GIL released) puts each run of file bytes straight where it
+    belongs, so a row permutation costs no copy of its own. Short reads are resumed.
+    """
+    while views:
+        batch = views[:IOV_MAX]
+        wanted = sum(map(len, batch))
+        n = os.preadv(fd, batch, offset)
+        offset += n
+        if n == wanted:
+            views = views[len(batch):]
+            continue
+        if n == 0:
+            raise SafetensorsError(f"unexpected end of file at byte {offset}")
+        full = 0
+        while full < len(batch) and n >= len(batch[full]):
+            n -= len(batch[full])
+            full += 1
+        views = views[full:]
+        if n:
+            views[0] = views[0][n:]
+
+
 class FileCache:
     """Opened file descriptors shared by readers (opening thousands of times is not free)."""
 

@@ -7,7 +7,9 @@ reader sees either nothing or the complete file, never a prefix of it.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -19,6 +21,10 @@ from .safetensors_io import TensorSpec, encode_header, tensor_bytes
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 PARTIAL_SUFFIX = ".partial"
+#: Data is hashed and written in blocks of this size (small enough to stay in the CPU cache).
+WRITE_BLOCK_BYTES = 1 << 20
+#: With fsync on, dirty data is handed to the disk every this many bytes (see :func:`start_writeback`).
+WRITEBACK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -65,14 +71,21 @@ class AtomicWriter:
         self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._hasher = new_hasher()
         self.size = 0
+        self._written_back = 0
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        self._hasher.update(view)
-        done = 0
-        while done < len(view):
-            done += os.write(self._fd, view[done:])
+        # Hash and write block by block: the write then reads bytes the hash left in the CPU cache.
+        for start in range(0, len(view), WRITE_BLOCK_BYTES):
+            block = view[start:start + WRITE_BLOCK_BYTES]
+            self._hasher.update(block)
+            done = 0
+            while done < len(block):
+                done += os.write(self._fd, block[done:])
         self.size += len(view)
+        if self.fsync and self.size - self._written_back >= WRITEBACK_BYTES:
+            start_writeback(self._fd, self._written_back, self.size - self._written_back)
+            self._written_back = self.size
 
     def commit(self) -> FileRecord:
         if self.fsync:
@@ -96,6 +109,33 @@ class AtomicWriter:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         if self._fd >= 0:
             self.abort()
+
+
+def _libc_sync_file_range() -> "ctypes._CFuncPtr | None":
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a range of dirty pages to disk, without waiting (Linux; elsewhere a no-op).
+
+    The fsync before the rename then finds the file mostly on disk already: the disk works
+    while the CPU produces the next chunk, instead of after the whole file is written.
+    Only a hint: durability still comes from that fsync.
+    """
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def fsync_dir(path: Path) -> None:
