@@ -29,7 +29,8 @@ from .checkpoint import INDEX_NAME
 from .convert import (MERGED_PARTS_DIR, ConvertError, NoProgress, OutputState, Progress, check_output_dir, index_text,
                       non_expert_index, part_manifest_name)
 from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError
-from .writer import AtomicWriter, FileRecord, file_checksum, new_hasher, partial_path, write_json_atomic
+from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, new_hasher, partial_path,
+                     write_json_atomic)
 
 if TYPE_CHECKING:
     from .convert import Plan
@@ -192,14 +193,9 @@ def check_coverage(parts: Sequence[Part]) -> list[tuple[Part, FileRecord]]:
 # --------------------------------------------------------------------------------------
 
 def _check(path: Path, record: FileRecord, where: str, verify: bool) -> None:
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise MergeError(f"{path}: missing (listed in {where})") from None
-    if size != record.size:
-        raise MergeError(f"{path}: size {size} bytes, {where} records {record.size}")
-    if verify and file_checksum(path) != record.checksum:
-        raise MergeError(f"{path}: checksum mismatch with {where} (file is corrupted or was modified)")
+    problem = file_problem(path, record, where, checksum=verify)
+    if problem:
+        raise MergeError(f"{path}: {problem}")
 
 
 def _copy(src: Path, dst: Path, out: Path, record: FileRecord, where: str, fsync: bool) -> None:

@@ -38,7 +38,7 @@ from . import __version__
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
 from .placement import PlacementError, parse_ranks
-from .writer import FileRecord, file_checksum
+from .writer import FileRecord, file_problem
 
 CARD_NAME = "README.md"
 REPO_TYPE = "model"
@@ -183,15 +183,13 @@ def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, whe
 
     def check(record: FileRecord) -> None:
         path = root / record.path
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise HubError(f"{path}: {missing} (listed in {where})") from None
-        if size != record.size:
-            raise HubError(f"{path}: size {size} bytes, {where} records {record.size}")
-        if checksums and file_checksum(path) != record.checksum:
-            raise HubError(f"{path}: checksum mismatch with {where} (corrupted download or cache: rerun with "
-                           "--force-download)")
+        problem = file_problem(path, record, where, checksum=checksums)
+        if problem and problem.startswith("missing"):
+            problem = problem.replace("missing", missing, 1)
+        elif problem and problem.startswith("checksum"):
+            problem += "; corrupted download or cache: rerun with --force-download"
+        if problem:
+            raise HubError(f"{path}: {problem}")
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(check, records))

@@ -24,7 +24,7 @@ from .checkpoint import MoELayer
 from .layout import KernelWeights
 from .manifest import Manifest, ManifestError, expert_tensor_names, read_manifest
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
-from .writer import FileRecord, file_checksum
+from .writer import FileRecord, file_problem
 
 #: Pinned staging ring for the GPU path: buffers x bytes each.
 RING_BUFFERS = 6
@@ -78,15 +78,9 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
     records = manifest.rank_files(rank)
     chosen = {layer: records[layer] for layer in layers}
     for record in chosen.values():
-        path = out / record.path
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise LoadError(f"{path}: missing (listed in manifest.json)") from None
-        if size != record.size:
-            raise LoadError(f"{path}: size {size} bytes, manifest.json records {record.size}")
-        if verify and file_checksum(path) != record.checksum:
-            raise LoadError(f"{path}: checksum mismatch (file is corrupted or was modified)")
+        problem = file_problem(out / record.path, record, "manifest.json", checksum=verify)
+        if problem:
+            raise LoadError(f"{out / record.path}: {problem}")
     return chosen
 
 

@@ -54,6 +54,22 @@ def file_checksum(path: Path, chunk_bytes: int = 16 << 20) -> str:
     return hasher.hexdigest()
 
 
+def file_problem(path: Path, record: FileRecord, where: str, checksum: bool) -> str | None:
+    """What is wrong with ``path`` against its manifest record (missing, size, checksum), or None.
+
+    The one check behind loading, verifying, pulling and merging: callers raise their own errors.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"missing (listed in {where})"
+    if size != record.size:
+        return f"size {size} bytes, {where} records {record.size}"
+    if checksum and file_checksum(path) != record.checksum:
+        return f"checksum mismatch with {where} (file is corrupted or was modified)"
+    return None
+
+
 def partial_path(final: Path) -> Path:
     """The hidden temporary name a file is written under before its rename."""
     return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
