@@ -1,5 +1,5 @@
 # Two entry points, each doing all set-up on a fresh machine (a local venv in .venv):
-#   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load a rank
+#   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
 #   make test   run the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/megamoe synth demo-out/checkpoint --preset tiny
 	$(VENV)/bin/megamoe inspect demo-out/checkpoint --ep-size 4
 	$(VENV)/bin/megamoe convert demo-out/checkpoint demo-out/converted --ep-size 4 --num-redundant-experts 4
+	$(VENV)/bin/megamoe verify demo-out/converted --source demo-out/checkpoint --numerics
 	$(PY) -m megamoe_convert.demo demo-out/converted
 
 test: $(STAMP)

@@ -138,6 +138,15 @@ class Checkpoint:
         ckpt._check_experts()
         return ckpt
 
+    @classmethod
+    def open_non_expert(cls, root: Path | str) -> dict[str, TensorEntry]:
+        """The tensors a converted directory's index lists (its non-expert shards), validated
+        like a source's: present in the named file, in no other file."""
+        root = Path(root)
+        weight_map, index_bytes = cls._read_index(root)
+        ckpt = cls(root, {}, ModelDims(0, 0, 0), weight_map, cls._read_headers(root, weight_map), index_bytes)
+        return ckpt._collect_tensors()
+
     @staticmethod
     def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
         expert_dtype = config.get("expert_dtype", "fp4")

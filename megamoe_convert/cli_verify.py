@@ -1,12 +1,73 @@
-"""`megamoe` commands for verify (registered into the main app by cli.py)."""
+"""``megamoe verify`` (registered into the main app by cli.py)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
 
 import typer
+from rich.table import Table
+
+from .ui import ByteProgress, human_bytes, out_console
 
 
 def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
              print_json: Callable[[Any], None]) -> None:
-    """Add this module's commands to `app`."""
+    """Add ``verify`` to ``app``."""
+
+    @app.command()
+    def verify(
+        out: Annotated[Path, typer.Argument(help="Converted directory (output of `megamoe convert`).")],
+        source: Annotated[Optional[Path], typer.Option(help="Source checkpoint: re-derive expert slots and "
+                                                            "compare bytes; compare non-expert tensors.")] = None,
+        ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
+        sample: Annotated[Optional[int], typer.Option(help="With --source: compare K random expert slots "
+                                                           "instead of all.")] = None,
+        numerics: Annotated[bool, typer.Option(help="With --source: reference SwiGLU MoE from the pre-baked "
+                                                    "layout must equal the one from the source, exactly.")] = False,
+        deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
+                                                     "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
+        device: Annotated[str, typer.Option(help="Device for --numerics (cpu or cuda).")] = "cpu",
+        seed: Annotated[int, typer.Option(help="Seed for --sample and --numerics.")] = 0,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    ) -> None:
+        """Check a converted directory: files and checksums, shard tensors, placement; optionally
+        bytes and numerics against the source. Exit 0 if all is well, 1 if problems were found."""
+        from .verify import verify as run_verify
+
+        def body() -> Any:
+            with ByteProgress("verify") as progress:
+                report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
+                                    deep_gemm=deep_gemm, device=device, seed=seed, progress=progress.start,
+                                    advance=lambda n, path: progress.advance(n, path, False))
+            if as_json:
+                print_json(report.to_json())
+            else:
+                print_report(report)
+            return report
+
+        report = run_command(body)
+        if not report.ok:
+            raise typer.Exit(1)
+
+
+def print_report(report: Any) -> None:
+    table = Table(title=f"megamoe verify {report.out}")
+    table.add_column("check")
+    table.add_column("result")
+    for check, count in report.checks.items():
+        table.add_row(check, f"{count} checked")
+    for what, reason in report.skipped.items():
+        table.add_row(what, f"[yellow]skipped[/yellow]: {reason}")
+    if report.numerics:
+        n = report.numerics
+        table.add_row("numerics", f"{n['layers']} layers, {n['tokens']} tokens, top-{n['top_k']}: max abs err "
+                                  f"{n['max_abs_err']:.3g}, max rel err {n['max_rel_err']:.3g}")
+    table.add_row("hashed", f"{human_bytes(report.bytes_hashed)} in {report.seconds:.2f} s")
+    out_console.print(table)
+    if report.ok:
+        out_console.print("[green]OK[/green]: no problems found")
+        return
+    out_console.print(f"[red]{len(report.problems)} problem(s)[/red]:")
+    for problem in report.problems:
+        out_console.print(f"  - {problem}", markup=False, highlight=False, soft_wrap=True)

@@ -11,24 +11,11 @@ from pathlib import Path
 
 import torch
 
-from . import layout
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, MoELayer
 from .loader import load_rank
 from .manifest import read_manifest
 from .safetensors_io import FileCache
-
-
-def reference_layer(ckpt: Checkpoint, files: FileCache, layer_key: str, logical_ids: tuple[int, ...]):
-    """The layout computed directly from the source, as vLLM's finalize_weights would."""
-    from .checkpoint import MoELayer
-    from .convert import ExpertReader
-
-    reader = ExpertReader(ckpt, files, "cpu")
-    layer = MoELayer.parse(layer_key)
-    return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "scale"))
+from .verify import expected_rank_layer
 
 
 def main(out: str) -> int:
@@ -37,7 +24,7 @@ def main(out: str) -> int:
     with FileCache() as files:
         for rank in manifest.ranks:
             for prefix, layer in load_rank(out, rank).items():
-                l1, l2 = reference_layer(ckpt, files, layer.key, layer.logical_ids)
+                l1, l2 = expected_rank_layer(ckpt, files, MoELayer.parse(layer.key), layer.logical_ids)
                 same = all(torch.equal(a, b) and a.stride() == b.stride()
                            for a, b in zip((*layer.l1, *layer.l2), (*l1, *l2)))
                 if not same:

@@ -1,0 +1,360 @@
+"""``megamoe verify``: prove a converted directory is complete, intact, laid out right, and
+computes what its source computes.
+
+Four levels, each optional beyond the first:
+
+1. structure and integrity: the manifest, every file's size and xxh3-128 checksum, every
+   rank shard's tensors (names, dtypes, shapes), and the logical experts each shard says it
+   holds against the manifest's placement;
+2. ``source``: every (or a random sample of) expert slot re-derived from the source
+   checkpoint and compared byte for byte; non-expert tensors compared too;
+3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
+   FP4 x UE8M0 dequantisation) equals the one computed from the source's ``w1/w2/w3``;
+4. ``deep_gemm``: DeepGEMM's own transform (SM100 only) compared with the shards.
+
+Problems are collected, not raised: a report lists everything that is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import layout
+from .checkpoint import Checkpoint, CheckpointError, MoELayer
+from .convert import ExpertReader
+from .layout import KernelWeights
+from .loader import LoadError, check_logical_ids, check_shard, load_rank
+from .manifest import Manifest, ManifestError, read_manifest, rank_file
+from .placement import parse_ranks
+from .safetensors_io import FileCache, SafetensorsError, read_header
+from .writer import file_problem
+
+
+@dataclass
+class Problem:
+    where: str  # file, or "rank R layer L slot S", or tensor name
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    out: str
+    problems: list[Problem] = field(default_factory=list)
+    checks: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    numerics: dict[str, Any] | None = None
+    bytes_hashed: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def count(self, check: str, n: int = 1) -> None:
+        self.checks[check] = self.checks.get(check, 0) + n
+
+    def problem(self, where: str, what: str) -> None:
+        self.problems.append(Problem(where, what))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"out": self.out, "ok": self.ok, "problems": [str(p) for p in self.problems], "checks": self.checks,
+                "skipped": self.skipped, "numerics": self.numerics, "bytes_hashed": self.bytes_hashed,
+                "seconds": round(self.seconds, 3),
+                "hash_gb_per_s": round(self.bytes_hashed / self.seconds / 1e9, 3) if self.seconds else None}
+
+
+Progress = Callable[[int, str], None]
+
+
+# --------------------------------------------------------------------------------------
+# 1. structure and integrity
+# --------------------------------------------------------------------------------------
+
+def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int],
+                progress: Progress | None) -> None:
+    """Every listed file (of the chosen ranks) present, with its size and checksum."""
+    wanted_rank_files = {rank_file(r, manifest.ep_size, l) for r in ranks for l in manifest.layers}
+    listed = {f.path for f in manifest.files}
+    for path in sorted(wanted_rank_files - listed):
+        report.problem(path, "missing from manifest.json")
+    for record in manifest.files:
+        if record.path.startswith("rank-") and record.path not in wanted_rank_files:
+            continue  # a rank not asked for
+        problem = file_problem(out / record.path, record, "manifest.json", checksum=True)
+        report.count("files")
+        if problem:
+            report.problem(record.path, problem)
+        else:
+            report.bytes_hashed += record.size
+        if progress:
+            progress(record.size, record.path)
+
+
+def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
+    """Tensors of every rank shard, and the logical experts it says it holds."""
+    for rank in ranks:
+        for layer in manifest.layers:
+            path = out / rank_file(rank, manifest.ep_size, layer)
+            if not path.is_file():
+                continue  # already reported by check_files
+            try:
+                entries = check_shard(read_header(path), manifest, layer, rank)
+                check_logical_ids(path, entries[f"{layer.prefix}.logical_ids"],
+                                  manifest.placement.rank_logical_ids(rank))
+                report.count("rank shards")
+            except (LoadError, SafetensorsError) as e:
+                report.problem(path.relative_to(out).as_posix(), str(e).removeprefix(f"{path}: "))
+
+
+# --------------------------------------------------------------------------------------
+# 2. against the source
+# --------------------------------------------------------------------------------------
+
+def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
+                        device: str = "cpu") -> tuple[KernelWeights, KernelWeights]:
+    """The layout of these experts computed directly from the source, as finalize_weights would."""
+    reader = ExpertReader(ckpt, files, device)
+    return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+                                    reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
+                                    reader.stacked(layer, logical_ids, ("w2",), "weight"),
+                                    reader.stacked(layer, logical_ids, ("w2",), "scale"))
+
+
+def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,
+                 rng: random.Random) -> dict[tuple[int, MoELayer], list[int]]:
+    """``(rank, layer) -> local slots`` to compare: all of them, or ``sample`` picked at random."""
+    every = [(r, l, s) for r in ranks for l in manifest.layers for s in range(manifest.placement.experts_per_rank)]
+    chosen = every if sample is None or sample >= len(every) else rng.sample(every, sample)
+    slots: dict[tuple[int, MoELayer], list[int]] = {}
+    for r, l, s in sorted(chosen, key=lambda x: (x[1], x[0], x[2])):
+        slots.setdefault((r, l), []).append(s)
+    return slots
+
+
+def load_layer(out: Path, rank: int, layer: MoELayer, report: VerifyReport) -> Any:
+    """One rank's layer, or None (with the reason recorded) when it cannot be loaded."""
+    try:
+        return load_rank(out, rank, layers=[layer.key])[layer.prefix]
+    except LoadError as e:
+        report.problem(f"rank {rank} {layer.key}", f"cannot be loaded: {e}")
+        return None
+
+
+def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
+                    slots: dict[tuple[int, MoELayer], list[int]]) -> None:
+    names = ("l1.weight", "l1.sf", "l2.weight", "l2.sf")
+    for (rank, layer), local in slots.items():
+        loaded = load_layer(out, rank, layer, report)
+        if loaded is None:
+            continue
+        ids = [manifest.placement.rank_logical_ids(rank)[s] for s in local]
+        want = expected_rank_layer(ckpt, files, layer, ids)
+        got = (*loaded.l1, *loaded.l2)
+        for i, slot in enumerate(local):
+            for name, g, w in zip(names, got, (*want[0], *want[1])):
+                if not torch.equal(g[slot], w[i]):
+                    report.problem(f"rank {rank} {layer.key} slot {slot}",
+                                   f"{name} differs from logical expert {ids[i]} of the source")
+        report.count("expert slots vs source", len(local))
+
+
+def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: VerifyReport) -> None:
+    try:
+        converted = Checkpoint.open_non_expert(out)
+    except CheckpointError as e:
+        report.problem("model.safetensors.index.json", str(e))
+        return
+    source = {e.name: e for e in ckpt.non_expert_tensors()}
+    for name in sorted(set(source) - set(converted)):
+        report.problem(name, "non-expert tensor of the source is missing")
+    for name in sorted(set(converted) - set(source)):
+        report.problem(name, "tensor is not in the source")
+    for name in sorted(set(source) & set(converted)):
+        a, b = source[name], converted[name]
+        if (a.dtype, a.shape) != (b.dtype, b.shape) or not torch.equal(files.read(a).reshape(-1), files.read(b).reshape(-1)):
+            report.problem(name, f"differs from the source ({b.path.name})")
+    report.count("non-expert tensors vs source", len(set(source) & set(converted)))
+
+
+# --------------------------------------------------------------------------------------
+# 3. numerics
+# --------------------------------------------------------------------------------------
+
+def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's routed expert: SwiGLU with the ``swiglu_limit`` clamp.
+
+    As in vLLM's ``SiluAndMulWithClamp`` / DeepGEMM's ``activation_clamp``: the gate is clamped
+    from above, the up projection on both sides, before ``silu(gate) * up``.
+    """
+    gate, up = x @ w1.T, x @ w3.T
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], limit: float) -> torch.Tensor:
+    """``y = sum_k weight_k * expert_{id_k}(x)`` over the routed experts, token by token group."""
+    y = torch.zeros_like(x)
+    for e, (w1, w3, w2) in enumerate(experts):
+        rows, k = (topk_ids == e).nonzero(as_tuple=True)
+        if rows.numel():
+            y.index_add_(0, rows, topk_weights[rows, k, None] * swiglu_expert(x[rows], w1, w3, w2, limit))
+    return y
+
+
+def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
+                   ranks: Sequence[int], device: str, seed: int, tokens: int = 32, max_experts: int = 8) -> None:
+    """Pre-baked layout and source checkpoint must give bit-identical MoE outputs.
+
+    Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
+    (dequantised matrices are large: that bounds memory, not coverage of the layout code).
+    """
+    limit = float(ckpt.config.get("swiglu_limit", 0.0) or 0.0)
+    scale = float(ckpt.config.get("routed_scaling_factor", 1.0))
+    top_k = min(int(ckpt.config.get("num_experts_per_tok", 2)), manifest.placement.experts_per_rank)
+    g = torch.Generator().manual_seed(seed)
+    inter = manifest.dims.moe_intermediate_size
+    worst = {"max_abs_err": 0.0, "max_rel_err": 0.0, "layers": 0, "tokens": tokens, "top_k": top_k,
+             "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device}
+    for rank in ranks:
+        for layer in manifest.layers:
+            loaded = load_layer(out, rank, layer, report)
+            if loaded is None:
+                continue
+            slots = sorted(torch.randperm(loaded.num_local_experts, generator=g)[:max_experts].tolist())
+            x = torch.randn(tokens, manifest.dims.hidden_size, generator=g).to(torch.bfloat16).float()
+            scores = torch.randn(tokens, len(slots), generator=g)
+            weights, ids = scores.softmax(-1).topk(min(top_k, len(slots)), dim=-1)
+            weights = weights * scale
+            d13, d2 = layout.dequantize_transformed((loaded.l1.weight[slots], loaded.l1.sf[slots]),
+                                                    (loaded.l2.weight[slots], loaded.l2.sf[slots]))
+            from_layout = [(d13[e, :inter], d13[e, inter:], d2[e]) for e in range(len(slots))]
+            from_source = [tuple(layout.dequantize_fp4(files.read(ckpt.expert_entry(layer, lid, p, "weight")),
+                                                       files.read(ckpt.expert_entry(layer, lid, p, "scale")))
+                                 for p in ("w1", "w3", "w2"))
+                           for lid in (loaded.logical_ids[s] for s in slots)]
+            moved = lambda ws: [tuple(w.to(device).contiguous() for w in t) for t in ws]  # noqa: E731
+            args = (x.to(device), ids.to(device), weights.to(device))
+            y_layout = reference_moe(*args, moved(from_layout), limit).cpu()
+            y_source = reference_moe(*args, moved(from_source), limit).cpu()
+            diff = (y_layout - y_source).abs()
+            worst["max_abs_err"] = max(worst["max_abs_err"], float(diff.max()))
+            rel = float((diff / y_source.abs().clamp_min(1e-30)).max())
+            worst["max_rel_err"] = max(worst["max_rel_err"], rel)
+            worst["layers"] += 1
+            if not torch.equal(y_layout, y_source):
+                report.problem(f"rank {rank} {layer.key}", f"MoE output from the pre-baked layout differs from the "
+                                                           f"source (max abs err {float(diff.max()):.3g})")
+    report.numerics = worst
+    report.count("numerics layers", worst["layers"])
+
+
+# --------------------------------------------------------------------------------------
+# 4. DeepGEMM cross-check
+# --------------------------------------------------------------------------------------
+
+#: DeepGEMM's layout functions run on the GPU (tests point this at the CPU with a stand-in).
+DEEP_GEMM_DEVICE = "cuda"
+
+
+def deep_gemm_unavailable_reason() -> str | None:
+    if importlib.util.find_spec("deep_gemm") is None:
+        return "deep_gemm is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major != 10:
+        return f"DeepGEMM's MegaMoE layout functions need an SM100 GPU; this GPU is SM{major}{minor}"
+    return None
+
+
+def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, w2_sf: torch.Tensor):
+    """What vLLM's ``finalize_weights`` computes, with DeepGEMM itself (SM100 only)."""
+    import deep_gemm
+
+    experts, two_i, half_h = w13.shape
+    hidden, inter = half_h * 2, two_i // 2
+    sf13 = deep_gemm.transform_sf_into_required_layout(layout.widen_ue8m0_to_fp32(w13_sf), two_i, hidden,
+                                                       (1, 32), experts)
+    sf2 = deep_gemm.transform_sf_into_required_layout(layout.widen_ue8m0_to_fp32(w2_sf), hidden, inter,
+                                                      (1, 32), experts)
+    return deep_gemm.transform_weights_for_mega_moe((w13.view(torch.int8), sf13), (w2.view(torch.int8), sf2))
+
+
+def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
+                    slots: dict[tuple[int, MoELayer], list[int]]) -> None:
+    reason = deep_gemm_unavailable_reason()
+    if reason:
+        report.skipped["deep_gemm"] = reason
+        return
+    for (rank, layer) in slots:
+        ids = manifest.placement.rank_logical_ids(rank)
+        reader = ExpertReader(ckpt, files, DEEP_GEMM_DEVICE)
+        theirs = deep_gemm_layout(reader.stacked(layer, ids, ("w1", "w3"), "weight"),
+                                  reader.stacked(layer, ids, ("w1", "w3"), "scale"),
+                                  reader.stacked(layer, ids, ("w2",), "weight"),
+                                  reader.stacked(layer, ids, ("w2",), "scale"))
+        ours = load_layer(out, rank, layer, report)
+        if ours is None:
+            continue
+        for name, a, b in zip(("l1.weight", "l1.sf", "l2.weight", "l2.sf"), (*ours.l1, *ours.l2),
+                              (*theirs[0], *theirs[1])):
+            if a.shape != b.shape or a.stride() != b.stride() or not torch.equal(a, b.cpu()):
+                report.problem(f"rank {rank} {layer.key}", f"{name} differs from deep_gemm's own transform")
+        report.count("layers vs deep_gemm")
+
+
+# --------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------
+
+def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
+           numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
+           progress: Callable[[int, int], None] | None = None, advance: Progress | None = None) -> VerifyReport:
+    """Run the checks asked for; return a report (``report.ok`` when nothing is wrong)."""
+    out = Path(out)
+    started = time.perf_counter()
+    report = VerifyReport(str(out))
+    try:
+        manifest = read_manifest(out)
+    except ManifestError as e:
+        report.problem("manifest.json", str(e))
+        return report
+    chosen = parse_ranks(ranks, manifest.ep_size)
+    missing = [r for r in chosen if r not in manifest.ranks]
+    for r in missing:
+        report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
+    chosen = [r for r in chosen if r in manifest.ranks]
+    if progress:
+        progress(sum(f.size for f in manifest.files), len(manifest.files))
+    check_files(out, manifest, report, chosen, advance)
+    check_rank_shards(out, manifest, report, chosen)
+    if source is not None:
+        ckpt = Checkpoint.open(source)
+        if ckpt.dims != manifest.dims:
+            report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
+        else:
+            slots = sample_slots(manifest, chosen, sample, random.Random(seed))
+            with FileCache() as files:
+                compare_experts(out, manifest, ckpt, files, report, slots)
+                if not manifest.experts_only:
+                    compare_non_expert(out, ckpt, files, report)
+                if numerics:
+                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed)
+                if deep_gemm:
+                    check_deep_gemm(out, manifest, ckpt, files, report, slots)
+    elif numerics or deep_gemm:
+        report.skipped["source"] = "--numerics and --deep-gemm compare against the source: pass --source"
+    report.seconds = time.perf_counter() - started
+    return report
