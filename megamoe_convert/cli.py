@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from enum import Enum
@@ -48,6 +49,8 @@ def run_command(body: Callable[[], Any]) -> Any:
         if _state["debug"]:
             raise
         message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            message += " (nothing partial was kept: free space and rerun the same command to resume)"
         print(f"error: {message}", file=sys.stderr)
         raise typer.Exit(2) from None
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 from filelock import FileLock, Timeout
 
-from . import layout
+from . import faults, layout
 from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
                        rank_file)
@@ -745,6 +745,7 @@ def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRec
     def run(unit: Unit) -> FileRecord:
         record = unit.run()
         state.record(record)
+        faults.committed_file()
         return record
 
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megamoe")

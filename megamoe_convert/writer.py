@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 import xxhash
 
+from . import faults
 from .safetensors_io import TensorSpec, encode_header, tensor_bytes
 
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -90,7 +91,14 @@ class AtomicWriter:
         self._written_back = 0
 
     def write(self, data: memoryview | bytes) -> None:
+        try:
+            self._write(data)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.final)) from None  # name the file in the error
+
+    def _write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
+        faults.wrote(len(view))
         # Hash and write block by block: the write then reads bytes the hash left in the CPU cache.
         for start in range(0, len(view), WRITE_BLOCK_BYTES):
             block = view[start:start + WRITE_BLOCK_BYTES]
@@ -108,6 +116,7 @@ class AtomicWriter:
             os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
+        faults.before_rename(self.final)
         os.replace(self.tmp, self.final)
         if self.fsync:
             fsync_dir(self.final.parent)

@@ -1,0 +1,355 @@
+"""Crashes, full disks, bad input and concurrent runs never yield a wrong or half-written model.
+
+Faults are injected through ``MEGAMOE_FAULT`` (megamoe_convert/faults.py) into real CLI
+subprocesses, plus SIGKILLs at random times; every outcome is checked against a clean run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from conftest import REPO, run_cli
+from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert.manifest import Manifest, ManifestError, read_manifest
+from megamoe_convert.safetensors_io import SafetensorsError, read_header
+from megamoe_convert.synth import synthesize
+from megamoe_convert.verify import verify
+
+CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
+
+
+def output_files(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
+    out = tmp_path_factory.mktemp("clean") / "out"
+    started = time.perf_counter()
+    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
+    return output_files(out), time.perf_counter() - started
+
+
+def cli_cmd(*args: object) -> list[str]:
+    return [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
+
+
+def assert_refused_as_unfinished(out: Path) -> None:
+    assert not (out / "manifest.json").exists()
+    with pytest.raises(LoadError, match="not a finished megamoe conversion"):
+        load_rank(out, 0)
+    report = verify(out)
+    assert not report.ok and "not a finished megamoe conversion" in str(report.problems[0])
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+KILL_POINTS = [
+    "kill-after-files=1", "kill-after-files=3", "kill-after-files=6", "kill-after-files=8",  # between files
+    "kill-after-bytes=5000", "kill-after-bytes=400000", "kill-after-bytes=1500000",  # in the middle of files
+    "kill-after-bytes=2900000",
+    "kill-before-rename=config.json",  # at the start
+    "kill-before-rename=layers.1.safetensors",  # a rank shard complete but not yet in place
+    "kill-before-rename=model.safetensors.index.json",  # after every shard, before the index
+    "kill-before-rename=manifest.json",  # the manifest write itself
+]
+
+
+@pytest.mark.parametrize("fault", KILL_POINTS)
+def test_sigkill_then_rerun_gives_the_clean_bytes(tiny_ckpt, tmp_path, clean, fault):
+    out = tmp_path / "out"
+    proc = subprocess.run(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "MEGAMOE_FAULT": fault}, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert_refused_as_unfinished(out)
+    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
+    assert output_files(out) == clean[0]
+    assert not list(out.rglob(".*.partial"))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_at_a_random_moment_then_rerun_gives_the_clean_bytes(tiny_ckpt, tmp_path, clean, seed):
+    out = tmp_path / "out"
+    delay = random.Random(seed).uniform(0.2, max(0.3, clean[1]))  # anywhere in a normal run's life
+    proc = subprocess.Popen(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(delay)  # the fault is the random time itself, not a synchronisation
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    if not (out / "manifest.json").exists():
+        if out.exists():
+            assert_refused_as_unfinished(out)
+    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
+    assert output_files(out) == clean[0]
+
+
+# ----------------------------------------------------------------------------- disk full
+
+
+def test_disk_full_is_a_clear_error_and_resumes_cleanly(tiny_ckpt, tmp_path, clean):
+    out = tmp_path / "out"
+    proc = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False,
+                   env={"MEGAMOE_FAULT": "enospc-after-bytes=900000"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and "No space left on device" in error and ".safetensors" in error
+    assert "rerun the same command" in error
+    assert_refused_as_unfinished(out)
+    assert not list(out.rglob(".*.partial")), "a failed write must not leave its temporary file"
+    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)  # space freed: same command resumes
+    assert output_files(out) == clean[0]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def rewrite_shard_of(src: Path, name: str, edit) -> None:
+    """Rewrite the shard holding ``name`` with ``edit(tensors)`` applied; keep the index in sync."""
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = src / index["weight_map"][name]
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if f != shard.name or n in tensors}
+    index["weight_map"].update({n: shard.name for n in tensors})
+    index_path.write_text(json.dumps(index))
+
+
+def first_shard(src: Path) -> Path:
+    return src / "model-00001-of-00016.safetensors"
+
+
+def edit_config(src: Path, **changes) -> None:
+    config = json.loads((src / "config.json").read_text())
+    config.update(changes)
+    (src / "config.json").write_text(json.dumps(config))
+
+
+def shard_with(src: Path, name: str) -> str:
+    return json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][name]
+
+
+W1 = "layers.1.ffn.experts.2.w1.weight"
+S3 = "layers.0.ffn.experts.5.w3.scale"
+
+BAD_INPUTS = {
+    "truncated shard": (lambda s: (s / shard_with(s, W1)).write_bytes((s / shard_with(s, W1)).read_bytes()[:-1000]),
+                        (), r"model-000\d\d-of-00016.safetensors: truncated: header needs \d+ bytes, file has \d+"),
+    "corrupted header": (lambda s: (s / shard_with(s, W1)).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!}"
+                                                                       + (s / shard_with(s, W1)).read_bytes()[24:]),
+                         (), r"safetensors: corrupted safetensors header"),
+    "index points at a missing file": (lambda s: (s / shard_with(s, W1)).unlink(), (),
+                                       r"index points at missing file model-000\d\d-of-00016.safetensors"),
+    "missing expert tensor": (lambda s: rewrite_shard_of(s, W1, lambda t: t.pop(W1)), (),
+                              r"missing expert tensor layers.1.ffn.experts.2.w1.weight"),
+    "duplicated tensor": (lambda s: rewrite_shard_of(s, "embed.weight",
+                                                     lambda t: t.update({W1: torch.zeros(128, 128, dtype=torch.int8)})),
+                          (), r"duplicated tensor layers.1.ffn.experts.2.w1.weight in model-000\d\d"),
+    "wrong dtype": (lambda s: rewrite_shard_of(s, S3, lambda t: t.update({S3: t[S3].view(torch.uint8).float()})), (),
+                    r"layers.0.ffn.experts.5.w3.scale has dtype F32, expected one of F8_E8M0, U8"),
+    "wrong shape": (lambda s: rewrite_shard_of(s, W1, lambda t: t.update({W1: t[W1][:, :64].contiguous()})), (),
+                    r"layers.1.ffn.experts.2.w1.weight has shape \[128, 64\], expected \[128, 128\]"),
+    "config disagrees with the tensors (hidden size)": (lambda s: edit_config(s, hidden_size=512), (),
+                                                        r"has shape \[128, 128\], expected \[128, 256\] "
+                                                        r"\(hidden_size=512"),
+    "config disagrees with the tensors (experts)": (lambda s: edit_config(s, n_routed_experts=6), (),
+                                                    r"names expert 6, but config.json has n_routed_experts=6"),
+    "config disagrees with the tensors (layers)": (lambda s: edit_config(s, num_hidden_layers=3), (),
+                                                   r"num_hidden_layers=3 but the checkpoint has experts for decoder "
+                                                   r"layers 0-1"),
+    "H not a multiple of 128": (lambda s: edit_config(s, hidden_size=320), (),
+                                r"config.json: hidden_size=320 must be a positive multiple of 128"),
+    "I not a multiple of 128": (lambda s: edit_config(s, moe_intermediate_size=96), (),
+                                r"config.json: moe_intermediate_size=96 must be a positive multiple of 128"),
+    "impossible ep_size": (lambda s: None, ("--ep-size", 3),
+                           r"n_routed_experts \(8\) \+ num_redundant_experts \(0\) = 8 is not divisible by ep_size=3"),
+    "impossible redundancy": (lambda s: None, ("--ep-size", 4, "--num-redundant-experts", 2),
+                              r"= 10 is not divisible by ep_size=4"),
+    "placement missing a logical expert": (lambda s: (s / "p.json").write_text(json.dumps([0, 1, 2, 3, 4, 5, 6, 6])),
+                                           ("--ep-size", 2, "--placement", "{src}/p.json"),
+                                           r"p.json: logical experts \[7\] have no physical slot"),
+    "no config": (lambda s: (s / "config.json").unlink(), (), r"config.json: missing config.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_clear_line_and_leaves_nothing_that_looks_valid(tiny_ckpt, tmp_path, case):
+    mutate, extra, message = BAD_INPUTS[case]
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    mutate(src)
+    out = tmp_path / "out"
+    args = [str(a).format(src=src) for a in (extra or ("--ep-size", 2))]
+    proc = run_cli("convert", src, out, *args, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    import re
+    assert re.search(message, lines[0]), lines[0]
+    assert not (out / "manifest.json").exists()
+    assert not out.exists() or not any(p.suffix == ".safetensors" for p in out.rglob("*"))
+
+
+def test_debug_flag_shows_the_traceback(tiny_ckpt, tmp_path):
+    proc = run_cli("--debug", "convert", tiny_ckpt, tmp_path / "o", "--ep-size", 3, check=False)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "PlacementError" in proc.stderr
+
+
+def test_output_on_a_read_only_path_is_a_clear_error(tiny_ckpt, tmp_path):
+    if os.geteuid() == 0:
+        target = Path("/proc/megamoe-out")  # a read-only file system even for root
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        target = ro / "out"
+    proc = run_cli("convert", tiny_ckpt, target, "--ep-size", 2, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: ") and str(target) in line
+
+
+def test_output_path_that_is_a_file_is_refused(tiny_ckpt, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    proc = run_cli("convert", tiny_ckpt, tmp_path / "afile", "--ep-size", 2, check=False)
+    assert proc.returncode == 2 and "exists and is not a directory" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- loader side
+
+
+def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_path):
+    other = tmp_path / "other"
+    synthesize(other, "tiny", seed=9)
+    run_cli("convert", other, tmp_path / "other-out", "--ep-size", 4, "--num-redundant-experts", 4)
+    out = tmp_path / "mixed"
+    shutil.copytree(tiny_converted, out)
+    # A same-shaped shard from another checkpoint passes structure checks: the source comparison catches it.
+    rel = "rank-00001-of-00004/layers.0.safetensors"
+    shutil.copy(tmp_path / "other-out" / rel, out / rel)
+    with pytest.raises(LoadError, match="checksum mismatch"):
+        load_rank(out, 1, verify=True)
+    # A shard of a model with other dims is refused by shape, even with a forged manifest entry.
+    small = tmp_path / "small"
+    config = json.loads((REPO / "configs" / "tiny.json").read_text())
+    config.update(hidden_size=128)
+    (tmp_path / "h128.json").write_text(json.dumps(config))
+    synthesize(small, str(tmp_path / "h128.json"), seed=3)
+    run_cli("convert", small, tmp_path / "small-out", "--ep-size", 4, "--num-redundant-experts", 4)
+    shutil.copy(tmp_path / "small-out" / rel, out / rel)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for record in manifest["files"]:
+        if record["path"] == rel:
+            record["size"] = (out / rel).stat().st_size
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LoadError, match=r"layers.0.ffn.experts.l1.weight is I8\[3, 256, 64\], expected "
+                                        r"I8\[3, 256, 128\] \(hidden_size=256"):
+        load_rank(out, 1)
+
+
+# ----------------------------------------------------------------------------- concurrency
+
+
+def test_two_converts_into_one_output_never_interleave(tiny_ckpt, tmp_path, clean):
+    out, release = tmp_path / "out", tmp_path / "release"
+    first = subprocess.Popen(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), cwd=REPO, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=1:{release}"})
+    journal = out / ".megamoe" / "journal.jsonl"
+    deadline = time.monotonic() + 60
+    while not journal.exists():  # the first run holds the lock and has committed a file
+        assert time.monotonic() < deadline and first.poll() is None, "first convert did not start"
+        time.sleep(0.05)
+    second = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False)
+    assert second.returncode == 2 and "another `megamoe convert` is writing this directory" in second.stderr
+    release.touch()
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert output_files(out) == clean[0]
+
+
+# ----------------------------------------------------------------------------- fuzzing the readers
+
+
+def valid_shard_bytes(tmp: Path) -> bytes:
+    path = tmp / "valid.safetensors"
+    save_file({"a": torch.arange(12, dtype=torch.int32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)},
+              path, metadata={"k": "v"})
+    return path.read_bytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_fuzz_shard_header_reader_only_raises_its_own_error(tmp_path_factory, data):
+    tmp = tmp_path_factory.mktemp("fuzz")
+    base = bytearray(valid_shard_bytes(tmp))
+    mode = data.draw(st.sampled_from(["flip", "truncate", "random", "length"]))
+    if mode == "flip":
+        for i in data.draw(st.lists(st.integers(0, len(base) - 1), min_size=1, max_size=8)):
+            base[i] = data.draw(st.integers(0, 255))
+    elif mode == "truncate":
+        base = base[:data.draw(st.integers(0, len(base) - 1))]
+    elif mode == "random":
+        base = bytearray(data.draw(st.binary(max_size=400)))
+    else:
+        base[:8] = data.draw(st.integers(0, 2**64 - 1)).to_bytes(8, "little")
+    path = tmp / "fuzzed.safetensors"
+    path.write_bytes(bytes(base))
+    try:
+        header = read_header(path)
+    except SafetensorsError as e:
+        assert str(path) in str(e)
+        return
+    # Anything accepted is self-consistent: tensors tile the data exactly, inside the file.
+    assert sum(t.nbytes for t in header.tensors.values()) == header.file_size - header.data_start
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+                           max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_fuzz_manifest_reader_only_raises_its_own_error(tiny_converted, data):
+    valid = json.loads((tiny_converted / "manifest.json").read_text())
+    mode = data.draw(st.sampled_from(["random", "drop", "replace"]))
+    if mode == "random":
+        doc = data.draw(json_values)
+    else:
+        doc = json.loads(json.dumps(valid))
+        key = data.draw(st.sampled_from(sorted(doc)))
+        if mode == "drop":
+            del doc[key]
+        else:
+            doc[key] = data.draw(json_values)
+    try:
+        manifest = Manifest.from_json(doc)
+    except ManifestError:
+        return
+    assert isinstance(manifest.ranks, list) and manifest.placement.ep_size >= 1
+
+
+def test_corrupted_manifest_text_is_refused(tiny_converted, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_converted, out)
+    (out / "manifest.json").write_text('{"format": "megamoe-convert", "format_version": 1,')
+    with pytest.raises(ManifestError, match="corrupted manifest"):
+        read_manifest(out)
+    with pytest.raises(LoadError, match="corrupted manifest"):
+        load_rank(out, 0)
