@@ -26,10 +26,12 @@ from .manifest import Manifest, ManifestError, expert_tensor_names, read_manifes
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problem
 
-#: Pinned staging ring for the GPU path: buffers x bytes each.
-RING_BUFFERS = 6
-RING_BUFFER_BYTES = 32 << 20
-READ_THREADS = 4
+#: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
+#: memory copies done by the kernel, one core each: it takes many in flight to keep up with
+#: a PCIe 5 host-to-device copy (benchmarks/bench_load.py; docs/benchmarks.md).
+RING_BUFFERS = 24
+RING_BUFFER_BYTES = 16 << 20
+READ_THREADS = max(4, min(16, os.cpu_count() or 4))
 
 
 class LoadError(ValueError):

@@ -1,0 +1,512 @@
+#!/usr/bin/env python3
+"""Load at the host-to-device limit? One EP rank of a converted checkpoint, beside the baseline.
+
+For each checkpoint size (real DeepSeek-V4 expert dims from a preset; fewer layers; the
+vocabulary cut, since only experts are timed) this synthesises the checkpoint, converts the
+benchmarked rank (``--experts-only``), then times in one process, on one GPU:
+
+  baseline   the vLLM-style path: every source shard read the way vLLM's
+             ``safetensors_weights_iterator`` does (``safe_open(framework="pt")``, every
+             tensor of every file, in file order); the rank's experts kept and copied into
+             per-layer GPU parameters (w1/w3 stacked as w13, UE8M0 scales widened to fp32,
+             as vLLM's weight loader stores them); then, per layer, the transform on the GPU
+             (``megamoe_convert.layout`` standing in for DeepGEMM's, after narrowing the
+             scales back to bytes, as DeepGEMM's SM100 path does);
+  load_rank  ``megamoe_convert.loader.load_rank(out, rank, device="cuda")``;
+  h2d_pinned the raw limit: one pinned host buffer of the rank's bytes copied to the GPU
+             (also ``h2d_pageable``, the same from ordinary memory);
+  safetensors ``safetensors.safe_open(device="cuda")`` of the rank's converted shard files;
+  fastsafetensors ``fastsafe_open(..., device="cuda", nogds=True)`` of the same files, if
+             importable (the device machine has no network: carry its wheel to have it);
+  host_read  the host side alone: the rank's files read from the page cache into pinned
+             buffers with load_rank's thread count and piece size, no device copy.
+
+Warm: the files are in the page cache (``--repeats`` runs each, median). Cold: the page
+cache is dropped (``echo 3 > /proc/sys/vm/drop_caches``, needs root) before each of
+``--cold-repeats`` runs; where that is refused the cold rows say so. Bytes read from the
+storage device come from ``/proc/self/io`` (``read_bytes``) around each cold run.
+Correctness is checked once per size: ``load_rank``'s tensors equal the baseline's
+(values, shapes, strides). The last line printed is JSON (``--save FILE`` writes it too).
+
+    PYTHONPATH=. python3 benchmarks/bench_load.py                 # on a GPU machine
+    PYTHONPATH=. python3 benchmarks/bench_load.py --device cpu --quick   # smoke test, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench_convert import bench_config, fast_tensor_bytes  # noqa: E402
+
+EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints (synthesised in parallel, with a fast random generator)
+# --------------------------------------------------------------------------------------
+
+def synth_checkpoint(path: str, config: dict) -> float:
+    """Synthesise ``config`` into ``path`` (skipped when an identical one is there)."""
+    from megamoe_convert import synth
+
+    path_ = Path(path)
+    marker = path_ / ".bench-config.json"
+    if marker.exists() and json.loads(marker.read_text()) == config:
+        return 0.0
+    shutil.rmtree(path_, ignore_errors=True)
+    path_.parent.mkdir(parents=True, exist_ok=True)
+    config_file = path_.parent / f"{path_.name}.config.json"
+    config_file.write_text(json.dumps(config))
+    synth._tensor_bytes = fast_tensor_bytes
+    start = time.perf_counter()
+    synth.synthesize(path_, str(config_file))
+    marker.write_text(json.dumps(config))
+    return time.perf_counter() - start
+
+
+# --------------------------------------------------------------------------------------
+# Measurement helpers
+# --------------------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def io_read_bytes() -> int | None:
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def free_device(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------------------
+# The methods
+# --------------------------------------------------------------------------------------
+
+def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> tuple[dict, int]:
+    """vLLM's way: read everything, keep this rank's experts, transform on the device."""
+    from safetensors import safe_open
+
+    from megamoe_convert import layout
+    from megamoe_convert.checkpoint import MoELayer
+    from megamoe_convert.placement import Placement
+
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    config = json.loads((src / "config.json").read_text())
+    h, inter, n_experts = config["hidden_size"], config["moe_intermediate_size"], config["n_routed_experts"]
+    ids = Placement.default(n_experts, ep_size).rank_logical_ids(rank)
+    slot_of = {logical: slot for slot, logical in enumerate(ids)}
+    e = len(ids)
+    params: dict[str, dict[str, torch.Tensor]] = {}
+
+    def layer_params(key: str) -> dict[str, torch.Tensor]:
+        if key not in params:  # vLLM allocates its parameters on the device before loading
+            params[key] = {
+                "w13": torch.empty((e, 2 * inter, h // 2), dtype=torch.uint8, device=device),
+                "w13_s": torch.empty((e, 2 * inter, h // 32), dtype=torch.float32, device=device),
+                "w2": torch.empty((e, h, inter // 2), dtype=torch.uint8, device=device),
+                "w2_s": torch.empty((e, h, inter // 32), dtype=torch.float32, device=device),
+            }
+        return params[key]
+
+    bytes_read = 0
+    for filename in sorted(set(index["weight_map"].values())):
+        with safe_open(src / filename, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)  # the iterator materialises every tensor
+                bytes_read += tensor.numel() * tensor.element_size()
+                m = EXPERT.match(name)
+                if m is None or int(m["expert"]) not in slot_of:
+                    continue
+                p, slot, proj = layer_params(m["layer"]), slot_of[int(m["expert"])], m["proj"]
+                rows = slice(0, inter) if proj == "w1" else slice(inter, 2 * inter) if proj == "w3" else slice(None)
+                data = tensor.view(torch.uint8)
+                if m["kind"] == "weight":
+                    p["w2" if proj == "w2" else "w13"][slot, rows].copy_(data)
+                else:
+                    p["w2_s" if proj == "w2" else "w13_s"][slot, rows].copy_(
+                        layout.widen_ue8m0_to_fp32(data.to(device)))
+    result = {}
+    for key, p in params.items():  # finalize_weights: DeepGEMM's transform, on the device
+        l1, l2 = layout.transform_experts(p["w13"], layout.narrow_fp32_to_ue8m0(p["w13_s"]),
+                                          p["w2"], layout.narrow_fp32_to_ue8m0(p["w2_s"]))
+        result[MoELayer.parse(key).prefix] = (l1, l2)
+    params.clear()
+    sync(device)
+    return result, bytes_read
+
+
+def ours(out: Path, rank: int, device: torch.device) -> dict:
+    from megamoe_convert.loader import load_rank
+
+    layers = load_rank(out, rank, device=device)
+    if device.type == "cpu":  # lazy mmap views: touch every byte, as a device copy would
+        for layer in layers.values():
+            for t in (*layer.l1, *layer.l2):
+                t.sum()
+    sync(device)
+    return {k: (v.l1, v.l2) for k, v in layers.items()}
+
+
+def rank_files(out: Path, rank: int) -> list[Path]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    pattern = re.compile(rf"^rank-0*{rank}-of-\d+/")
+    return sorted(out / f["path"] for f in manifest["files"] if pattern.match(f["path"]))
+
+
+def safetensors_open(files: list[Path], device: torch.device) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    keep = []
+    for path in files:
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                keep.append(t)
+                n += t.numel() * t.element_size()
+    sync(device)
+    return n
+
+
+def fastsafetensors_open(files: list[Path], device: torch.device, nogds: bool) -> int:
+    from fastsafetensors import fastsafe_open
+
+    n = 0
+    keep = []
+    with fastsafe_open([str(p) for p in files], framework="pt", device=str(device), nogds=nogds) as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            keep.append(t)
+            n += t.numel() * t.element_size()
+        sync(device)
+    return n
+
+
+class HostRead:
+    """The host read limit: the rank's files read from the page cache into pinned buffers by
+    ``threads`` threads, ``piece`` bytes a read (what load_rank's readers do, minus the copy)."""
+
+    def __init__(self, files: list[Path], threads: int, piece: int) -> None:
+        self.threads = threads
+        self.buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                        for _ in range(threads)]
+        self.pieces = [(path, start, min(piece, path.stat().st_size - start))
+                       for path in files for start in range(0, path.stat().st_size, piece)]
+
+    def run(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megamoe_convert.safetensors_io import read_into
+
+        def worker(k: int) -> None:
+            fds: dict[Path, int] = {}
+            try:
+                for path, start, n in self.pieces[k::self.threads]:
+                    fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
+                    read_into(fd, start, self.buffers[k][:n])
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            list(pool.map(worker, range(self.threads)))
+
+
+class H2D:
+    """The raw host-to-device limit for ``nbytes``: one big copy from pinned (or pageable) memory."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device = device
+        self.pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.pageable = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned.fill_(1)
+        self.pageable.fill_(1)
+        self.dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def pinned_copy(self) -> None:
+        self.dest.copy_(self.pinned, non_blocking=True)
+        sync(self.device)
+
+    def pageable_copy(self) -> None:
+        self.dest.copy_(self.pageable)
+        sync(self.device)
+
+
+def equal_layers(a: dict, b: dict) -> bool:
+    if sorted(a) != sorted(b):
+        return False
+    for key in a:
+        for x, y in zip((*a[key][0], *a[key][1]), (*b[key][0], *b[key][1])):
+            if x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype or not torch.equal(x, y):
+                return False
+    return True
+
+
+# --------------------------------------------------------------------------------------
+# One size
+# --------------------------------------------------------------------------------------
+
+def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.device, log: Callable[[str], None],
+                 ) -> dict[str, Any]:
+    rank, ep = args.rank, args.ep_size
+    files = rank_files(out, rank)
+    rank_bytes = sum(p.stat().st_size for p in files)
+    source_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    methods: dict[str, Callable[[], Any]] = {
+        "baseline": lambda: baseline_vllm(src, rank, ep, device),
+        "load_rank": lambda: ours(out, rank, device),
+        "safetensors": lambda: safetensors_open(files, device),
+    }
+    notes: dict[str, str] = {}
+    if device.type == "cuda":
+        try:
+            import fastsafetensors  # noqa: F401
+
+            methods["fastsafetensors"] = lambda: fastsafetensors_open(files, device, nogds=True)
+        except Exception as e:  # noqa: BLE001
+            notes["fastsafetensors"] = f"not importable here ({type(e).__name__}: {e}); the device has no network"
+        h2d = H2D(rank_bytes, device)
+        methods["h2d_pinned"] = h2d.pinned_copy
+        methods["h2d_pageable"] = h2d.pageable_copy
+        from megamoe_convert import loader
+
+        host_read = HostRead(files, loader.READ_THREADS, loader.RING_BUFFER_BYTES)
+        methods["host_read"] = host_read.run
+
+    # Correctness first (and warm-up: CUDA context, kernels, pinned allocator, page cache).
+    want, baseline_bytes_read = baseline_vllm(src, rank, ep, device)
+    start = time.perf_counter()
+    got = ours(out, rank, device)
+    first_load_s = time.perf_counter() - start  # this process's first load_rank: pinned ring allocated
+    correct = equal_layers(want, got)
+    del want, got
+    free_device(device)
+    log(f"  load_rank == baseline transform: {correct}")
+    for name, run in methods.items():
+        if name in ("baseline", "load_rank"):
+            continue
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001
+            notes[name] = f"failed: {type(e).__name__}: {e}"
+            log(f"  {name}: {notes[name]}")
+        free_device(device)
+    for name in list(notes):
+        methods.pop(name, None)
+
+    warm: dict[str, list[float]] = {name: [] for name in methods}
+    for repeat in range(args.repeats):
+        for name in (list(methods) if repeat % 2 == 0 else list(methods)[::-1]):
+            start = time.perf_counter()
+            result = methods[name]()
+            warm[name].append(time.perf_counter() - start)
+            del result
+            free_device(device)
+
+    cold: dict[str, Any] = {}
+    cold_possible = args.cold_repeats > 0 and drop_page_cache()
+    if args.cold_repeats > 0 and not cold_possible:
+        notes["cold"] = "the page cache could not be dropped here (not root?): no cold numbers"
+    if cold_possible:
+        for name in methods:
+            if name.startswith("h2d"):
+                continue  # host memory to GPU: no file, no cache
+            times, reads = [], []
+            for _ in range(args.cold_repeats):
+                drop_page_cache()
+                before = io_read_bytes()
+                start = time.perf_counter()
+                result = methods[name]()
+                times.append(time.perf_counter() - start)
+                after = io_read_bytes()
+                reads.append(after - before if before is not None and after is not None else None)
+                del result
+                free_device(device)
+            cold[name] = {"s": round(statistics.median(times), 4), "runs": [round(t, 4) for t in times],
+                          "read_bytes": reads[0], "gb_per_s": round(rank_bytes / statistics.median(times) / 1e9, 2)}
+
+    def row(name: str) -> dict[str, Any]:
+        s = statistics.median(warm[name])
+        return {"s": round(s, 4), "gb_per_s": round(rank_bytes / s / 1e9, 2), "runs": [round(t, 4) for t in warm[name]]}
+
+    result: dict[str, Any] = {
+        "rank": rank, "ep_size": ep, "rank_bytes": rank_bytes, "first_load_rank_s": round(first_load_s, 4),
+        "source_bytes": source_bytes, "baseline_bytes_read": baseline_bytes_read, "correct": correct,
+        "warm": {name: row(name) for name in methods}, "cold": cold, "notes": notes,
+    }
+    w = result["warm"]
+    if "h2d_pinned" in w:
+        result["load_vs_pinned_h2d"] = round(w["h2d_pinned"]["s"] / w["load_rank"]["s"], 3)
+    result["speedup_vs_baseline"] = round(w["baseline"]["s"] / w["load_rank"]["s"], 2)
+    if "baseline" in cold and "load_rank" in cold:
+        result["cold_speedup_vs_baseline"] = round(cold["baseline"]["s"] / cold["load_rank"]["s"], 2)
+    return result
+
+
+def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:
+    """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (module defaults)."""
+    from megamoe_convert import loader
+
+    defaults = (loader.READ_THREADS, loader.PinnedRing.__init__.__defaults__)
+    rows = []
+    try:
+        for threads, count, mb in ((4, 6, 32), (6, 12, 32), (8, 12, 32), (8, 16, 32), (8, 8, 64), (12, 16, 32),
+                                   (12, 24, 32), (16, 24, 16), (16, 32, 32), (24, 32, 16)):
+            loader.READ_THREADS = threads
+            loader.PinnedRing.__init__.__defaults__ = (count, mb << 20)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                result = ours(out, rank, device)
+                times.append(time.perf_counter() - start)
+                del result
+                free_device(device)
+            rows.append({"read_threads": threads, "ring_buffers": count, "ring_mb": mb,
+                         "s": round(statistics.median(times[1:]), 4), "first_s": round(times[0], 4)})
+    finally:
+        loader.READ_THREADS, loader.PinnedRing.__init__.__defaults__ = defaults
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one small size, fewer repeats")
+    p.add_argument("--preset", default="flash")
+    p.add_argument("--layers", default="1,2,4", help="MoE layers of each size (decoder layers; no MTP)")
+    p.add_argument("--experts", type=int, default=256, help="routed experts per layer (Flash: 256)")
+    p.add_argument("--vocab", type=int, default=1280)
+    p.add_argument("--ep-size", type=int, default=8)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cold-repeats", type=int, default=1)
+    p.add_argument("--sweep", action="store_true", help="also time load_rank under other thread/ring settings")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--workdir", default=os.environ.get("MEGAMOE_BENCH_DIR", "/tmp/megamoe-bench-load"))
+    p.add_argument("--keep", action="store_true", help="keep checkpoints and conversions")
+    p.add_argument("--save", help="also write the final JSON to this file")
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.layers, args.experts, args.repeats = "1", min(args.experts, 64), min(args.repeats, 2)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --device cpu for a smoke test)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda:0": every library takes that form
+    started = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+
+    workdir = Path(args.workdir)
+    sizes = [int(x) for x in args.layers.split(",")]
+    jobs = {layers: (workdir / f"src-{args.preset}-L{layers}-E{args.experts}",
+                     bench_config(args.preset, layers, args.experts, 0, args.vocab)) for layers in sizes}
+    with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        synth_s = dict(zip(jobs, pool.map(synth_checkpoint, [str(p) for p, _ in jobs.values()],
+                                          [c for _, c in jobs.values()])))
+    log(f"synthesised {len(jobs)} checkpoints ({', '.join(f'{s:.0f}s' for s in synth_s.values())})")
+
+    from megamoe_convert.convert import ConvertOptions, convert
+
+    results = []
+    for layers in sizes:
+        src = jobs[layers][0]
+        out = workdir / f"out-{src.name}-ep{args.ep_size}-r{args.rank}"
+        start = time.perf_counter()
+        summary = convert(src, out, ConvertOptions(ep_size=args.ep_size, ranks=str(args.rank), experts_only=True,
+                                                   fsync=False, workers=min(8, os.cpu_count() or 1)))
+        convert_s = time.perf_counter() - start
+        log(f"L{layers}: converted rank {args.rank} ({summary.bytes_written / 1e9:.2f} GB) in {convert_s:.1f}s; measuring")
+        r = measure_size(src, out, args, device, log)
+        r.update(layers=layers, experts=args.experts, synth_s=round(synth_s[layers], 1),
+                 convert_rank_s=round(convert_s, 2))
+        if args.sweep and layers == sizes[-1]:
+            r["loader_sweep"] = loader_sweep(out, args.rank, device, args.repeats)
+        results.append(r)
+        w = r["warm"]
+        log(f"L{layers}: rank {r['rank_bytes'] / 1e9:.2f} GB of {r['source_bytes'] / 1e9:.2f} GB | warm s: "
+            + " ".join(f"{k} {v['s']:.3f} ({v['gb_per_s']} GB/s)" for k, v in w.items())
+            + (" | cold s: " + " ".join(f"{k} {v['s']:.3f}" for k, v in r["cold"].items()) if r["cold"] else ""))
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        for src, _ in jobs.values():
+            shutil.rmtree(src, ignore_errors=True)
+
+    largest = results[-1]
+    summary = {
+        "benchmark": "load", "tag": args.tag, "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                                                           else platform.processor() or "cpu"),
+        "preset": args.preset, "ep_size": args.ep_size, "rank": args.rank,
+        "rank_bytes": largest["rank_bytes"], "source_bytes": largest["source_bytes"],
+        "load_s": largest["warm"]["load_rank"]["s"], "load_gb_per_s": largest["warm"]["load_rank"]["gb_per_s"],
+        "baseline_s": largest["warm"]["baseline"]["s"],
+        "speedup_vs_baseline": largest["speedup_vs_baseline"],
+        "load_vs_pinned_h2d": largest.get("load_vs_pinned_h2d"),
+        "bytes_read_fraction": round(largest["rank_bytes"] / largest["baseline_bytes_read"], 4),
+        "all_correct": all(r["correct"] for r in results),
+        "sizes": results,
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+                    "platform": platform.platform()},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
