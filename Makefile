@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench report clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_convert.py --quick
+
+report: $(STAMP)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) benchmarks/make_report.py
 
 clean:
 	rm -rf demo-out $(VENV)
