@@ -164,6 +164,14 @@ def run_convert(src: Path, out: Path, ep_size: int, workers: int, fsync: bool) -
     return summary.bytes_written
 
 
+def emit_summary(summary: dict, save: str | None) -> None:
+    """Print the summary as the last line (the benchmark's result); also write it to ``save``."""
+    if save:
+        Path(save).parent.mkdir(parents=True, exist_ok=True)
+        Path(save).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+
+
 def rss_mb() -> float:
     import psutil
 
@@ -308,10 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    if args.save:
-        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save).write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary))
+    emit_summary(summary, args.save)
     return summary
 
 

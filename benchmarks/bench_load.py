@@ -52,10 +52,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench_convert import bench_config, fast_tensor_bytes  # noqa: E402
+from bench_convert import bench_config, drop_page_cache, emit_summary, ensure_checkpoint  # noqa: E402
 
 EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 
@@ -65,22 +64,9 @@ EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>
 # --------------------------------------------------------------------------------------
 
 def synth_checkpoint(path: str, config: dict) -> float:
-    """Synthesise ``config`` into ``path`` (skipped when an identical one is there)."""
-    from megamoe_convert import synth
-
-    path_ = Path(path)
-    marker = path_ / ".bench-config.json"
-    if marker.exists() and json.loads(marker.read_text()) == config:
-        return 0.0
-    shutil.rmtree(path_, ignore_errors=True)
-    path_.parent.mkdir(parents=True, exist_ok=True)
-    config_file = path_.parent / f"{path_.name}.config.json"
-    config_file.write_text(json.dumps(config))
-    synth._tensor_bytes = fast_tensor_bytes
-    start = time.perf_counter()
-    synth.synthesize(path_, str(config_file))
-    marker.write_text(json.dumps(config))
-    return time.perf_counter() - start
+    """Synthesise ``config`` into ``path`` (skipped when an identical one is there); picklable for a
+    process pool, hence the string path."""
+    return ensure_checkpoint(Path(path), config)
 
 
 # --------------------------------------------------------------------------------------
@@ -92,13 +78,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def io_read_bytes() -> int | None:
@@ -198,13 +177,10 @@ def safetensors_open(files: list[Path], device: torch.device) -> int:
     from safetensors import safe_open
 
     n = 0
-    keep = []
+    keep: list[torch.Tensor] = []
     for path in files:
         with safe_open(path, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                keep.append(t)
-                n += t.numel() * t.element_size()
+            n += take_all(f, keep)
     sync(device)
     return n
 
@@ -212,14 +188,20 @@ def safetensors_open(files: list[Path], device: torch.device) -> int:
 def fastsafetensors_open(files: list[Path], device: torch.device, nogds: bool) -> int:
     from fastsafetensors import fastsafe_open
 
-    n = 0
-    keep = []
+    keep: list[torch.Tensor] = []
     with fastsafe_open([str(p) for p in files], framework="pt", device=str(device), nogds=nogds) as f:
-        for name in f.keys():
-            t = f.get_tensor(name)
-            keep.append(t)
-            n += t.numel() * t.element_size()
+        n = take_all(f, keep)
         sync(device)
+    return n
+
+
+def take_all(handle: Any, keep: list[torch.Tensor]) -> int:
+    """Materialise every tensor of an open safetensors-like handle, kept alive in ``keep``; bytes."""
+    n = 0
+    for name in handle.keys():
+        t = handle.get_tensor(name)
+        keep.append(t)
+        n += t.numel() * t.element_size()
     return n
 
 
@@ -501,10 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "platform": platform.platform()},
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    if args.save:
-        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.save).write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary))
+    emit_summary(summary, args.save)
     return summary
 
 

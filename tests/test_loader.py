@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from megamoe_convert import layout
+from megamoe_convert import layout, loader
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.manifest import read_manifest
 from megamoe_convert.synth import synthesize
