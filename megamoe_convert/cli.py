@@ -22,7 +22,11 @@ app = typer.Typer(
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
 
-_state = {"debug": False}
+_state: dict[str, Any] = {"debug": False, "command": None}  # "command": the subcommand running
+
+#: Commands that write only through temporary files and, rerun, go on from where they stopped:
+#: after a full disk, only they can say "nothing partial was kept: rerun to resume".
+RESUMABLE_COMMANDS = frozenset({"convert", "merge"})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -49,7 +53,8 @@ def run_command(body: Callable[[], Any]) -> Any:
         if _state["debug"]:
             raise
         message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename and e.strerror else str(e)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        disk_full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+        if disk_full and _state["command"] in RESUMABLE_COMMANDS:
             message += " (nothing partial was kept: free space and rerun the same command to resume)"
         print(f"error: {message}", file=sys.stderr)
         raise typer.Exit(2) from None
@@ -61,10 +66,12 @@ def print_json(data: Any) -> None:
 
 @app.callback()
 def main_options(
+    ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
     version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
 ) -> None:
     _state["debug"] = debug
+    _state["command"] = ctx.invoked_subcommand
     if version:
         print(f"megamoe-convert {__version__}")
         raise typer.Exit(0)

@@ -141,6 +141,16 @@ class Plan:
                 "ranks": self.ranks, "layers": [l.key for l in self.layers],
                 "experts_only": self.options.experts_only}
 
+    def source_stamp(self) -> dict[str, list[int]]:
+        """``{file: [st_mtime_ns, st_ino]}`` of every source file read (shards, copied small files).
+
+        It changes when a file is rewritten, even in place with the same size. It is kept out of
+        :meth:`fingerprint`, which machines with their own copies of the source share (``--shard``).
+        """
+        paths = {name: self.ckpt.root / name for name in self.ckpt.headers}
+        paths.update((p.name, p) for p in self.ckpt.small_files())
+        return {name: [(st := path.stat()).st_mtime_ns, st.st_ino] for name, path in sorted(paths.items())}
+
     def manifest(self, records: dict[str, FileRecord]) -> Manifest:
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
@@ -423,12 +433,13 @@ def small_file_units(plan: Plan) -> list[Unit]:
 # --------------------------------------------------------------------------------------
 
 class OutputState:
-    """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the journal."""
+    """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the source stamp, the journal."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         self.dir = out / STATE_DIR
         self.plan_path = self.dir / "plan.json"
+        self.source_path = self.dir / "source.json"
         self.journal_path = self.dir / "journal.jsonl"
         self._journal_lock = threading.Lock()
         self.fsync = True  # --no-fsync: files are not durable, so neither need their journal lines be
@@ -437,8 +448,9 @@ class OutputState:
         self.dir.mkdir(parents=True, exist_ok=True)
         return FileLock(self.dir / "lock")
 
-    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
-        """Refuse foreign or differently-planned output; clear it when ``overwrite``."""
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
+        """Refuse foreign, differently-planned or stale output (source files changed since);
+        clear it when ``overwrite``. ``source`` is :meth:`Plan.source_stamp`."""
         if self.plan_path.exists():
             previous = json.loads(self.plan_path.read_text())
             if previous != fingerprint:
@@ -447,19 +459,38 @@ class OutputState:
                     raise ConvertError(f"{self.out} holds a conversion made with different options "
                                        f"({', '.join(changed)} differ); pass --overwrite to replace it")
                 self.clear()
+            elif changed_files := self.changed_sources(source):
+                if not overwrite:
+                    more = f" and {len(changed_files) - 3} more" if len(changed_files) > 3 else ""
+                    raise ConvertError(f"{self.out} was converted before these source files changed: "
+                                       f"{', '.join(changed_files[:3])}{more}; pass --overwrite to convert again")
+                self.clear()
         elif overwrite:
             self.clear()
         write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True))
+        write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True))
+
+    def changed_sources(self, source: dict[str, list[int]]) -> list[str]:
+        """Source files whose stamp differs from the previous run's (``[]`` where none was recorded:
+        an OUT written by an older version, or by ``merge``)."""
+        if not self.source_path.exists():
+            return []
+        previous = json.loads(self.source_path.read_text())
+        return [name for name, stamp in source.items() if name in previous and previous[name] != stamp]
 
     def clear(self) -> None:
-        """Remove a previous conversion's files (only what a conversion writes)."""
-        (self.out / MANIFEST_NAME).unlink(missing_ok=True)
+        """Remove what a previous conversion (or merge) wrote, and nothing else: manifest, index,
+        part manifests, journaled files, ``rank-*-of-*/``, merged parts and this state."""
+        from .fleet import PART_GLOB
+        for path in (self.out / MANIFEST_NAME, self.out / INDEX_NAME, *self.out.glob(PART_GLOB)):
+            path.unlink(missing_ok=True)
         for record in self.journal().values():
             (self.out / record.path).unlink(missing_ok=True)
-        for path in self.out.glob("rank-*-of-*"):
+        for path in (*self.out.glob("rank-*-of-*"), self.out / MERGED_PARTS_DIR):
             if path.is_dir():
                 shutil.rmtree(path)
         self.journal_path.unlink(missing_ok=True)
+        self.source_path.unlink(missing_ok=True)
 
     def journal(self) -> dict[str, FileRecord]:
         records: dict[str, FileRecord] = {}
@@ -579,15 +610,17 @@ class PartState(OutputState):
         assert plan.options.shard is not None
         index, count = plan.options.shard
         self.root_plan_path, self.root_journal_path = self.plan_path, self.journal_path
+        self.root_source_path = self.source_path
         self.shard = {"index": index, "count": count, "by": plan.options.shard_by}
         self.dir = out / STATE_DIR / part_name(index, count)
         self.plan_path = self.dir / "plan.json"
+        self.source_path = self.dir / "source.json"
         self.journal_path = self.dir / "journal.jsonl"
         self.part_manifest = out / part_manifest_name(index, count)
         self.merged_part_manifest = out / MERGED_PARTS_DIR / part_manifest_name(index, count)
         self.paths = [u.path for u in plan.units]
 
-    def prepare(self, fingerprint: dict[str, Any], overwrite: bool) -> None:
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
         # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
         if self.root_plan_path.exists() and json.loads(self.root_plan_path.read_text()) != fingerprint:
             if not overwrite:
@@ -595,7 +628,8 @@ class PartState(OutputState):
                                    "pass --overwrite (to every part) to replace it")
             self.root_plan_path.unlink(missing_ok=True)
             self.root_journal_path.unlink(missing_ok=True)
-        super().prepare(fingerprint | {"shard": self.shard}, overwrite)
+            self.root_source_path.unlink(missing_ok=True)
+        super().prepare(fingerprint | {"shard": self.shard}, overwrite, source)
         self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten
         self.merged_part_manifest.unlink(missing_ok=True)
 
@@ -696,7 +730,8 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
 def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
                 started: float) -> Summary:
     out = plan.out
-    state.prepare(plan.fingerprint(), plan.options.overwrite)  # refuses before anything is touched
+    # Refuses (a different plan, a changed source) before anything is touched.
+    state.prepare(plan.fingerprint(), plan.options.overwrite, plan.source_stamp())
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
     state.remove_partials()
     journal = state.journal()

@@ -22,7 +22,7 @@ import torch
 from . import layout
 from .checkpoint import MoELayer
 from .layout import KernelWeights
-from .manifest import Manifest, ManifestError, expert_tensor_names, read_manifest
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problem
 
@@ -71,14 +71,20 @@ def resolve_layers(manifest: Manifest, layers: Iterable[str] | None) -> list[MoE
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
                      verify: bool) -> dict[MoELayer, FileRecord]:
-    """The manifest must list this rank; every file must exist with its recorded size."""
+    """The manifest must list this rank's files; every file must exist with its recorded size."""
     if not 0 <= rank < manifest.ep_size:
         raise LoadError(f"rank {rank} is out of range: {out} was converted for ep_size={manifest.ep_size} "
                         f"(ranks 0..{manifest.ep_size - 1})")
     if rank not in manifest.ranks:
         raise LoadError(f"rank {rank} was not converted into {out} (converted ranks: {manifest.ranks})")
-    records = manifest.rank_files(rank)
-    chosen = {layer: records[layer] for layer in layers}
+    chosen = {}
+    for layer in layers:
+        path = rank_file(rank, manifest.ep_size, layer)
+        try:
+            chosen[layer] = manifest.file(path)
+        except ManifestError:
+            raise LoadError(f"{out / path}: not listed in {out / MANIFEST_NAME} (the manifest is incomplete "
+                            "or was edited)") from None
     for record in chosen.values():
         problem = file_problem(out / record.path, record, "manifest.json", checksum=verify)
         if problem:

@@ -112,14 +112,20 @@ class AtomicWriter:
             self._written_back = self.size
 
     def commit(self) -> FileRecord:
-        if self.fsync:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        faults.before_rename(self.final)
-        os.replace(self.tmp, self.final)
-        if self.fsync:
-            fsync_dir(self.final.parent)
+        """fsync, close and rename into place. An error names the final path and, if it came
+        before the rename, deletes the temporary file."""
+        try:
+            if self.fsync:
+                os.fsync(self._fd)
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+            faults.before_rename(self.final)
+            os.replace(self.tmp, self.final)
+            if self.fsync:
+                fsync_dir(self.final.parent)
+        except OSError as e:
+            self.abort()
+            raise OSError(e.errno, e.strerror, str(self.final)) from None  # name the file in the error
         return FileRecord(self.final.relative_to(self.root).as_posix(), self.size, self._hasher.hexdigest())
 
     def abort(self) -> None:

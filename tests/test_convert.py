@@ -7,6 +7,8 @@ The reference for every rank shard is computed from the source with the plain
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from conftest import REPO, run_cli
 from megamoe_convert import layout
 from megamoe_convert.loader import load_rank
 from megamoe_convert.placement import Placement
+from megamoe_convert.safetensors_io import read_header
 from megamoe_convert.synth import synthesize
 
 
@@ -194,6 +197,66 @@ def test_foreign_non_empty_output_directory_is_refused(tiny_ckpt, tmp_path):
         proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2, *extra, check=False)
         assert proc.returncode == 2 and "not a megamoe output" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def rewrite_expert_byte_in_place(src: Path, name: str) -> Path:
+    """Flip the first byte of tensor ``name`` in its shard, in place (same size, same inode),
+    and move the shard's mtime on by a second; returns the shard."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"][name]
+    begin = read_header(shard).tensors[name].begin
+    with open(shard, "r+b") as f:
+        f.seek(begin)
+        byte = f.read(1)[0]
+        f.seek(begin)
+        f.write(bytes([byte ^ 0xFF]))
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    return shard
+
+
+def test_source_rewritten_in_place_is_never_resumed_against(tiny_ckpt, tmp_path):
+    src, out, fresh = tmp_path / "src", tmp_path / "out", tmp_path / "fresh"
+    shutil.copytree(tiny_ckpt, src)
+    args = ("--ep-size", 2, "--json")
+    run_cli("convert", src, out, *args)
+    before = output_files(out)
+    size = (shard := rewrite_expert_byte_in_place(src, "layers.1.ffn.experts.5.w2.weight")).stat().st_size
+    assert shard.stat().st_size == size  # same size, same index: only the bytes and the mtime changed
+
+    proc = run_cli("convert", src, out, *args, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and shard.name in proc.stderr and "--overwrite" in proc.stderr
+    assert output_files(out) == before  # refused before anything was touched
+
+    redone = json.loads(run_cli("convert", src, out, *args, "--overwrite").stdout)
+    assert redone["files_skipped"] == 0
+    run_cli("convert", src, fresh, *args)
+    assert output_files(out) == output_files(fresh) != before
+    again = json.loads(run_cli("convert", src, out, *args).stdout)  # unchanged source: resumes as before
+    assert again["files_written"] == 0
+
+
+def test_overwrite_leaves_no_stale_index_and_keeps_user_files(tiny_ckpt, tmp_path):
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    assert (out / "model.safetensors.index.json").exists()
+    (out / "NOTES.md").write_text("mine")
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--experts-only", "--overwrite")
+    run_cli("convert", tiny_ckpt, fresh, "--ep-size", 2, "--experts-only")
+    assert output_files(out) == output_files(fresh) | {"NOTES.md": b"mine"}  # no index, no model-*.safetensors
+
+
+def test_overwrite_forgets_the_parts_of_a_merged_conversion(tiny_ckpt, tmp_path):
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--experts-only", "--shard", "0/1")  # merges itself
+    assert list((out / ".megamoe" / "parts").glob("manifest.part-*"))
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--overwrite")
+    assert not (out / ".megamoe" / "parts").exists()
+    # A later merge must not bring the replaced conversion back over the new one.
+    proc = run_cli("merge", out, check=False)
+    assert proc.returncode == 2 and "no part manifests" in proc.stderr
+    assert json.loads((out / "manifest.json").read_text())["experts_only"] is False
 
 
 def test_cuda_device_without_gpu_is_a_clear_error(tiny_ckpt, tmp_path):

@@ -117,6 +117,17 @@ def test_missing_and_resized_files_are_refused(tiny_converted, tmp_path):
         load_rank(out, 2)
 
 
+def test_rank_file_missing_from_the_manifest_is_a_load_error_naming_it(tiny_converted, tmp_path):
+    dropped = "rank-00001-of-00004/mtp.0.safetensors"
+    out = edited_copy(tiny_converted, tmp_path,
+                      lambda m, _: m.update(files=[f for f in m["files"] if f["path"] != dropped]))
+    with pytest.raises(LoadError, match=rf"{out / dropped}: not listed in {out / 'manifest.json'}") as info:
+        load_rank(out, 1)
+    assert "\n" not in str(info.value)
+    assert sorted(load_rank(out, 1, layers=["layers.0", "layers.1"])) == ["layers.0.ffn.experts",
+                                                                          "layers.1.ffn.experts"]
+
+
 def test_manifest_of_another_ep_size_is_refused(tiny_converted, tmp_path):
     def other_ep(manifest, _):
         manifest["placement"]["ep_size"] = manifest["ep_size"] = 2

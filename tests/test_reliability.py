@@ -6,6 +6,7 @@ subprocesses, plus SIGKILLs at random times; every outcome is checked against a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -18,16 +19,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, run_cli
+from megamoe_convert.cli import run_command
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.manifest import Manifest, ManifestError, read_manifest
 from megamoe_convert.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth import synthesize
 from megamoe_convert.verify import verify
+from megamoe_convert.writer import AtomicWriter, partial_path
 
 CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
 
@@ -113,6 +117,35 @@ def test_disk_full_is_a_clear_error_and_resumes_cleanly(tiny_ckpt, tmp_path, cle
     assert not list(out.rglob(".*.partial")), "a failed write must not leave its temporary file"
     run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)  # space freed: same command resumes
     assert output_files(out) == clean[0]
+
+
+def test_disk_full_hint_to_resume_is_only_given_by_commands_that_resume(tmp_path):
+    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "enospc-after-bytes=100000"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: ") and error.endswith("No space left on device") and ".safetensors" in error
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_commit_errors_name_the_file_and_leave_no_temporary_file(tmp_path, monkeypatch, capsys, failing):
+    final = tmp_path / "rank-00000-of-00001" / "layers.0.safetensors"
+
+    def write() -> None:
+        with AtomicWriter(final, tmp_path) as w:
+            w.write(b"x" * 100)
+            w.commit()
+
+    def fail(*args: object) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, failing, fail)
+    with pytest.raises(OSError) as info:
+        write()
+    assert info.value.errno == errno.EIO and info.value.filename == str(final)
+    assert not final.exists() and not partial_path(final).exists()
+    with pytest.raises(typer.Exit):
+        run_command(write)
+    assert capsys.readouterr().err == f"error: {final}: {os.strerror(errno.EIO)}\n"
 
 
 # ----------------------------------------------------------------------------- bad input
