@@ -64,17 +64,22 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
+def _print_version(requested: bool) -> None:
+    """Eager, so that ``megamoe --version`` answers without a command."""
+    if requested:
+        print(f"megamoe-convert {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def main_options(
     ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
-    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
 ) -> None:
     _state["debug"] = debug
     _state["command"] = ctx.invoked_subcommand
-    if version:
-        print(f"megamoe-convert {__version__}")
-        raise typer.Exit(0)
 
 
 # --------------------------------------------------------------------------------------
@@ -309,7 +314,7 @@ cli_fleet.register(app, run_command, print_json)
 
 
 def main() -> None:
-    app()
+    app(prog_name="megamoe")  # also under `python -m megamoe_convert.cli`
 
 
 if __name__ == "__main__":

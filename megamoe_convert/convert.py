@@ -432,6 +432,10 @@ def small_file_units(plan: Plan) -> list[Unit]:
 # State: lock, plan fingerprint, journal
 # --------------------------------------------------------------------------------------
 
+#: The journal of a whole conversion that ``--shard --overwrite`` parts are replacing (``OUT/.megamoe/``).
+REPLACED_JOURNAL = "replaced-journal.jsonl"
+
+
 class OutputState:
     """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the source stamp, the journal."""
 
@@ -492,11 +496,13 @@ class OutputState:
         self.journal_path.unlink(missing_ok=True)
         self.source_path.unlink(missing_ok=True)
 
-    def journal(self) -> dict[str, FileRecord]:
+    def journal(self, path: Path | None = None) -> dict[str, FileRecord]:
+        """The committed files of the journal at ``path`` (default: this run's)."""
+        path = path or self.journal_path
         records: dict[str, FileRecord] = {}
-        if not self.journal_path.exists():
+        if not path.exists():
             return records
-        for line in self.journal_path.read_text().splitlines():
+        for line in path.read_text().splitlines():
             try:
                 data = json.loads(line)
                 records[data["path"]] = FileRecord(data["path"], int(data["size"]), data["checksum"])
@@ -627,7 +633,8 @@ class PartState(OutputState):
                 raise ConvertError(f"{self.out} holds a conversion made with different options; "
                                    "pass --overwrite (to every part) to replace it")
             self.root_plan_path.unlink(missing_ok=True)
-            self.root_journal_path.unlink(missing_ok=True)
+            if self.root_journal_path.exists():  # kept for merge, to delete what the new plan does not write
+                os.replace(self.root_journal_path, self.root_journal_path.with_name(REPLACED_JOURNAL))
             self.root_source_path.unlink(missing_ok=True)
         super().prepare(fingerprint | {"shard": self.shard}, overwrite, source)
         self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten

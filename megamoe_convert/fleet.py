@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from filelock import FileLock, Timeout
 
 from .checkpoint import INDEX_NAME
-from .convert import (MERGED_PARTS_DIR, ConvertError, NoProgress, OutputState, Progress, check_output_dir, index_text,
-                      non_expert_index, part_manifest_name)
+from .convert import (MERGED_PARTS_DIR, REPLACED_JOURNAL, ConvertError, NoProgress, OutputState, Progress,
+                      check_output_dir, index_text, non_expert_index, part_manifest_name)
 from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError
-from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, new_hasher, partial_path,
+from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
                      write_json_atomic)
 
 if TYPE_CHECKING:
@@ -234,6 +234,8 @@ def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: b
     try:
         _check(tmp, record, where, verify)
         os.replace(tmp, dst)
+        if fsync:
+            fsync_dir(dst.parent)  # the rename itself, durable like AtomicWriter's
     finally:
         tmp.unlink(missing_ok=True)
     return "linked"
@@ -242,6 +244,20 @@ def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: b
 # --------------------------------------------------------------------------------------
 # Merge
 # --------------------------------------------------------------------------------------
+
+def forget_replaced_conversion(out: Path, new_paths: set[str], has_index: bool) -> None:
+    """Delete what the whole conversion in ``out`` before this merge wrote and this one does not
+    (e.g. a full conversion replaced by ``--experts-only`` parts): the non-expert shards, the index.
+    Only journaled files go; anything else in ``out`` is left alone."""
+    state = OutputState(out)
+    previous = {**state.journal(state.dir / REPLACED_JOURNAL), **state.journal()}
+    stale = [path for path in previous if path not in new_paths]
+    if not has_index:
+        stale.append(INDEX_NAME)
+    for path in stale:
+        (out / path).unlink(missing_ok=True)
+    (state.dir / REPLACED_JOURNAL).unlink(missing_ok=True)
+
 
 def merge(out: Path | str, parts: Sequence[Path | str] = (), *, verify: bool = True, fsync: bool = True,
           workers: int = 0, wait: bool = False, if_needed: bool = False,
@@ -282,6 +298,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
         return {"out": str(out), "parts": len(chosen), "already_merged": True}
     files = check_coverage(chosen)
     (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
+    forget_replaced_conversion(out, {r.path for _, r in files}, has_index=chosen[0].index_json is not None)
     progress.start(sum(r.size for _, r in files), len(files))
     how: dict[str, int] = {}
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:

@@ -14,6 +14,12 @@ from megamoe_convert.synth import synthesize
 REPO = Path(__file__).resolve().parent.parent
 
 
+def output_files(out: Path) -> dict[str, bytes]:
+    """Every file of a converted directory, by relative path, except the hidden conversion state."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
+
+
 def run_cli(*args: object, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None,
             ) -> subprocess.CompletedProcess[str]:
     """Run ``megamoe ARGS...`` as a real subprocess (the installed console script's module)."""

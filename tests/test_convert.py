@@ -17,7 +17,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from conftest import REPO, run_cli
+from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
 from megamoe_convert.loader import load_rank
 from megamoe_convert.placement import Placement
@@ -54,10 +54,6 @@ def assert_rank_matches_source(out: Path, src: Path, rank: int, placement: Place
             assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride()
             assert torch.equal(got, ref), f"rank {rank} {prefix}"
 
-
-def output_files(out: Path) -> dict[str, bytes]:
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
 
 
 # ----------------------------------------------------------------------------- layouts

@@ -11,11 +11,10 @@ import json
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli
+from conftest import REPO, output_files, run_cli
 from megamoe_convert.convert import (ConvertError, ConvertOptions, build_plan, convert, parse_shard)
 from megamoe_convert.fleet import MergeError, merge
 from megamoe_convert.loader import LoadError, load_rank
@@ -23,11 +22,6 @@ from megamoe_convert.safetensors_io import FileCache
 
 EP4 = ("--ep-size", 4, "--num-redundant-experts", 4)
 
-
-def output_files(out: Path) -> dict[str, bytes]:
-    """Every file except the hidden conversion state."""
-    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
-            if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
 
 
 def start_cli(*args: object) -> subprocess.Popen[str]:
@@ -169,6 +163,20 @@ def test_a_part_refuses_an_output_holding_a_different_conversion(tiny_ckpt, tiny
     with pytest.raises(ConvertError, match="different options"):
         convert(tiny_ckpt, out, options((0, 2)))
     assert (out / "manifest.json").exists()  # refused before touching anything
+
+
+def test_parts_replacing_a_full_conversion_leave_nothing_of_it_after_merge(tiny_ckpt, tmp_path):
+    """Full conversion, then ``--experts-only --overwrite`` parts into the same directory and a
+    merge: the old index and non-expert shards go (nothing lists them any more); user files stay."""
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    run_cli("convert", tiny_ckpt, out, *EP4, "--no-fsync")
+    (out / "NOTES.md").write_text("mine")
+    for i in range(2):
+        run_cli("convert", tiny_ckpt, out, *EP4, "--experts-only", "--overwrite", "--shard", f"{i}/2",
+                "--shard-by", "rank", "--no-fsync")
+    run_cli("merge", out)
+    run_cli("convert", tiny_ckpt, fresh, *EP4, "--experts-only", "--no-fsync")
+    assert output_files(out) == output_files(fresh) | {"NOTES.md": b"mine"}
 
 
 def test_single_part_merges_itself_and_can_still_be_merged_elsewhere(tiny_ckpt, tiny_converted, tmp_path):

@@ -43,6 +43,21 @@ def test_layers_subset_and_verify(tiny_converted):
         load_rank(tiny_converted, 0, layers=["layers.9"])
 
 
+def test_a_reconversion_never_changes_tensors_already_mapped(tiny_ckpt, tmp_path):
+    """A rank mapped by a running server keeps its bytes while OUT is converted again (files are
+    replaced by rename, never rewritten in place)."""
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--experts-only", "--no-fsync")
+    mapped = load_rank(out, 0)
+    before = {prefix: [t.clone() for t in (*e.l1, *e.l2)] for prefix, e in mapped.items()}
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--num-redundant-experts", 2, "--experts-only",
+            "--overwrite", "--no-fsync")
+    reloaded = load_rank(out, 0)
+    assert any(reloaded[p].logical_ids != mapped[p].logical_ids for p in mapped)  # it did change
+    for prefix, e in mapped.items():
+        assert all(torch.equal(a, b) for a, b in zip((*e.l1, *e.l2), before[prefix]))
+
+
 def test_cpu_tensors_are_writable_private_maps(tiny_converted, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(tiny_converted, out)
