@@ -149,6 +149,29 @@ def _share(name: str, phase: str) -> str:
     return "?"
 
 
+def verify_section(v: dict) -> str:
+    g = v["gb_per_s"]
+    rows = [[name, f"{v[key] * 1e3:.0f}", f"{g[gkey]:.1f}"] for name, key, gkey in (
+        ("plain read, one thread", "read_s", "read"),
+        (f"plain read, {v['check_threads']} threads", "read_parallel_s", "read_parallel"),
+        ("`megamoe verify --ranks R` (xxh3-128)", "verify_s", "verify"),
+        ("`load_rank(verify=True)`, CPU", "load_rank_verify_s", "load_rank"),
+        ("plain read + SHA-256", "sha256_s", "sha256"))]
+    return f"""## Verify vs a plain read of the same rank
+
+`benchmarks/bench_verify.py`: one rank ({gb(v['rank_bytes'])} GB in {v['files']} files) of a converted
+Flash-dims checkpoint, warm page cache (the hash's worst case: cold, the disk sets the pace for
+both), medians of {v['repeats']}, {v['machine']['cpus']} CPU cores.
+
+{table(["", "ms", "GB/s"], rows)}
+
+Verifying costs {v['ratio_verify_vs_read']:.2f}x a single-threaded read and {v['ratio_verify_vs_read_parallel']:.2f}x a
+parallel one; a SHA-256 of the same bytes would cost {v['ratio_sha256_vs_read']:.1f}x. That is why the manifest's
+checksum is xxh3-128 (an integrity check against corruption and truncation, not a defence
+against an adversary: for that, pin the hub revision (a commit hash) and trust your storage).
+"""
+
+
 # --------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------
@@ -343,11 +366,13 @@ def main(argv: list[str] | None = None) -> None:
 
 Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmarks/results/convert-sweep.json`
 (CPU), `PYTHONPATH=. python3 benchmarks/bench_load.py --repeats 5 --save benchmarks/results/load-h100.json`
-(GPU), `python benchmarks/profile_convert.py [--fsync] --save ...`, then `python benchmarks/make_report.py`.
+(GPU), `python benchmarks/profile_convert.py [--fsync] --save ...`,
+`python benchmarks/bench_verify.py --save benchmarks/results/verify.json`, then `python benchmarks/make_report.py`.
 `make bench` runs the quick convert benchmark.
 
 {convert_section(after, before, quick, quick_before)}
 {profile_section()}
+{verify_section(load("verify.json"))}
 {load_section(main_load, other_load, sweep)}"""
     out.write_text(doc)
     print(f"wrote {out} and {png}")

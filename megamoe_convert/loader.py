@@ -24,7 +24,7 @@ from .checkpoint import MoELayer
 from .layout import KernelWeights
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
-from .writer import FileRecord, file_problem
+from .writer import FileRecord, file_problems
 
 #: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
 #: memory copies done by the kernel, one core each: it takes many in flight to keep up with
@@ -85,8 +85,8 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
         except ManifestError:
             raise LoadError(f"{out / path}: not listed in {out / MANIFEST_NAME} (the manifest is incomplete "
                             "or was edited)") from None
-    for record in chosen.values():
-        problem = file_problem(out / record.path, record, "manifest.json", checksum=verify)
+    records = list(chosen.values())
+    for record, problem in zip(records, file_problems([(out / r.path, r) for r in records], "manifest.json", verify)):
         if problem:
             raise LoadError(f"{out / record.path}: {problem}")
     return chosen

@@ -10,9 +10,10 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -69,6 +70,19 @@ def file_problem(path: Path, record: FileRecord, where: str, checksum: bool) -> 
     if checksum and file_checksum(path) != record.checksum:
         return f"checksum mismatch with {where} (file is corrupted or was modified)"
     return None
+
+
+#: Files checksummed at once by :func:`file_problems`: one core each (the hash runs at memory speed).
+CHECK_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+def file_problems(checks: Sequence[tuple[Path, FileRecord]], where: str, checksum: bool) -> Iterator[str | None]:
+    """:func:`file_problem` of each ``(path, record)``, in order; checksums run on several threads."""
+    if not checksum or len(checks) < 2 or CHECK_THREADS == 1:
+        yield from (file_problem(path, record, where, checksum) for path, record in checks)
+        return
+    with ThreadPoolExecutor(min(CHECK_THREADS, len(checks))) as pool:
+        yield from pool.map(lambda check: file_problem(check[0], check[1], where, True), checks)
 
 
 def partial_path(final: Path) -> Path:
