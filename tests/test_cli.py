@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.metadata
+import tomllib
 
 import pytest
 
-from conftest import run_cli
+import megamoe_convert
+from conftest import REPO, run_cli
 
 COMMANDS = ("synth", "inspect", "plan", "convert", "verify", "push", "pull", "merge")
 
 
 def test_version_answers_without_a_command():
     proc = run_cli("--version")
-    assert proc.stdout.strip() == f"megamoe-convert {importlib.metadata.version('megamoe-convert')}"
+    assert proc.stdout.strip() == f"megamoe-convert {megamoe_convert.__version__}"
+
+
+def test_package_version_is_the_projects():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert megamoe_convert.__version__ == project["version"]
 
 
 def test_top_level_help_lists_every_command():
