@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -136,8 +136,12 @@ def _shards(tensors: list[SynthTensor], shard_bytes: int) -> list[list[SynthTens
 
 def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, experts: int | None = None,
                mtp_layers: int | None = None, seed: int = 0, weight_dtype: str = "int8", scale_dtype: str = "e8m0",
-               shard_bytes: int | None = None, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config."""
+               shard_bytes: int | None = None, progress: Any = None) -> dict[str, Any]:
+    """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config.
+
+    ``progress`` (optional) gets ``start(total_bytes, total_files)`` once, then ``advance`` with
+    ``files=0`` per chunk written and ``advance(0, filename, False)`` as each shard is finished.
+    """
     config = dict(load_preset(preset))
     if layers is not None:
         config["num_hidden_layers"] = layers
@@ -154,13 +158,17 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))
     shards = _shards(tensors, shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
+    if progress:
+        progress.start(sum(t.nbytes for t in tensors), len(shards))
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         rng = np.random.default_rng([seed, number])
         chunks = (_tensor_bytes(t, rng) for t in shard)
-        write_safetensors(out / filename, out, [t.spec() for t in shard], _reporting(chunks, progress),
+        write_safetensors(out / filename, out, [t.spec() for t in shard], _reporting(chunks, filename, progress),
                           metadata={"format": "pt"}, fsync=False)
+        if progress:
+            progress.advance(0, filename, False)
         weight_map.update({t.name: filename for t in shard})
     total = sum(t.nbytes for t in tensors)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -170,8 +178,8 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     return config
 
 
-def _reporting(chunks: Iterator[bytes], progress: Callable[[int], None] | None) -> Iterator[bytes]:
+def _reporting(chunks: Iterator[bytes], filename: str, progress: Any) -> Iterator[bytes]:
     for chunk in chunks:
         yield chunk
         if progress:
-            progress(len(chunk))
+            progress.advance(len(chunk), filename, False, files=0)
