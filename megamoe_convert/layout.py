@@ -163,11 +163,12 @@ def interleave_gate_up(t: torch.Tensor, granularity: int = GATE_UP_GRANULARITY) 
     Keeps the input's memory format (so MN-major scales stay MN-major).
     """
     experts, rows, *rest = t.shape
-    half = rows // 2
-    gate = t[:, :half].reshape(experts, half // granularity, granularity, *rest)
-    up = t[:, half:].reshape(experts, half // granularity, granularity, *rest)
-    interleaved = torch.stack([gate, up], dim=2).reshape(t.shape)
-    return torch.empty_like(t).copy_(interleaved)
+    blocks = rows // 2 // granularity
+    out = torch.empty_like(t)
+    pairs = out.view(experts, blocks, 2, granularity, *rest)  # a view: each byte is written once, in place
+    pairs[:, :, 0] = t[:, :rows // 2].reshape(experts, blocks, granularity, *rest)
+    pairs[:, :, 1] = t[:, rows // 2:].reshape(experts, blocks, granularity, *rest)
+    return out
 
 
 def deinterleave_gate_up(t: torch.Tensor, granularity: int = GATE_UP_GRANULARITY) -> torch.Tensor:
