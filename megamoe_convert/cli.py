@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from . import __version__
+from .devices import Device
 from .ui import ByteProgress, err_console, human_bytes, out_console
 
 app = typer.Typer(
@@ -32,14 +33,15 @@ RESUMABLE_COMMANDS = frozenset({"convert", "merge"})
 def _known_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .convert import ConvertError
+    from .devices import DeviceError
     from .hub import HubError
     from .layout import LayoutError
     from .loader import LoadError
     from .manifest import ManifestError
     from .placement import PlacementError
     from .safetensors_io import SafetensorsError
-    return (CheckpointError, ConvertError, HubError, LayoutError, LoadError, ManifestError, PlacementError,
-            SafetensorsError, OSError)
+    return (CheckpointError, ConvertError, DeviceError, HubError, LayoutError, LoadError, ManifestError,
+            PlacementError, SafetensorsError, OSError)
 
 
 def run_command(body: Callable[[], Any]) -> Any:
@@ -122,11 +124,10 @@ def synth(
 
     def body() -> None:
         with ByteProgress(f"synth {preset.value}") as progress:
-            progress.start(0, 0)
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
                                 weight_dtype=weight_dtype.value, scale_dtype=scale_dtype.value,
                                 shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
-                                progress=lambda n: progress.advance(n, "", False))
+                                progress=progress)
         err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"
                           f" MTP, {config['n_routed_experts']} experts, H={config['hidden_size']}, "
                           f"I={config['moe_intermediate_size']})")
@@ -234,11 +235,6 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
 # --------------------------------------------------------------------------------------
 # convert
 # --------------------------------------------------------------------------------------
-
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
 
 class ShardBy(str, Enum):
     layer = "layer"

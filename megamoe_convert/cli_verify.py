@@ -8,6 +8,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from rich.table import Table
 
+from .devices import Device
 from .ui import ByteProgress, human_bytes, out_console
 
 
@@ -27,7 +28,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
                                                     "layout must equal the one from the source, exactly.")] = False,
         deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
                                                      "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
-        device: Annotated[str, typer.Option(help="Device for --numerics (cpu or cuda).")] = "cpu",
+        device: Annotated[Device, typer.Option(help="Device for --numerics.")] = Device.cpu,
         seed: Annotated[int, typer.Option(help="Seed for --sample and --numerics.")] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     ) -> None:
@@ -35,10 +36,16 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         bytes and numerics against the source. Exit 0 if all is well, 1 if problems were found."""
         from .verify import verify as run_verify
 
+        if source is None:
+            for flag, given in (("--numerics", numerics), ("--deep-gemm", deep_gemm), ("--sample", sample is not None)):
+                if given:
+                    raise typer.BadParameter(f"{flag} compares against the source checkpoint: pass --source too",
+                                             param_hint=flag)
+
         def body() -> Any:
             with ByteProgress("verify") as progress:
                 report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
-                                    deep_gemm=deep_gemm, device=device, seed=seed, progress=progress.start,
+                                    deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress.start,
                                     advance=lambda n, path: progress.advance(n, path, False))
             if as_json:
                 print_json(report.to_json())

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -28,6 +29,7 @@ from filelock import FileLock, Timeout
 
 from . import faults, layout
 from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
+from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
                        rank_file)
 from .placement import Placement, PlacementError, parse_ranks
@@ -46,6 +48,10 @@ class ConvertError(RuntimeError):
 
 class Cancelled(ConvertError):
     pass
+
+
+class OutputBusy(ConvertError):
+    """Another run is writing OUT in a way this one cannot run beside."""
 
 
 # --------------------------------------------------------------------------------------
@@ -151,10 +157,11 @@ class Plan:
         paths.update((p.name, p) for p in self.ckpt.small_files())
         return {name: [(st := path.stat()).st_mtime_ns, st.st_ino] for name, path in sorted(paths.items())}
 
-    def manifest(self, records: dict[str, FileRecord]) -> Manifest:
+    def manifest(self, records: dict[str, FileRecord], extra: Sequence[FileRecord] = ()) -> Manifest:
+        """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
-                        files=[records[u.path] for u in self.units])
+                        files=[records[u.path] for u in self.units] + list(extra))
 
 
 # --------------------------------------------------------------------------------------
@@ -448,38 +455,51 @@ class OutputState:
         self._journal_lock = threading.Lock()
         self.fsync = True  # --no-fsync: files are not durable, so neither need their journal lines be
 
-    def lock(self) -> FileLock:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        return FileLock(self.dir / "lock")
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold OUT for a whole-directory writer (a conversion, or a merge): no other one, and
+        no part of a split conversion, may write it meanwhile."""
+        with hold_whole_output(self.out, timeout=0, who="`megamoe convert`"):
+            yield
 
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
-        """Refuse foreign, differently-planned or stale output (source files changed since);
-        clear it when ``overwrite``. ``source`` is :meth:`Plan.source_stamp`."""
+        """Refuse foreign, differently-planned or stale output (source files changed since), or
+        state a crash or a person damaged; clear it when ``overwrite``. ``source`` is
+        :meth:`Plan.source_stamp`."""
         if self.plan_path.exists():
-            previous = json.loads(self.plan_path.read_text())
-            if previous != fingerprint:
+            problem = self._plan_problem(fingerprint) or self._source_problem(source)
+            if problem:
                 if not overwrite:
-                    changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
-                    raise ConvertError(f"{self.out} holds a conversion made with different options "
-                                       f"({', '.join(changed)} differ); pass --overwrite to replace it")
-                self.clear()
-            elif changed_files := self.changed_sources(source):
-                if not overwrite:
-                    more = f" and {len(changed_files) - 3} more" if len(changed_files) > 3 else ""
-                    raise ConvertError(f"{self.out} was converted before these source files changed: "
-                                       f"{', '.join(changed_files[:3])}{more}; pass --overwrite to convert again")
+                    raise ConvertError(f"{self.out} {problem}; pass --overwrite to convert again")
                 self.clear()
         elif overwrite:
             self.clear()
         write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True))
         write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True))
 
+    def _plan_problem(self, fingerprint: dict[str, Any]) -> str | None:
+        previous = _read_state_json(self.plan_path)
+        if previous is None:
+            return f"has an unreadable {self.plan_path.relative_to(self.out)} (not a JSON object)"
+        changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+        return f"holds a conversion made with different options ({', '.join(changed)} differ)" if changed else None
+
+    def _source_problem(self, source: dict[str, list[int]]) -> str | None:
+        changed_files = self.changed_sources(source)
+        if not changed_files:
+            return None
+        more = f" and {len(changed_files) - 3} more" if len(changed_files) > 3 else ""
+        return f"was converted before these source files changed: {', '.join(changed_files[:3])}{more}"
+
     def changed_sources(self, source: dict[str, list[int]]) -> list[str]:
         """Source files whose stamp differs from the previous run's (``[]`` where none was recorded:
-        an OUT written by an older version, or by ``merge``)."""
+        an OUT written by an older version, or by ``merge``; all of them where the record is
+        unreadable, since nothing then says they are unchanged)."""
         if not self.source_path.exists():
             return []
-        previous = json.loads(self.source_path.read_text())
+        previous = _read_state_json(self.source_path)
+        if previous is None:
+            return sorted(source)
         return [name for name, stamp in source.items() if name in previous and previous[name] != stamp]
 
     def clear(self) -> None:
@@ -520,6 +540,73 @@ class OutputState:
     def remove_partials(self) -> None:
         for path in self.out.rglob(f".*{PARTIAL_SUFFIX}"):
             path.unlink(missing_ok=True)
+
+
+# Who may write OUT at once: whole-directory writers (``convert`` without ``--shard``, and
+# ``merge``) hold ``.megamoe/lock``; each part holds ``.megamoe/part-I-of-N/lock``. Parts run
+# side by side, but never beside a whole-directory writer. The two sides check each other in
+# opposite order (a writer takes its lock, then looks at the parts' locks; a part takes its own
+# lock, then looks at the writers' lock), so two that start at the same moment cannot both go on.
+WHOLE_LOCK = "lock"
+PART_LOCK_GLOB = "part-*-of-*/lock"
+#: How long a part waits on a whole-directory lock that may only be held for a glance by another part.
+GLANCE_TIMEOUT_S = 2.0
+
+
+@contextmanager
+def hold_whole_output(out: Path, *, timeout: float, who: str) -> Iterator[None]:
+    """Hold ``OUT/.megamoe/lock`` (``timeout``: 0 = fail at once, -1 = wait), then refuse if any
+    part of a split conversion is being written into OUT."""
+    state_dir = out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(state_dir / WHOLE_LOCK)
+    try:
+        lock.acquire(timeout=timeout)
+    except Timeout:
+        raise OutputBusy(f"{out}: another `megamoe convert` or `megamoe merge` is writing this directory "
+                         f"(lock {state_dir / WHOLE_LOCK} is held); {who} cannot run beside it") from None
+    try:
+        if busy := busy_parts(out):
+            raise OutputBusy(f"{out}: part {busy[0]} of a split conversion is being written into this directory "
+                             f"right now; {who} cannot run beside it")
+        yield
+    finally:
+        lock.release()
+
+
+def busy_parts(out: Path) -> list[str]:
+    """Names (``I/N``) of the parts whose lock someone holds right now."""
+    busy = []
+    for path in sorted((out / STATE_DIR).glob(PART_LOCK_GLOB)):
+        lock = FileLock(path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            index, count = path.parent.name.removeprefix("part-").split("-of-")
+            busy.append(f"{int(index)}/{int(count)}")
+        else:
+            lock.release()
+    return busy
+
+
+def whole_writer_running(out: Path) -> bool:
+    """Whether a whole-directory writer holds OUT (a glance: taken and given back at once)."""
+    lock = FileLock(out / STATE_DIR / WHOLE_LOCK)
+    try:
+        lock.acquire(timeout=GLANCE_TIMEOUT_S)
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def _read_state_json(path: Path) -> dict[str, Any] | None:
+    """A state file's JSON object, or ``None`` where it is not one (cut short, edited, binary)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def check_output_dir(out: Path) -> None:
@@ -626,9 +713,27 @@ class PartState(OutputState):
         self.merged_part_manifest = out / MERGED_PARTS_DIR / part_manifest_name(index, count)
         self.paths = [u.path for u in plan.units]
 
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this part's lock; refuse if another run holds it, or a whole-directory writer OUT."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.dir / "lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise OutputBusy(f"{self.out}: part {self.shard['index']}/{self.shard['count']} is already being "
+                             f"converted by another `megamoe convert` (lock {self.dir / 'lock'} is held)") from None
+        try:
+            if whole_writer_running(self.out):
+                raise OutputBusy(f"{self.out}: a `megamoe convert` without --shard or a `megamoe merge` is writing "
+                                 f"this directory; part {self.shard['index']}/{self.shard['count']} cannot run beside it")
+            yield
+        finally:
+            lock.release()
+
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
         # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
-        if self.root_plan_path.exists() and json.loads(self.root_plan_path.read_text()) != fingerprint:
+        if self.root_plan_path.exists() and _read_state_json(self.root_plan_path) != fingerprint:
             if not overwrite:
                 raise ConvertError(f"{self.out} holds a conversion made with different options; "
                                    "pass --overwrite (to every part) to replace it")
@@ -713,8 +818,10 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     """Run (or resume) a conversion. Raises on any problem; OUT then has no manifest."""
     src, out = Path(src), Path(out)
     progress = progress or NoProgress()
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConvertError("--device cuda: no CUDA GPU is available to this process")
+    try:
+        usable_device(options.device)
+    except DeviceError as e:
+        raise ConvertError(f"--device: {e}") from None
     cancelled = threading.Event()
     started = time.perf_counter()
     with FileCache() as files:
@@ -722,12 +829,8 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
         check_output_dir(out)
         state = OutputState(out) if options.shard is None else PartState(out, plan)
         state.fsync = options.fsync
-        try:
-            with state.lock().acquire(timeout=0):
-                summary = _run_locked(plan, state, progress, cancelled, started)
-        except Timeout:
-            raise ConvertError(f"{out}: another `megamoe convert` is writing this directory "
-                               f"(lock {state.dir / 'lock'} is held)") from None
+        with state.locked():
+            summary = _run_locked(plan, state, progress, cancelled, started)
     if options.shard is not None and options.auto_merge:
         from .fleet import auto_merge  # the last part to finish in a shared OUT writes the manifest
         summary.merged = auto_merge(out, fsync=options.fsync)
@@ -758,9 +861,8 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
         write_part_manifest(plan, records)
     else:
         index = non_expert_index(plan)
-        if index is not None:
-            write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)
-        write_json_atomic(out / MANIFEST_NAME, plan.manifest(records).dumps(), fsync=plan.options.fsync)
+        extra = [] if index is None else [write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)]
+        write_json_atomic(out / MANIFEST_NAME, plan.manifest(records, extra).dumps(), fsync=plan.options.fsync)
     return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),

@@ -8,8 +8,8 @@
 - ``kill-before-rename=NAME``: SIGKILL when a complete temp file named NAME (e.g.
   ``manifest.json``) is about to be renamed into place;
 - ``enospc-after-bytes=N``: fail writes with ENOSPC ("No space left on device") after N bytes;
-- ``wait-after-files=N:PATH``: after N committed files, wait until PATH exists (to hold a
-  conversion in flight while a test starts a second one).
+- ``wait-after-files=N:PATH``: after N committed files, create ``PATH.waiting`` and wait until
+  PATH exists (to hold a conversion in flight while a test starts a second one).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def committed_file() -> None:
     if _fault.kind == "wait-after-files":
         threshold, _, release = _fault.arg.partition(":")
         if count == int(threshold):
+            Path(release + ".waiting").touch()  # tells the test this run now holds its locks
             while not Path(release).exists():
                 time.sleep(0.05)
 

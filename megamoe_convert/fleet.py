@@ -23,12 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from filelock import FileLock, Timeout
-
 from .checkpoint import INDEX_NAME
-from .convert import (MERGED_PARTS_DIR, REPLACED_JOURNAL, ConvertError, NoProgress, OutputState, Progress,
-                      check_output_dir, index_text, non_expert_index, part_manifest_name)
-from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError
+from .convert import (MERGED_PARTS_DIR, REPLACED_JOURNAL, ConvertError, NoProgress, OutputBusy, OutputState, Progress,
+                      check_output_dir, hold_whole_output, index_text, non_expert_index, part_manifest_name)
+from .manifest import MANIFEST_NAME, Manifest, ManifestError
 from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
                      write_json_atomic)
 
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
 PART_FORMAT = "megamoe-convert-part"
 PART_FORMAT_VERSION = 1
 PART_GLOB = "manifest.part-*-of-*.json"
-MERGE_LOCK = "merge.lock"
 COPY_CHUNK_BYTES = 64 << 20
 
 
@@ -275,16 +272,8 @@ def merge(out: Path | str, parts: Sequence[Path | str] = (), *, verify: bool = T
     if chosen is None:
         raise MergeError(f"cannot merge into {out}: {reason}")
     check_output_dir(out)
-    (out / STATE_DIR).mkdir(parents=True, exist_ok=True)
-    lock = FileLock(out / STATE_DIR / MERGE_LOCK)
-    try:
-        lock.acquire(timeout=-1 if wait else 0)
-    except Timeout:
-        raise MergeError(f"{out}: another `megamoe merge` is writing this directory") from None
-    try:
+    with hold_whole_output(out, timeout=-1 if wait else 0, who="`megamoe merge`"):
         return _merge_locked(out, dirs, verify, fsync, workers, if_needed, progress or NoProgress())
-    finally:
-        lock.release()
 
 
 def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, workers: int, if_needed: bool,
@@ -307,14 +296,15 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
             how[kind] = how.get(kind, 0) + 1
             progress.advance(record.size, record.path, skipped=kind in ("in_place", "present"))
     first = chosen[0]
+    listed = [r for _, r in files]
     if first.index_json is not None:
-        write_json_atomic(out / INDEX_NAME, index_text(first.index_json), fsync=fsync)
+        listed.append(write_json_atomic(out / INDEX_NAME, index_text(first.index_json), fsync=fsync))
     # The whole-conversion state, as a single-machine run leaves it: a rerun of the same
     # `megamoe convert` (without --shard) into OUT then finds every file done.
     state = OutputState(out)
     write_json_atomic(state.plan_path, json.dumps(first.fingerprint, indent=1, sort_keys=True), fsync=fsync)
     write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync)
-    data = dict(first.manifest, complete=True, files=[r.to_json() for _, r in files])
+    data = dict(first.manifest, complete=True, files=[r.to_json() for r in listed])
     try:
         manifest = Manifest.from_json(data, str(first.path))
     except ManifestError as e:
@@ -341,5 +331,8 @@ def auto_merge(out: Path, fsync: bool = True) -> bool:
     chosen, _ = select_parts(find_parts([out]), prefer=out)
     if chosen is None:
         return False
-    merge(out, verify=True, fsync=fsync, wait=True, if_needed=True)  # once, if parts finish at the same time
+    try:  # once, if parts finish at the same time
+        merge(out, verify=True, fsync=fsync, wait=True, if_needed=True)
+    except OutputBusy:
+        return False  # a part is (re)running: it merges when it finishes
     return True

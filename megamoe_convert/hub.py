@@ -168,13 +168,13 @@ def select_files(manifest: Manifest, ranks: Sequence[int], non_expert: bool = Tr
                 chosen.append(record)
         elif record.path == CARD_NAME:
             continue
-        elif not record.path.endswith(".safetensors") or non_expert:
+        elif non_expert or not (record.path.endswith(".safetensors") or record.path == INDEX_NAME):
             chosen.append(record)
     patterns = [glob.escape(MANIFEST_NAME)] + [f"{glob.escape(d)}/*" for d in sorted(rank_dirs)]
     patterns += [glob.escape(r.path) for r in chosen if "/" not in r.path]
     if non_expert and not manifest.experts_only:
-        patterns.append(glob.escape(INDEX_NAME))
-    return chosen, patterns
+        patterns.append(glob.escape(INDEX_NAME))  # older manifests do not list it
+    return chosen, list(dict.fromkeys(patterns))
 
 
 def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, where: str, workers: int = 8,

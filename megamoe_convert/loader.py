@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 import torch
 
 from . import layout
+from .devices import DeviceError, usable_device
 from .checkpoint import MoELayer
 from .layout import KernelWeights
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
@@ -255,6 +256,10 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
     """
     from .hub import resolve_converted
 
+    try:
+        device = usable_device(device)
+    except DeviceError as e:
+        raise LoadError(str(e)) from None
     out = resolve_converted(out, [rank])
     try:
         manifest = read_manifest(out)
@@ -271,14 +276,11 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
         headers[layer] = check_shard(header, manifest, layer, rank)
         check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
                           manifest.placement.rank_logical_ids(rank))
-    device = torch.device(device)
     if device.type == "cuda":
         tensors = _load_cuda(out, records, headers, device)
-    elif device.type == "cpu":
+    else:
         tensors = {layer: _cpu_layer(out / rec.path, headers[layer], expert_tensor_names(layer))
                    for layer, rec in records.items()}
-    else:
-        raise LoadError(f"device {device} is not supported (use 'cpu' or 'cuda[:N]')")
     start = manifest.placement.experts_start(rank)
     ids = manifest.placement.rank_logical_ids(rank)
     return {layer.prefix: ExpertLayer(layer.key, l1, l2, ids, start) for layer, (l1, l2) in tensors.items()}

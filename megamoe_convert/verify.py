@@ -30,8 +30,9 @@ from . import layout
 from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .convert import ExpertReader
 from .layout import KernelWeights
+from .devices import usable_device
 from .loader import LoadError, check_logical_ids, check_shard, load_rank
-from .manifest import Manifest, ManifestError, read_manifest, rank_file
+from .manifest import STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
 from .placement import parse_ranks
 from .safetensors_io import FileCache, SafetensorsError, read_header
 from .writer import file_problems
@@ -98,6 +99,19 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
             report.bytes_hashed += record.size
         if progress:
             progress(record.size, record.path)
+
+
+def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Weight files the manifest does not list: left by another conversion, or put there by hand.
+    A reader globbing ``*.safetensors`` or a rank folder would pick them up. Other files at the
+    top (notes, a README) are the user's and are left alone."""
+    listed = {f.path for f in manifest.files}
+    found = [p for p in out.rglob("*") if p.is_file() and STATE_DIR not in p.relative_to(out).parts]
+    for path in sorted(found):
+        rel = path.relative_to(out).as_posix()
+        in_rank_dir = "/" in rel and rel.startswith("rank-")
+        if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
+            report.problem(rel, "not listed in manifest.json (left by another conversion?)")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
@@ -322,7 +336,16 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
            progress: Callable[[int, int], None] | None = None, advance: Progress | None = None) -> VerifyReport:
-    """Run the checks asked for; return a report (``report.ok`` when nothing is wrong)."""
+    """Run the checks asked for; return a report (``report.ok`` when nothing is wrong).
+
+    Raises :class:`DeviceError` (a ``ValueError``) for an unusable ``device``, and ``ValueError``
+    when a check that compares with the source is asked for without ``source``: silently
+    skipping a check someone asked for would read as a pass.
+    """
+    if source is None and (numerics or deep_gemm or sample is not None):
+        raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
+    if numerics:
+        usable_device(device)
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
@@ -339,6 +362,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     if progress:
         progress(sum(f.size for f in manifest.files), len(manifest.files))
     check_files(out, manifest, report, chosen, advance)
+    check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
     if source is not None:
         ckpt = Checkpoint.open(source)
@@ -354,7 +378,5 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
                     check_numerics(out, manifest, ckpt, files, report, chosen, device, seed)
                 if deep_gemm:
                     check_deep_gemm(out, manifest, ckpt, files, report, slots)
-    elif numerics or deep_gemm:
-        report.skipped["source"] = "--numerics and --deep-gemm compare against the source: pass --source"
     report.seconds = time.perf_counter() - started
     return report

@@ -210,8 +210,9 @@ def write_safetensors(final: Path, root: Path, specs: list[TensorSpec], chunks: 
         return out.commit()
 
 
-def write_json_atomic(final: Path, text: str, fsync: bool = True) -> None:
-    """Small JSON files (manifest, index, state) get the same temp-then-rename treatment."""
+def write_json_atomic(final: Path, text: str, fsync: bool = True) -> FileRecord:
+    """Small JSON files (manifest, index, state) get the same temp-then-rename treatment.
+    Returns the file's record (path relative to its folder), for a manifest that lists it."""
     with AtomicWriter(final, final.parent, fsync=fsync) as out:
         out.write(text.encode())
-        out.commit()
+        return out.commit()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import json
 import tomllib
 
 import pytest
+from rich.console import Console
 
 import megamoe_convert
+from megamoe_convert import ui
 from conftest import REPO, run_cli
 
 COMMANDS = ("synth", "inspect", "plan", "convert", "verify", "push", "pull", "merge")
@@ -38,3 +42,28 @@ def test_every_command_explains_itself(command):
 def test_unknown_command_is_a_clear_usage_error():
     proc = run_cli("frobnicate", check=False)
     assert proc.returncode == 2 and "No such command" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_plain_progress_counts_files_and_bytes(tmp_path):
+    """Off a terminal (CI logs): a start line with the totals, then done/total files and percent."""
+    proc = run_cli("synth", tmp_path / "ckpt", "--preset", "tiny")
+    shards = len(list((tmp_path / "ckpt").glob("model-*.safetensors")))
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("synth tiny:")]
+    assert lines[0].startswith(f"synth tiny: {shards} files, ")
+    assert lines[-1] == f"synth tiny: {shards}/{shards} files, 100.0%"
+    proc = run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--json")
+    written = json.loads(proc.stdout)["files_written"]
+    assert f"convert: {written}/{written} files, 100.0%" in proc.stderr.splitlines()
+
+
+def test_terminal_progress_shows_files_beside_bytes(monkeypatch):
+    """On a terminal: one rich bar in bytes (speed, ETA) with a done/total files column."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=200, color_system=None)
+    monkeypatch.setattr(ui, "err_console", console)
+    with ui.ByteProgress("convert") as progress:
+        progress.start(3_000_000, 3)
+        for n in range(3):
+            progress.advance(500_000, f"f{n}", False, files=0)  # inside a file: bytes only
+            progress.advance(500_000, f"f{n}", skipped=False)
+    text = console.file.getvalue()
+    assert "3/3 files" in text and "3.0/3.0 MB" in text and "4/3" not in text

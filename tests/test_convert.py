@@ -16,6 +16,7 @@ import pytest
 import torch
 import xxhash
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
@@ -77,6 +78,18 @@ def test_every_rank_equals_the_layout_of_its_source_experts(tmp_path, weight_dty
         assert_rank_matches_source(out, src, rank, placement, ["layers.0", "layers.1", "mtp.0"])
 
 
+def test_hidden_not_twice_intermediate_and_chunked_streaming_give_the_reference_layout(tmp_path):
+    """H=1024, I=384 (so H != 2I, and I/128 = 3 is odd), ~0.7 MB per expert read 1 MB at a time:
+    a layer's experts stream through several chunks and still equal the one-shot transform."""
+    config = json.loads((REPO / "configs" / "tiny.json").read_text())
+    config.update(hidden_size=1024, moe_intermediate_size=384, n_routed_experts=6, num_experts_per_tok=2)
+    (tmp_path / "dims.json").write_text(json.dumps(config))
+    src, out = tmp_path / "src", tmp_path / "out"
+    synthesize(src, str(tmp_path / "dims.json"), layers=2, mtp_layers=0, seed=11)
+    run_cli("convert", src, out, "--ep-size", 1, "--chunk-mb", 1, "--workers", 2)
+    assert_rank_matches_source(out, src, 0, Placement.default(6, 1, 0), ["layers.0", "layers.1"])
+
+
 def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_converted):
     manifest = json.loads((tiny_converted / "manifest.json").read_text())
     assert manifest["complete"] is True and manifest["format_version"] == 1 and manifest["layout_version"] == 1
@@ -89,7 +102,7 @@ def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_conv
     assert manifest["source"]["files"] == src_sizes and len(manifest["source"]["index_sha256"]) == 64
     listed = {f["path"]: f for f in manifest["files"]}
     on_disk = output_files(tiny_converted)
-    assert set(on_disk) - set(listed) == {"manifest.json", "model.safetensors.index.json"}
+    assert set(on_disk) - set(listed) == {"manifest.json"}  # the index too is listed
     for path, record in listed.items():
         assert record["size"] == len(on_disk[path])
         assert record["checksum"] == xxhash.xxh3_128_hexdigest(on_disk[path])
@@ -139,6 +152,41 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     assert_rank_matches_source(out, tiny_ckpt, 1, Placement(8, 2, tuple(placement)), ["layers.1", "mtp.0"])
     with pytest.raises(ValueError, match="rank 0 was not converted"):
         load_rank(out, 0)
+
+
+def test_placement_and_redundant_experts_together_are_refused(tiny_ckpt, tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps(list(range(8))))
+    for command in ("plan", "convert"):
+        target = () if command == "plan" else (tmp_path / "out",)
+        proc = run_cli(command, tiny_ckpt, *target, "--ep-size", 2, "--placement", tmp_path / "p.json",
+                       "--num-redundant-experts", 2, check=False)
+        assert proc.returncode == 2 and "either --placement or --num-redundant-experts" in proc.stderr
+    assert not (tmp_path / "out").exists() or not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_plan_shows_an_explicit_placement(tiny_ckpt, tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0, 0, 1]))
+    got = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--json").stdout)
+    assert Placement.from_json(got) == Placement(8, 2, (7, 6, 5, 4, 3, 2, 1, 0, 0, 1))
+    table = run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json",
+                    env={"COLUMNS": "200"}).stdout
+    assert "0..4" in table and "5..9" in table
+
+
+def test_single_file_checkpoint_without_an_index_converts_to_the_same_experts(tiny_ckpt, tiny_converted, tmp_path):
+    """Small models ship one ``model.safetensors`` and no index: same expert bytes as the sharded form."""
+    src = tmp_path / "single"
+    src.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        shutil.copy(tiny_ckpt / name, src / name)
+    save_file(source_tensors(tiny_ckpt), src / "model.safetensors")
+    out = tmp_path / "out"
+    run_cli("convert", src, out, "--ep-size", 4, "--num-redundant-experts", 4, "--experts-only")
+    converted = output_files(out)
+    reference = output_files(tiny_converted)
+    rank_files = [path for path in reference if path.startswith("rank-")]
+    assert rank_files and all(converted[path] == reference[path] for path in rank_files)
+    assert run_cli("verify", out, "--source", src).returncode == 0
 
 
 def test_inspect_and_plan_report_the_checkpoint(tiny_ckpt):
@@ -231,6 +279,23 @@ def test_source_rewritten_in_place_is_never_resumed_against(tiny_ckpt, tmp_path)
     assert output_files(out) == output_files(fresh) != before
     again = json.loads(run_cli("convert", src, out, *args).stdout)  # unchanged source: resumes as before
     assert again["files_written"] == 0
+
+
+@pytest.mark.parametrize("state_file, damage", [("plan.json", b"{\"ep_si"), ("plan.json", b"[1, 2]"),
+                                               ("source.json", b"\x00\xff garbage")])
+def test_damaged_resume_state_is_refused_then_overwrite_recovers(tiny_ckpt, tmp_path, state_file, damage):
+    """A state file cut short or edited says nothing reliable about OUT: refuse to resume
+    against it (one line, no traceback), and let --overwrite start again."""
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    (out / ".megamoe" / state_file).write_bytes(damage)
+    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
+    assert "--overwrite" in proc.stderr and (state_file in proc.stderr or "source files changed" in proc.stderr)
+    redone = json.loads(run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--overwrite", "--json").stdout)
+    assert redone["files_skipped"] == 0
+    run_cli("convert", tiny_ckpt, fresh, "--ep-size", 2)
+    assert output_files(out) == output_files(fresh)
 
 
 def test_overwrite_leaves_no_stale_index_and_keeps_user_files(tiny_ckpt, tmp_path):

@@ -220,3 +220,13 @@ def test_shard_whose_experts_disagree_with_the_manifest_placement_is_refused(tin
     with pytest.raises(LoadError, match=r"holds logical experts \[0, 1, 2\], but manifest.json's placement gives "
                                         r"this rank \[3, 4, 5\]"):
         load_rank(out, 0)
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "is not a device"), ("meta", "is not supported"),
+                                             ("cuda:7", "cuda:7")])
+def test_unusable_devices_are_a_load_error_before_any_file_is_read(tmp_path, device, message):
+    """Checked before the directory is even opened: the path here does not exist."""
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 GPUs")
+    with pytest.raises(LoadError, match=message):
+        load_rank(tmp_path / "missing", 0, device=device)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 import typer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert.cli import run_command
+from megamoe_convert.convert import OutputBusy, part_name
+from megamoe_convert.fleet import auto_merge, merge
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.manifest import Manifest, ManifestError, read_manifest
 from megamoe_convert.safetensors_io import SafetensorsError, read_header
@@ -296,19 +299,55 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
 # ----------------------------------------------------------------------------- concurrency
 
 
-def test_two_converts_into_one_output_never_interleave(tiny_ckpt, tmp_path, clean):
-    out, release = tmp_path / "out", tmp_path / "release"
-    first = subprocess.Popen(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), cwd=REPO, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=1:{release}"})
-    journal = out / ".megamoe" / "journal.jsonl"
+def start_held(ckpt: Path, out: Path, release: Path, *extra: object) -> subprocess.Popen:
+    """A convert that holds its locks after committing one file, until ``release`` exists."""
+    run = subprocess.Popen(cli_cmd("convert", ckpt, out, *CONVERT_ARGS, *extra), cwd=REPO, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=1:{release}"})
     deadline = time.monotonic() + 60
-    while not journal.exists():  # the first run holds the lock and has committed a file
-        assert time.monotonic() < deadline and first.poll() is None, "first convert did not start"
+    while not Path(f"{release}.waiting").exists():
+        if time.monotonic() > deadline or run.poll() is not None:
+            run.kill()
+            pytest.fail(f"held convert did not start: {run.communicate()[1]}")
         time.sleep(0.05)
-    second = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False)
-    assert second.returncode == 2 and "another `megamoe convert` is writing this directory" in second.stderr
+    return run
+
+
+@pytest.mark.parametrize("held, intruder, message", [
+    ((), ("convert",), "another `megamoe convert` or `megamoe merge` is writing this directory"),
+    ((), ("convert", "--shard", "1/2"), "a `megamoe convert` without --shard or a `megamoe merge` is writing"),
+    (("--shard", "0/2"), ("convert",), "part 0/2 of a split conversion is being written into this directory"),
+    (("--shard", "0/2"), ("convert", "--shard", "0/2"), "part 0/2 is already being converted"),
+])
+def test_runs_that_would_interleave_in_one_output_are_refused(tiny_ckpt, tmp_path, clean, held, intruder, message):
+    """Parts of one split conversion run side by side; nothing else runs beside a writer of OUT
+    (a whole conversion deletes what parts write, and the reverse)."""
+    out, release = tmp_path / "out", tmp_path / "release"
+    first = start_held(tiny_ckpt, out, release, *held)
+    second = run_cli(intruder[0], tiny_ckpt, out, *CONVERT_ARGS, *intruder[1:], check=False)
+    assert second.returncode == 2 and message in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
     release.touch()
     assert first.wait(timeout=120) == 0, first.stderr.read()
+    if held:
+        run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, "--shard", "1/2")  # the last part merges them
+    assert output_files(out) == clean[0]
+
+
+def test_merge_waits_for_no_part_and_no_part_for_a_merge(tiny_ckpt, tmp_path, clean):
+    """A merge refuses while any part holds its lock (an automatic merge leaves it to that part),
+    and a part refuses while a merge holds OUT."""
+    out = tmp_path / "out"
+    for part in ("0/2", "1/2"):
+        run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, "--shard", part)
+    part_lock = FileLock(out / ".megamoe" / part_name(0, 2) / "lock")
+    with part_lock.acquire(timeout=0):
+        with pytest.raises(OutputBusy, match="part 0/2 of a split conversion is being written"):
+            merge(out)
+        assert auto_merge(out) is False
+    with FileLock(out / ".megamoe" / "lock").acquire(timeout=0):
+        refused = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, "--shard", "1/2", check=False)
+    assert refused.returncode == 2 and "a `megamoe convert` without --shard or a `megamoe merge`" in refused.stderr
+    assert merge(out)["parts"] == 2
     assert output_files(out) == clean[0]
 
 

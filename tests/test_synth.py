@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import torch
 from safetensors import safe_open
 
 from megamoe_convert.checkpoint import Checkpoint
+from megamoe_convert.layout import check_dims
 from megamoe_convert.synth import load_preset, synthesize
 
 from conftest import run_cli
@@ -69,9 +69,16 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path):
     assert any((tmp_path / "a" / f).read_bytes() != (tmp_path / "c" / f).read_bytes() for f in files)
 
 
+#: The released DeepSeek-V4 configs (config.json of deepseek-ai/DeepSeek-V4-Flash and -Pro):
+#: hidden, moe_intermediate, routed experts, experts per token, decoder layers, MTP layers.
+RELEASED_DIMS = {"flash": (4096, 2048, 256, 6, 43, 1), "pro": (7168, 3072, 384, 6, 61, 1)}
+
+
 @pytest.mark.parametrize("preset", ["flash", "pro"])
-def test_real_presets_have_megamoe_compatible_dims(preset):
+def test_real_presets_have_the_released_dims(preset):
     config = load_preset(preset)
-    assert config["hidden_size"] % 128 == 0 and config["moe_intermediate_size"] % 128 == 0
-    assert config["n_routed_experts"] >= 64 and config["expert_dtype"] == "fp4"
-    assert re.fullmatch(r"\d+", str(config["num_hidden_layers"]))
+    keys = ("hidden_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+            "num_hidden_layers", "num_nextn_predict_layers")
+    assert tuple(config[k] for k in keys) == RELEASED_DIMS[preset]
+    assert config["expert_dtype"] == "fp4" and config["model_type"] == "deepseek_v4"
+    check_dims(config["hidden_size"], config["moe_intermediate_size"])  # MegaMoE-compatible

@@ -66,6 +66,24 @@ def test_flipped_byte_is_caught_by_its_checksum(damaged):
                                    "(file is corrupted or was modified)"]
 
 
+def test_edited_index_and_unlisted_weight_files_are_reported(damaged):
+    """The index is listed with its checksum like any other file; weight files the manifest does
+    not list are flagged (a reader globbing for shards would take them); the user's notes are not."""
+    index_path = damaged / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = sorted(index["weight_map"])[0]
+    index["weight_map"][name] = "model-00099-of-00099.safetensors"
+    index_path.write_text(json.dumps(index, indent=2))
+    shutil.copy(damaged / "rank-00001-of-00004" / "layers.0.safetensors",
+                damaged / "rank-00001-of-00004" / "layers.99.safetensors")
+    (damaged / "model-00099-of-00099.safetensors").write_bytes(b"stray")
+    (damaged / "NOTES.md").write_text("mine")
+    code, found = problems(damaged)
+    assert code == 1
+    assert {p.split(":")[0] for p in found} == {"model.safetensors.index.json", "model-00099-of-00099.safetensors",
+                                                 "rank-00001-of-00004/layers.99.safetensors"}
+
+
 def test_missing_and_truncated_files_are_listed(damaged, tiny_ckpt):
     (damaged / "rank-00002-of-00004" / "mtp.0.safetensors").unlink()
     shard = damaged / "model-00001-of-00001.safetensors"
@@ -117,6 +135,26 @@ def test_sample_and_ranks_limit_the_work(tiny_converted, tiny_ckpt):
 def test_usage_errors_exit_2(tiny_converted):
     proc = run_cli("verify", tiny_converted, "--ranks", "7", check=False)
     assert proc.returncode == 2 and "outside 0..3" in proc.stderr
+    proc = run_cli("verify", tiny_converted, "--device", "tpu", check=False)
+    assert proc.returncode == 2 and "'tpu' is not one of" in proc.stderr
+
+
+@pytest.mark.parametrize("flag", [("--numerics",), ("--deep-gemm",), ("--sample", "3")])
+def test_checks_against_the_source_without_source_fail_rather_than_pass(tiny_converted, flag):
+    """A check that was asked for and could not run must not read as OK."""
+    proc = run_cli("verify", tiny_converted, *flag, check=False)
+    assert proc.returncode == 2 and "pass --source" in proc.stderr and "OK" not in proc.stdout
+    with pytest.raises(ValueError, match="pass --source"):
+        verify(tiny_converted, numerics=flag[0] == "--numerics", deep_gemm=flag[0] == "--deep-gemm",
+               sample=3 if flag[0] == "--sample" else None)
+
+
+def test_numerics_on_cuda_without_a_gpu_is_one_clear_line(tiny_converted, tiny_ckpt):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--numerics", "--device", "cuda", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "error: device 'cuda': no CUDA GPU is available to this process"
 
 
 def test_numerics_detect_a_wrong_scale(damaged, tiny_ckpt):

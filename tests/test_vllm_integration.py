@@ -8,6 +8,7 @@ of ``finalize_weights`` on ``_transformed_l1_weights``, and the ``get_expert_wei
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import types
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import run_cli
 from megamoe_convert import vllm_integration
 from megamoe_convert.loader import load_rank
 from megamoe_convert.vllm_integration import InstallError, install, layer_key
@@ -201,3 +203,15 @@ def test_real_vllm_registers_the_load_format():
     from vllm.config import LoadConfig
     loader = get_model_loader(LoadConfig(load_format="megamoe"))
     assert type(loader).__name__ == "MegaMoEModelLoader"
+
+
+def test_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(tiny_ckpt, tmp_path):
+    """vLLM's MegaMoE path assumes slot p holds expert p % n: a permuted placement would route
+    tokens to the wrong experts, so install refuses it instead of serving wrong answers."""
+    (tmp_path / "eplb.json").write_text(json.dumps([3, 2, 1, 0, 7, 6, 5, 4, 0, 1, 2, 3]))
+    out = tmp_path / "eplb"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--placement", tmp_path / "eplb.json", "--experts-only")
+    model = fake_model(1)
+    with pytest.raises(InstallError, match="explicit expert placement"):
+        install(model, out, rank=1)
+    assert all(m._transformed_l1_weights is None for m in expert_modules(model))

@@ -1,0 +1,43 @@
+"""Turning a user's device string into a ``torch.device`` that this process can really use.
+
+Checked up front, so that ``--device cuda`` on a machine without a GPU (or ``cuda:3`` on a
+machine with one) is a one-line error before any file is read, not a CUDA traceback later.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported when a device is checked, so `megamoe --help` stays quick
+    import torch
+
+
+class Device(str, Enum):
+    """The device choices the command line offers."""
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DeviceError(ValueError):
+    """A device string that is malformed, not supported, or not present on this machine."""
+
+
+def usable_device(spec: str | torch.device) -> torch.device:
+    """``spec`` as a ``torch.device`` of type ``cpu`` or ``cuda`` that exists here."""
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise DeviceError(f"device {spec!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise DeviceError(f"device {str(device)!r} is not supported (use cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {str(device)!r}: no CUDA GPU is available to this process")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise DeviceError(f"device {str(device)!r}: this process sees {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+    return device
