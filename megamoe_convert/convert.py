@@ -267,7 +267,7 @@ def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int]
                 for lo, hi in zip(bounds, bounds[1:])]
         for proj, views in zip(projs, iovecs):
             entry = reader.ckpt.expert_entry(layer, expert, proj, "weight")
-            readv_into(reader.files.fd(entry.path), views, entry.begin)
+            readv_into(reader.files.fd(entry.path), views, entry.begin, entry.path)
     return out.view(len(experts), rows, cols)
 
 
@@ -284,7 +284,8 @@ def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], pr
         first = e * mn * blocks
         for proj, height in zip(projs, heights):
             entry = reader.ckpt.expert_entry(layer, expert, proj, "scale")
-            readv_into(reader.files.fd(entry.path), [flat[first:first + height * blocks]], entry.begin)
+            readv_into(reader.files.fd(entry.path), [flat[first:first + height * blocks]], entry.begin,
+                       entry.path)
             first += height * blocks
     words = staging.view(torch.int32).view(count, mn, pk)  # pack_ue8m0, as little-endian words
     rows = gathered.view(torch.int32).view(count, mn, pk)
@@ -403,7 +404,7 @@ def _copy_chunks(files: FileCache, entries: list[TensorEntry], cancelled: thread
             if cancelled.is_set():
                 raise Cancelled("cancelled")
             chunk = buf[:min(COPY_CHUNK_BYTES, entry.end - start)]
-            read_into(files.fd(entry.path), start, chunk)
+            read_into(files.fd(entry.path), start, chunk, entry.path)
             yield chunk
 
 

@@ -124,7 +124,7 @@ def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...])
     stored = torch.empty(entry.shape, dtype=torch.int32)
     fd = os.open(path, os.O_RDONLY)
     try:
-        read_into(fd, entry.begin, stored)
+        read_into(fd, entry.begin, stored, path)
     finally:
         os.close(fd)
     if tuple(stored.tolist()) != expected:

@@ -138,14 +138,19 @@ def _check_coverage(path: Path, tensors: dict[str, TensorEntry], data_start: int
 # Reading bytes
 # --------------------------------------------------------------------------------------
 
-def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
-    """Fill a contiguous CPU tensor with file bytes at ``offset`` (``preadv``, GIL released)."""
+def _ended_early(source: object, at: int) -> SafetensorsError:
+    return SafetensorsError(f"{source or 'file'}: unexpected end of file at byte {at} (did it shrink while being read?)")
+
+
+def read_into(fd: int, offset: int, out: torch.Tensor, source: object = None) -> None:
+    """Fill a contiguous CPU tensor with file bytes at ``offset`` (``preadv``, GIL released).
+    ``source`` names the file in errors."""
     view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise SafetensorsError(f"unexpected end of file at byte {offset + done}")
+            raise _ended_early(source, offset + done)
         done += n
 
 
@@ -153,7 +158,7 @@ def read_into(fd: int, offset: int, out: torch.Tensor) -> None:
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def readv_into(fd: int, views: list[memoryview], offset: int) -> None:
+def readv_into(fd: int, views: list[memoryview], offset: int, source: object = None) -> None:
     """Scatter read: consecutive file bytes from ``offset`` fill ``views`` in order.
 
     One ``preadv`` call (GIL released) puts each run of file bytes straight where it
@@ -168,7 +173,7 @@ def readv_into(fd: int, views: list[memoryview], offset: int) -> None:
             views = views[len(batch):]
             continue
         if n == 0:
-            raise SafetensorsError(f"unexpected end of file at byte {offset}")
+            raise _ended_early(source, offset)
         full = 0
         while full < len(batch) and n >= len(batch[full]):
             n -= len(batch[full])
@@ -196,7 +201,7 @@ class FileCache:
             out = torch.empty(entry.byte_shape, dtype=torch.uint8)
         if out.numel() != entry.nbytes:
             raise SafetensorsError(f"{entry.name}: buffer of {out.numel()} bytes for {entry.nbytes}")
-        read_into(self.fd(entry.path), entry.begin, out)
+        read_into(self.fd(entry.path), entry.begin, out, entry.path)
         return out
 
     def close(self) -> None:

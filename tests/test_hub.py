@@ -98,6 +98,26 @@ def test_push_refuses_unfinished_or_damaged_conversions(fake, tiny_ckpt, tiny_co
     assert fake.commits == []
 
 
+def test_push_command_checks_checksums_with_verify_then_uploads(fake, tiny_converted, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_converted, damaged)
+    victim = damaged / "rank-00001-of-00004" / "layers.0.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # same size: only --verify can see it
+    victim.write_bytes(bytes(data))
+    refused = CliRunner().invoke(app, ["push", str(damaged), REPO_ID, "--verify"])
+    assert refused.exit_code == 2 and "not pushing" in refused.output and "layers.0.safetensors" in refused.output
+    assert fake.commits == []
+    done = CliRunner().invoke(app, ["push", str(tiny_converted), REPO_ID, "--revision", "cli", "--verify", "--json"])
+    assert done.exit_code == 0, done.output
+    result = json.loads(done.stdout)
+    manifest = json.loads((tiny_converted / "manifest.json").read_text())
+    assert result["files"] == len(manifest["files"]) and result["revision"] == "cli"
+    on_hub = {rel: p.read_bytes() for rel, p in fake.files(REPO_ID, "cli").items()}
+    assert {k: v for k, v in on_hub.items() if k not in ("README.md", ".gitattributes")} == \
+        converted_files(tiny_converted)
+
+
 def test_repushing_another_conversion_removes_the_old_manifest_before_any_file(fake, tiny_ckpt, tiny_converted,
                                                                                 tmp_path):
     push(tiny_converted, REPO_ID)
@@ -190,6 +210,18 @@ def test_load_rank_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
     assert_same_rank(experts, load_rank(tiny_converted, 2))
     with pytest.raises(LoadError, match="repository not found .*not a local directory either"):
         load_rank("team/missing", 0)
+
+
+def test_install_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
+    from test_vllm_integration import expert_modules, fake_model
+    from megamoe_convert.vllm_integration import install
+
+    model = fake_model(2)
+    assert install(model, f"{REPO_ID}@ep4", rank=2) == 3
+    assert {p.split("/")[0] for p in pushed.downloaded if "/" in p} == {"rank-00002-of-00004"}
+    want = load_rank(tiny_converted, 2)
+    for module, key in zip(expert_modules(model), ["layers.0", "layers.1", "mtp.0"]):
+        assert torch.equal(module._transformed_l1_weights[0], want[f"{key}.ffn.experts"].l1[0])
 
 
 def test_convert_from_a_hub_repo_id(fake, tiny_ckpt, tiny_converted, tmp_path):

@@ -193,6 +193,9 @@ BAD_INPUTS = {
     "duplicated tensor": (lambda s: rewrite_shard_of(s, "embed.weight",
                                                      lambda t: t.update({W1: torch.zeros(128, 128, dtype=torch.int8)})),
                           (), r"duplicated tensor layers.1.ffn.experts.2.w1.weight in model-000\d\d"),
+    "unknown expert tensor": (lambda s: rewrite_shard_of(s, W1, lambda t: t.update(
+                                  {"layers.1.ffn.experts.2.w4.weight": t[W1].clone()})), (),
+                              r"unexpected expert tensor layers.1.ffn.experts.2.w4.weight \(expected "),
     "wrong dtype": (lambda s: rewrite_shard_of(s, S3, lambda t: t.update({S3: t[S3].view(torch.uint8).float()})), (),
                     r"layers.0.ffn.experts.5.w3.scale has dtype F32, expected one of F8_E8M0, U8"),
     "wrong shape": (lambda s: rewrite_shard_of(s, W1, lambda t: t.update({W1: t[W1][:, :64].contiguous()})), (),
@@ -445,3 +448,24 @@ def test_corrupted_manifest_text_is_refused(tiny_converted, tmp_path):
         read_manifest(out)
     with pytest.raises(LoadError, match="corrupted manifest"):
         load_rank(out, 0)
+
+
+def test_source_shrinking_during_the_run_is_an_error_naming_the_file(tiny_ckpt, tmp_path, monkeypatch):
+    """Headers were fine when the plan was made; the file is cut short before its bytes are read."""
+    from megamoe_convert import convert as convert_module
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(tiny_ckpt, src)
+    victim = max(src.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)
+    real_build_plan = convert_module.build_plan
+
+    def plan_then_truncate(*args, **kwargs):
+        plan = real_build_plan(*args, **kwargs)
+        os.truncate(victim, victim.stat().st_size // 2)
+        return plan
+
+    monkeypatch.setattr(convert_module, "build_plan", plan_then_truncate)
+    options = convert_module.ConvertOptions(ep_size=2, fsync=False)
+    with pytest.raises(SafetensorsError, match=rf"{victim.name}: unexpected end of file at byte \d+"):
+        convert_module.convert(src, out, options)
+    assert not (out / "manifest.json").exists() and not list(out.rglob("*.partial"))

@@ -112,6 +112,19 @@ def test_swapped_experts_are_caught_against_the_source(damaged, tiny_ckpt):
         "rank 3 layers.1 slot 1: l2.weight differs from logical expert 2 of the source"]
 
 
+def test_changed_non_expert_tensor_is_caught_against_the_source(damaged, tiny_ckpt):
+    index = json.loads((damaged / "model.safetensors.index.json").read_text())
+    rel = index["weight_map"]["norm.weight"]
+    entry = read_header(damaged / rel).tensors["norm.weight"]
+    data = bytearray((damaged / rel).read_bytes())
+    data[entry.begin] ^= 0x01
+    (damaged / rel).write_bytes(bytes(data))
+    rewrite_manifest_record(damaged, rel)
+    assert problems(damaged) == (0, [])
+    code, found = problems(damaged, "--source", tiny_ckpt)
+    assert code == 1 and len(found) == 1 and found[0].startswith("norm.weight: differs from the source")
+
+
 def test_wrong_placement_in_the_manifest_is_caught(damaged):
     manifest = json.loads((damaged / "manifest.json").read_text())
     p = manifest["placement"]["physical_to_logical"]
