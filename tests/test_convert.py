@@ -281,21 +281,20 @@ def test_source_rewritten_in_place_is_never_resumed_against(tiny_ckpt, tmp_path)
     assert again["files_written"] == 0
 
 
-@pytest.mark.parametrize("state_file, damage", [("plan.json", b"{\"ep_si"), ("plan.json", b"[1, 2]"),
-                                               ("source.json", b"\x00\xff garbage")])
-def test_damaged_resume_state_is_refused_then_overwrite_recovers(tiny_ckpt, tmp_path, state_file, damage):
+@pytest.mark.parametrize("state_file, damage", [("plan.json", b"{\"ep_si"), ("source.json", b"[1, 2]")])
+def test_damaged_resume_state_is_refused_then_overwrite_recovers(tiny_ckpt, tiny_converted, tmp_path, state_file,
+                                                                 damage):
     """A state file cut short or edited says nothing reliable about OUT: refuse to resume
     against it (one line, no traceback), and let --overwrite start again."""
-    out, fresh = tmp_path / "out", tmp_path / "fresh"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    out, args = tmp_path / "out", ("--ep-size", 4, "--num-redundant-experts", 4)
+    run_cli("convert", tiny_ckpt, out, *args, "--no-fsync")
     (out / ".megamoe" / state_file).write_bytes(damage)
-    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2, check=False)
+    proc = run_cli("convert", tiny_ckpt, out, *args, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.strip().count("\n") == 0
     assert "--overwrite" in proc.stderr and (state_file in proc.stderr or "source files changed" in proc.stderr)
-    redone = json.loads(run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--overwrite", "--json").stdout)
+    redone = json.loads(run_cli("convert", tiny_ckpt, out, *args, "--overwrite", "--json").stdout)
     assert redone["files_skipped"] == 0
-    run_cli("convert", tiny_ckpt, fresh, "--ep-size", 2)
-    assert output_files(out) == output_files(fresh)
+    assert output_files(out) == output_files(tiny_converted)
 
 
 def test_overwrite_leaves_no_stale_index_and_keeps_user_files(tiny_ckpt, tmp_path):
