@@ -2,6 +2,9 @@
 #   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
 #   make test   run the whole test suite
 VENV ?= .venv
+# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu'
+# on a machine without a local CPU wheel (PyPI's torch is a multi-GB CUDA build).
+TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
@@ -9,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

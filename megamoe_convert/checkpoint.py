@@ -288,12 +288,31 @@ class Checkpoint:
         return self.dims.bytes_per_expert() * self.dims.n_routed_experts * len(self.layers)
 
     def source_record(self) -> dict[str, Any]:
-        """What identifies the source: path, every shard's size, and the index's hash."""
+        """What identifies the source: path, every shard's size, the index's hash, a hash of
+        every tensor's name, dtype, shape and offsets, and the hub commit of a snapshot in the
+        Hugging Face cache (``None`` for a plain directory). Reading the data bytes themselves
+        would cost as much as the conversion, so they are not hashed."""
         return {
             "path": str(self.root.resolve()),
             "files": {name: h.file_size for name, h in sorted(self.headers.items())},
             "index_sha256": hashlib.sha256(self.index_bytes).hexdigest(),
+            "tensors_sha256": self._tensors_sha256(),
+            "revision": hub_snapshot_commit(self.root),
         }
+
+    def _tensors_sha256(self) -> str:
+        table = sorted((e.name, e.path.name, e.dtype, list(e.shape), e.begin, e.end) for e in self.tensors.values())
+        return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
+
+#: ``.../models--owner--name/snapshots/<commit>``: where huggingface_hub puts a repo's files.
+HUB_SNAPSHOT = re.compile(r"/models--[^/]+/snapshots/([0-9a-f]{40})$")
+
+
+def hub_snapshot_commit(root: Path) -> str | None:
+    """The commit a Hugging Face cache snapshot directory holds, or ``None`` for any other path."""
+    match = HUB_SNAPSHOT.search(Path(root).resolve().as_posix())
+    return match.group(1) if match else None
 
 
 def _ranges(values: list[int]) -> str:

@@ -138,19 +138,24 @@ def synth(
 # inspect / plan
 # --------------------------------------------------------------------------------------
 
+#: ``--revision`` of the commands that read a source checkpoint.
+RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
+                                                            "download (default: main).")]
+
 @app.command()
 def inspect(
     src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
     ep_size: Annotated[int, typer.Option(help="EP size used for the bytes-per-rank column.")] = 8,
     num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+    revision: RevisionOption = None,
 ) -> None:
     """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank."""
     from .checkpoint import Checkpoint
     from .placement import Placement
 
     def body() -> None:
-        ckpt = Checkpoint.open(resolve_source(src))
+        ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
         per_expert = ckpt.dims.bytes_per_expert()
         first = ckpt.layers[0]
@@ -192,13 +197,14 @@ def plan(
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
                                                                              "every physical slot.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
+    revision: RevisionOption = None,
 ) -> None:
     """Print which logical experts every rank's slots hold."""
     from .checkpoint import Checkpoint
     from .convert import ConvertOptions, make_placement
 
     def body() -> None:
-        ckpt = Checkpoint.open(resolve_source(src))
+        ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file))
         if as_json:
             print_json(placement.to_json())
@@ -261,8 +267,7 @@ def convert(
     no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
                                                               "crash-durable on power loss).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
-    revision: Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
-                                                         "download (default: main).")] = None,
+    revision: RevisionOption = None,
     shard: Annotated[Optional[str], typer.Option(help="Convert only part I of N (0-based, e.g. 3/8), to run one "
                                                       "conversion on N machines; see `megamoe merge`.")] = None,
     shard_by: Annotated[ShardBy, typer.Option(help="What --shard splits the expert shards by.")] = ShardBy.layer,

@@ -143,6 +143,7 @@ class Plan:
         source = self.ckpt.source_record()
         return {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION,
                 "source_files": source["files"], "source_index_sha256": source["index_sha256"],
+                "source_tensors_sha256": source["tensors_sha256"], "source_revision": source["revision"],
                 "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
                 "ranks": self.ranks, "layers": [l.key for l in self.layers],
                 "experts_only": self.options.experts_only}
@@ -532,11 +533,14 @@ class OutputState:
         return records
 
     def record(self, rec: FileRecord) -> None:
-        with self._journal_lock, open(self.journal_path, "a") as f:
-            f.write(json.dumps(rec.to_json()) + "\n")
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
+        try:
+            with self._journal_lock, open(self.journal_path, "a") as f:
+                f.write(json.dumps(rec.to_json()) + "\n")
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+        except OSError as e:  # name the journal in the one-line error (a full disk, say)
+            raise OSError(e.errno, e.strerror, str(self.journal_path)) from None
 
     def remove_partials(self) -> None:
         for path in self.out.rglob(f".*{PARTIAL_SUFFIX}"):

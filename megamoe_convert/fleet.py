@@ -158,8 +158,14 @@ def select_parts(parts: Sequence[Part], prefer: Path | None = None) -> tuple[lis
         return None, (f"{len(complete)} complete sets of parts of different conversions found; "
                       "merge them from separate directories")
     if not complete:
-        return None, "; ".join(reasons) if len(groups) == 1 else \
-            f"parts of {len(groups)} different conversions (or --shard N) found, none complete: " + "; ".join(reasons)
+        if len(groups) == 1:
+            return None, "; ".join(reasons)
+        firsts = [group[0] for group in groups.values()]
+        keys = sorted(k for k in set(firsts[0].fingerprint) | set(firsts[1].fingerprint)
+                      if firsts[0].fingerprint.get(k) != firsts[1].fingerprint.get(k))
+        differ = f" ({', '.join(keys)} differ)" if keys else " (--shard N differs)"
+        return None, (f"parts of {len(groups)} different conversions found{differ}, none complete: "
+                      + "; ".join(reasons))
     return complete[0], ""
 
 

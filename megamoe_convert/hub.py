@@ -22,7 +22,9 @@ card, and ``pull`` neither downloads nor checks ``README.md``.
 from __future__ import annotations
 
 import glob
+import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ from . import __version__
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
 from .placement import PlacementError, parse_ranks
-from .writer import FileRecord, file_problem
+from .writer import FileRecord, file_problem, partial_path
 
 CARD_NAME = "README.md"
 REPO_TYPE = "model"
@@ -223,9 +225,11 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
     commit = first.name if huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name) else (revision or "main")
     chosen_ranks = _parse_pull_ranks(ranks, manifest, where)
     records, patterns = select_files(manifest, chosen_ranks, non_expert)
-    # 2. Everything else, at that commit.
-    path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=local_dir, force_download=force_download,
-                     max_workers=max_workers)
+    # 2. Everything else, at that commit. Offline, huggingface_hub looks only inside local_dir,
+    #    so the files are taken from the cache and linked into local_dir after the checks.
+    from_cache = local_dir is not None and huggingface_hub.constants.HF_HUB_OFFLINE
+    path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
+                     force_download=force_download, max_workers=max_workers)
     # 3. Check what came down against the manifest (of the same commit).
     try:
         if read_manifest(path).to_json() != manifest.to_json():
@@ -235,8 +239,27 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
     missing = ("not in the Hugging Face cache, and HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE
                else "missing after the download (an incomplete push?)")
     verify_files(path, records, verify, f"{MANIFEST_NAME} of {repo_id}@{commit[:12]}", max_workers, missing)
+    if from_cache:
+        index = [INDEX_NAME] if non_expert and (path / INDEX_NAME).is_file() else []
+        path = link_into(path, Path(local_dir), [MANIFEST_NAME, *index, *(r.path for r in records)])
     skipped = [CARD_NAME] if any(r.path == CARD_NAME for r in manifest.files) else []
     return PullResult(path, repo_id, commit, chosen_ranks, records, "checksum" if verify else "size", skipped)
+
+
+def link_into(snapshot: Path, local_dir: Path, paths: Sequence[str]) -> Path:
+    """Put ``paths`` of a cache snapshot into ``local_dir``: hard links to the cache's blobs
+    where the filesystem allows, copies otherwise; each appears by rename, the manifest last."""
+    for rel in sorted(paths, key=lambda rel: rel == MANIFEST_NAME):
+        src, dst = (snapshot / rel).resolve(), local_dir / rel  # the blob, not the snapshot's symlink
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = partial_path(dst)
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    return local_dir
 
 
 def resolve_converted(out_or_repo: Path | str, ranks: Iterable[int] | None = None, *, revision: str | None = None,
@@ -278,8 +301,9 @@ def _ranges(values: Sequence[int]) -> str:
     return ranges(list(values))
 
 
-def model_card(out: Path, manifest: Manifest, repo_id: str) -> str:
-    """The hub's README.md: what this conversion is, for whom, and how to use it."""
+def model_card(out: Path, manifest: Manifest, repo_id: str, revision: str | None = None) -> str:
+    """The hub's README.md: what this conversion is, for whom, and how to use it (the usage
+    lines name the branch pushed to and ranks this conversion holds, so they work as written)."""
     placement = manifest.placement
     label, base_model = _source_label(manifest.source)
     metadata: dict[str, Any] = {}
@@ -338,18 +362,23 @@ def model_card(out: Path, manifest: Manifest, repo_id: str) -> str:
         lines.append(f"| {rank} | {start}..{start + placement.experts_per_rank - 1} | {ids} |")
     if len(shown) < len(manifest.ranks):
         lines.append(f"| ... | | ({len(manifest.ranks) - len(shown)} more ranks: see manifest.json) |")
+    revision_flag = f" --revision {revision}" if revision else ""
+    repo_ref = f"{repo_id}@{revision}" if revision else repo_id
+    first_rank = manifest.ranks[0]
     lines += [
         "",
         "## Use",
         "",
         "```bash",
         "pip install megamoe-convert",
-        f"megamoe pull {repo_id} --ranks 0-{manifest.ep_size - 1} --local-dir ./model   # only what these ranks need",
+        f"megamoe pull {repo_id}{revision_flag} --ranks {_ranges(manifest.ranks)} --local-dir ./model"
+        "   # only what these ranks need",
         "```",
         "",
         "```python",
         "from megamoe_convert.loader import load_rank",
-        f'experts = load_rank("{repo_id}", rank=0, device="cuda:0")  # pulls just rank 0 into the HF cache',
+        f'experts = load_rank("{repo_ref}", rank={first_rank}, device="cuda:0")'
+        f"  # pulls just rank {first_rank} into the HF cache",
         "```",
         "",
         f"`{MANIFEST_NAME}` lists every file with its size and xxh3-128 checksum; `megamoe pull` checks them.",
@@ -386,7 +415,7 @@ def push(out: Path | str, repo_id: str, *, revision: str | None = None, private:
         verify_files(out, manifest.files, verify, str(out / MANIFEST_NAME))
     except HubError as e:
         raise HubError(f"not pushing {out}: {e}") from None
-    card = model_card(out, manifest, repo_id)
+    card = model_card(out, manifest, repo_id, revision)
     local_manifest = (out / MANIFEST_NAME).read_bytes()
     message = commit_message or f"megamoe-convert {__version__}: EP {manifest.ep_size} MegaMoE shards"
     api = huggingface_hub.HfApi(token=token)

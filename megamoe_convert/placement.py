@@ -127,7 +127,9 @@ def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
             first, last = int(lo), int(hi or lo)
         except ValueError:
             raise PlacementError(f"--ranks: cannot parse {part!r} (expected e.g. 0,3-5)") from None
-        if first > last or first < 0 or last >= ep_size:
+        if first > last:
+            raise PlacementError(f"--ranks: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
+        if first < 0 or last >= ep_size:
             raise PlacementError(f"--ranks: {part!r} is outside 0..{ep_size - 1} for ep_size={ep_size}")
         ranks.update(range(first, last + 1))
     return sorted(ranks)

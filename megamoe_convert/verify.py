@@ -32,7 +32,7 @@ from .convert import ExpertReader
 from .layout import KernelWeights
 from .devices import usable_device
 from .loader import LoadError, check_logical_ids, check_shard, load_rank
-from .manifest import STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
+from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
 from .placement import parse_ranks
 from .safetensors_io import FileCache, SafetensorsError, read_header
 from .writer import file_problems
@@ -338,7 +338,8 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
            progress: Callable[[int, int], None] | None = None, advance: Progress | None = None) -> VerifyReport:
     """Run the checks asked for; return a report (``report.ok`` when nothing is wrong).
 
-    Raises :class:`DeviceError` (a ``ValueError``) for an unusable ``device``, and ``ValueError``
+    Raises :class:`ManifestError` when ``out`` is not a directory, :class:`DeviceError` (a
+    ``ValueError``) for an unusable ``device``, and ``ValueError``
     when a check that compares with the source is asked for without ``source``: silently
     skipping a check someone asked for would read as a pass.
     """
@@ -349,10 +350,12 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
+    if not out.is_dir():
+        raise ManifestError(f"{out}: no such directory")
     try:
         manifest = read_manifest(out)
-    except ManifestError as e:
-        report.problem("manifest.json", str(e))
+    except ManifestError as e:  # a directory that is not (or no longer) a finished conversion
+        report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: ").removeprefix(f"{out}: "))
         return report
     chosen = parse_ranks(ranks, manifest.ep_size)
     missing = [r for r in chosen if r not in manifest.ranks]

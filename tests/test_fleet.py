@@ -8,6 +8,7 @@ byte for byte, whether the parts ran into separate directories or into one share
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -132,6 +133,22 @@ def test_merge_refuses_missing_or_foreign_parts(tiny_ckpt, tmp_path, three_parts
     with pytest.raises(ConvertError, match="not a megamoe output"):
         merge(foreign, three_parts)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_parts_converted_from_different_hub_revisions_are_not_merged(tiny_ckpt, tmp_path):
+    """Pods that download an unpinned repo at different times may get different commits: their
+    parts are different plans, so merge refuses to mix them into one manifest."""
+    snapshots = tmp_path / "hf" / "models--deepseek-ai--tiny" / "snapshots"
+    for commit in ("a" * 40, "b" * 40):
+        shutil.copytree(tiny_ckpt, snapshots / commit)
+    for index, commit in enumerate(("a" * 40, "b" * 40)):
+        run_cli("convert", snapshots / commit, tmp_path / f"part{index}", "--ep-size", 2, "--shard", f"{index}/2",
+                "--no-fsync")
+    proc = run_cli("merge", tmp_path / "out", tmp_path / "part0", tmp_path / "part1", check=False)
+    assert proc.returncode == 2 and "different conversions found (source_revision differ)" in proc.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+    manifest = json.loads((tmp_path / "part0" / "manifest.part-00000-of-00002.json").read_text())
+    assert manifest["fingerprint"]["source_revision"] == "a" * 40
 
 
 def test_merge_rechecks_sizes_and_checksums(tmp_path, three_parts):

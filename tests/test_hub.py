@@ -80,7 +80,8 @@ def test_push_uploads_the_manifests_files_then_manifest_and_card_last(pushed, ti
     assert card.startswith("---\n") and "- megamoe" in card
     for fact in ("| ep_size | 4 (ranks: all) |", "| layout version | 1 ", "| MoE layers | 2 decoder + 1 MTP |",
                  "8 logical + 4 redundant = 12 slots, 3 per rank", "| 2 | 6..8 | 6, 7, 0 |",
-                 f"`{tiny_ckpt.resolve()}`", f"megamoe pull {REPO_ID}"):
+                 f"`{tiny_ckpt.resolve()}`", f"megamoe pull {REPO_ID} --revision ep4 --ranks 0-3 ",
+                 f'load_rank("{REPO_ID}@ep4", rank=0,'):  # usage lines that work as written
         assert fact in card, fact
 
 
@@ -275,6 +276,32 @@ def test_real_library_offline_pull_and_load(offline_cache, tiny_converted, monke
         resolve_source("deepseek-fake/not-cached")
     failed = CliRunner().invoke(app, ["pull", REPO_ID, "--ranks", "0-1", "--experts-only"])
     assert failed.exit_code == 2 and "error: " in failed.output and "rank-00000-of-00004" in failed.output
+
+
+def test_offline_pull_into_a_local_dir_takes_the_files_from_the_cache(offline_cache, tiny_converted, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(offline_cache))
+    local = tmp_path / "model"
+    result = pull(REPO_ID, "2", local_dir=local, non_expert=False)
+    assert result.path == local
+    assert converted_files(local) == {rel: (tiny_converted / rel).read_bytes()
+                                      for rel in {"manifest.json"} | SMALL | rank_files(2)}
+    assert_same_rank(load_rank(local, 2), load_rank(tiny_converted, 2))
+
+
+def test_inspect_and_plan_take_a_revision_like_convert(offline_cache, tiny_ckpt, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(offline_cache))
+    runner = CliRunner()
+    for command in (["inspect", "deepseek-fake/tiny-v4", "--json"], ["plan", "deepseek-fake/tiny-v4", "--ep-size", "2",
+                                                                     "--json"]):
+        found = runner.invoke(app, [*command, "--revision", "1" * 40])
+        assert found.exit_code == 0, found.output
+        missing = runner.invoke(app, [*command, "--revision", "f" * 40])
+        assert missing.exit_code == 2 and "HF_HUB_OFFLINE" in missing.output
+    info = json.loads(runner.invoke(app, ["inspect", "deepseek-fake/tiny-v4", "--revision", "1" * 40, "--json"]).stdout)
+    assert info["path"].endswith("1" * 40) and info["moe_layers"] == ["layers.0", "layers.1", "mtp.0"]
 
 
 def test_cli_offline_convert_from_repo_id_and_pull(offline_cache, tiny_converted, tmp_path):

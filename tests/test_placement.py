@@ -75,3 +75,5 @@ def test_rank_checks_and_rank_lists():
         parse_ranks("2-5", 4)
     with pytest.raises(PlacementError, match="cannot parse"):
         parse_ranks("x", 4)
+    with pytest.raises(PlacementError, match=r"'3-1' is an empty range \(write it low-high, e.g. 1-3\)"):
+        parse_ranks("3-1", 4)
