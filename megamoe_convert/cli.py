@@ -21,6 +21,7 @@ app = typer.Typer(
     help="Pre-bake DeepSeek-V4 MoE experts into DeepGEMM's MegaMoE per-rank layout, offline, "
          "so that vLLM ranks load them with no transform work.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
 )
 
 _state: dict[str, Any] = {"debug": False, "command": None}  # "command": the subcommand running
@@ -40,8 +41,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .manifest import ManifestError
     from .placement import PlacementError
     from .safetensors_io import SafetensorsError
+    from .synth import SynthError
     return (CheckpointError, ConvertError, DeviceError, HubError, LayoutError, LoadError, ManifestError,
-            PlacementError, SafetensorsError, OSError)
+            PlacementError, SafetensorsError, SynthError, OSError)
 
 
 def run_command(body: Callable[[], Any]) -> Any:
@@ -110,14 +112,15 @@ def synth(
     out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
     preset: Annotated[Preset, typer.Option(help="Model dimensions: tiny (tests), flash/pro (real DeepSeek-V4 "
                                                 "dims, cut down with --layers/--experts).")] = Preset.tiny,
-    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (default: the preset's).")] = None,
-    experts: Annotated[Optional[int], typer.Option(help="Routed experts per layer (default: the preset's).")] = None,
-    mtp_layers: Annotated[Optional[int], typer.Option(help="MTP blocks (default: the preset's).")] = None,
-    seed: Annotated[int, typer.Option(help="Random seed (same seed, same bytes).")] = 0,
+    layers: Annotated[Optional[int], typer.Option(min=1, help="Decoder layers (default: the preset's).")] = None,
+    experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
+    mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Random seed (same seed, same bytes).")] = 0,
     weight_dtype: Annotated[WeightDtype, typer.Option(help="Stored dtype of packed FP4 expert weights.")] = WeightDtype.int8,
     scale_dtype: Annotated[ScaleDtype, typer.Option(help="Stored dtype of UE8M0 expert scales.")] = ScaleDtype.e8m0,
-    shard_mb: Annotated[Optional[float], typer.Option(help="Shard size in MB (default: 0.4 of a layer's "
+    shard_mb: Annotated[Optional[float], typer.Option(min=0.001, help="Shard size in MB (default: 0.4 of a layer's "
                                                            "experts, so layers span shards).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
 ) -> None:
     """Write a random DeepSeek-V4-format checkpoint (real tensor names, FP4 experts, size-cut shards)."""
     from .synth import synthesize
@@ -127,7 +130,7 @@ def synth(
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
                                 weight_dtype=weight_dtype.value, scale_dtype=scale_dtype.value,
                                 shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
-                                progress=progress)
+                                progress=progress, overwrite=overwrite)
         err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"
                           f" MTP, {config['n_routed_experts']} experts, H={config['hidden_size']}, "
                           f"I={config['moe_intermediate_size']})")
@@ -145,8 +148,8 @@ RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo i
 @app.command()
 def inspect(
     src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
-    ep_size: Annotated[int, typer.Option(help="EP size used for the bytes-per-rank column.")] = 8,
-    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB).")] = 0,
+    ep_size: Annotated[int, typer.Option(min=1, help="EP size used for the bytes-per-rank column.")] = 8,
+    num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     revision: RevisionOption = None,
 ) -> None:
@@ -192,8 +195,8 @@ def inspect(
 @app.command()
 def plan(
     src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
-    ep_size: Annotated[int, typer.Option(help="Expert-parallel size (number of ranks).")],
-    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB).")] = 0,
+    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
+    num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
                                                                              "every physical slot.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
@@ -252,18 +255,18 @@ def convert(
     src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index), "
                                             "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
-    ep_size: Annotated[int, typer.Option(help="Expert-parallel size the model will be served with.")],
-    num_redundant_experts: Annotated[int, typer.Option(help="Redundant experts (EPLB); n_routed + this must "
+    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size the model will be served with.")],
+    num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB); n_routed + this must "
                                                             "divide by --ep-size.")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
                                                                              "every physical slot.")] = None,
     device: Annotated[Device, typer.Option(help="Where the layout transform runs (same bytes either way).")] = Device.cpu,
-    workers: Annotated[int, typer.Option(help="Parallel files in flight (0: one per core, at most 8).")] = 0,
+    workers: Annotated[int, typer.Option(min=0, help="Parallel files in flight (0: one per core, at most 8).")] = 0,
     ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: all).")] = None,
     experts_only: Annotated[bool, typer.Option(help="Skip copying the non-expert tensors.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an OUT made with different options.")] = False,
-    chunk_mb: Annotated[int, typer.Option(help="Experts read and transformed per step, in MB (bounds memory).")] = 32,
+    chunk_mb: Annotated[int, typer.Option(min=1, help="Experts read and transformed per step, in MB (bounds memory).")] = 32,
     no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
                                                               "crash-durable on power loss).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,

@@ -80,7 +80,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
                                                                    "always searched too.")] = None,
         verify: Annotated[bool, typer.Option(help="Re-check every file's checksum (sizes are always "
                                                   "checked).")] = True,
-        workers: Annotated[int, typer.Option(help="Files checked/copied in parallel (0: one per core, at most "
+        workers: Annotated[int, typer.Option(min=0, help="Files checked/copied in parallel (0: one per core, at most "
                                                   "8).")] = 0,
         no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames.")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,

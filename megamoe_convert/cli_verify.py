@@ -22,14 +22,14 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         source: Annotated[Optional[Path], typer.Option(help="Source checkpoint: re-derive expert slots and "
                                                             "compare bytes; compare non-expert tensors.")] = None,
         ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
-        sample: Annotated[Optional[int], typer.Option(help="With --source: compare K random expert slots "
+        sample: Annotated[Optional[int], typer.Option(min=1, help="With --source: compare K random expert slots "
                                                            "instead of all.")] = None,
         numerics: Annotated[bool, typer.Option(help="With --source: reference SwiGLU MoE from the pre-baked "
                                                     "layout must equal the one from the source, exactly.")] = False,
         deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
                                                      "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
         device: Annotated[Device, typer.Option(help="Device for --numerics.")] = Device.cpu,
-        seed: Annotated[int, typer.Option(help="Seed for --sample and --numerics.")] = 0,
+        seed: Annotated[int, typer.Option(min=0, help="Seed for --sample and --numerics.")] = 0,
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     ) -> None:
         """Check a converted directory: files and checksums, shard tensors, placement; optionally
@@ -45,8 +45,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         def body() -> Any:
             with ByteProgress("verify") as progress:
                 report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
-                                    deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress.start,
-                                    advance=lambda n, path: progress.advance(n, path, False))
+                                    deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress)
             if as_json:
                 print_json(report.to_json())
             else:

@@ -32,7 +32,7 @@ from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
 from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
                        rank_file)
-from .placement import Placement, PlacementError, parse_ranks
+from .placement import Placement, PlacementError, parse_range, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
 from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, partial_path, write_json_atomic,
                      write_safetensors)
@@ -94,14 +94,19 @@ def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
             if part.startswith(("mtp.", "layers.")):
                 picked = {MoELayer.parse(part)}
             else:
-                lo, _, hi = part.partition("-")
-                picked = {MoELayer(False, i) for i in range(int(lo), int(hi or lo) + 1)}
+                first, last = parse_range(part, "--layers", "0-3,7,mtp.0")
+                picked = {MoELayer(False, i) for i in range(first, last + 1)}
+        except PlacementError as e:
+            raise ConvertError(str(e)) from None
         except ValueError:
             raise ConvertError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
         missing = sorted(picked - available)
         if missing:
             raise ConvertError(f"--layers: {missing[0].key} is not an MoE layer of {ckpt.root}")
         chosen |= picked
+    if not chosen:
+        raise ConvertError(f"--layers {spec}: selects no MoE layer of {ckpt.root} "
+                           f"(it has {', '.join(l.key for l in ckpt.layers)})")
     return sorted(chosen)
 
 

@@ -58,16 +58,29 @@ class ExpertLayer:
 # Checks before any byte is read
 # --------------------------------------------------------------------------------------
 
-def resolve_layers(manifest: Manifest, layers: Iterable[str] | None) -> list[MoELayer]:
-    """Manifest layers, or the subset named by key (``layers.7``) or prefix (``layers.7.ffn.experts``)."""
+def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> list[MoELayer]:
+    """Manifest layers, or the subset named by key (``layers.7``), prefix (``layers.7.ffn.experts``),
+    or as on the command line: ``"0,7,mtp"`` (decoder indices, ``mtp`` for every MTP layer)."""
     if layers is None:
         return list(manifest.layers)
+    if isinstance(layers, str):
+        layers = _expand_layer_spec(manifest, layers)
     by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
     missing = [name for name in layers if name not in by_name]
     if missing:
         raise LoadError(f"layer {missing[0]!r} is not in this conversion "
                         f"(layers: {', '.join(l.key for l in manifest.layers)})")
     return sorted({by_name[name] for name in layers})
+
+
+def _expand_layer_spec(manifest: Manifest, spec: str) -> list[str]:
+    names = []
+    for item in (part.strip() for part in spec.split(",") if part.strip()):
+        if item == "mtp":
+            names += [l.key for l in manifest.layers if l.is_mtp]
+        else:
+            names.append(f"layers.{item}" if item.isdigit() else item)
+    return names
 
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
@@ -246,16 +259,20 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
 # --------------------------------------------------------------------------------------
 
 def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
-              layers: Iterable[str] | None = None, verify: bool = False) -> dict[str, ExpertLayer]:
+              layers: str | Iterable[str] | None = None, verify: bool = False,
+              ep_size: int | None = None) -> dict[str, ExpertLayer]:
     """Load one EP rank's MegaMoE expert tensors from a converted directory.
 
     Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
     prefix. ``device="cpu"`` gives lazy memory-mapped tensors; a CUDA device gives device
-    tensors. ``verify=True`` also checks every file's checksum before use. ``out`` may also
+    tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
+    given, must be the one converted for (a serving job states what it expects). ``out`` may also
     be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
     """
     from .hub import resolve_converted
 
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise LoadError(f"rank must be an int, got {rank!r}")
     try:
         device = usable_device(device)
     except DeviceError as e:
@@ -265,6 +282,9 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
         manifest = read_manifest(out)
     except ManifestError as e:
         raise LoadError(str(e)) from None
+    if ep_size is not None and ep_size != manifest.ep_size:
+        raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
+                        f"convert again with --ep-size {ep_size}")
     chosen = resolve_layers(manifest, layers)
     records = check_rank_files(out, manifest, rank, chosen, verify)
     headers: dict[MoELayer, dict[str, TensorEntry]] = {}

@@ -115,6 +115,19 @@ class Placement:
         return cls(int(data["n_logical"]), int(data["ep_size"]), tuple(int(x) for x in data["physical_to_logical"]))
 
 
+def parse_range(part: str, flag: str, example: str) -> tuple[int, int]:
+    """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``) is an error."""
+    lo, dash, hi = part.partition("-")
+    try:
+        first = int(lo)
+        last = int(hi) if dash else first
+    except ValueError:
+        raise PlacementError(f"{flag}: cannot parse {part!r} (expected e.g. {example})") from None
+    if first > last:
+        raise PlacementError(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
+    return first, last
+
+
 def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
     """``"0,3-5"`` -> ``[0, 3, 4, 5]``; ``None`` -> every rank. Out-of-range ranks are errors."""
     if spec is None or spec.strip() in ("", "all"):
@@ -122,13 +135,7 @@ def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
     ranks: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
-        try:
-            lo, _, hi = part.partition("-")
-            first, last = int(lo), int(hi or lo)
-        except ValueError:
-            raise PlacementError(f"--ranks: cannot parse {part!r} (expected e.g. 0,3-5)") from None
-        if first > last:
-            raise PlacementError(f"--ranks: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
+        first, last = parse_range(part, "--ranks", "0,3-5")
         if first < 0 or last >= ep_size:
             raise PlacementError(f"--ranks: {part!r} is outside 0..{ep_size - 1} for ep_size={ep_size}")
         ranks.update(range(first, last + 1))

@@ -10,6 +10,8 @@ tensor: a checkpoint larger than memory can be written.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -136,8 +138,12 @@ def _shards(tensors: list[SynthTensor], shard_bytes: int) -> list[list[SynthTens
 
 def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, experts: int | None = None,
                mtp_layers: int | None = None, seed: int = 0, weight_dtype: str = "int8", scale_dtype: str = "e8m0",
-               shard_bytes: int | None = None, progress: Any = None) -> dict[str, Any]:
+               shard_bytes: int | None = None, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
     """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config.
+
+    ``out`` must be new or empty (``overwrite``: it is replaced). The checkpoint is written
+    into a hidden sibling folder and renamed into place when complete, so a crash never leaves
+    something that reads as a checkpoint.
 
     ``progress`` (optional) gets ``start(total_bytes, total_files)`` once, then ``advance`` with
     ``files=0`` per chunk written and ``advance(0, filename, False)`` as each shard is finished.
@@ -157,7 +163,11 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
         shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))
     shards = _shards(tensors, shard_bytes)
-    out.mkdir(parents=True, exist_ok=True)
+    final = out
+    _check_synth_target(final, overwrite)
+    out = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(out, ignore_errors=True)  # left by a crashed run
+    out.mkdir(parents=True)
     if progress:
         progress.start(sum(t.nbytes for t in tensors), len(shards))
     weight_map = {}
@@ -175,7 +185,29 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     write_json_atomic(out / INDEX_NAME, json.dumps(index, indent=2), fsync=False)
     write_json_atomic(out / CONFIG_NAME, json.dumps(config, indent=2), fsync=False)
     (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, "synthetic": True}))
+    _replace_dir(out, final)
     return config
+
+
+class SynthError(ValueError):
+    """An output folder ``synth`` must not write into."""
+
+
+def _check_synth_target(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise SynthError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise SynthError(f"{out}: directory is not empty; choose a new one, or pass --overwrite to replace it")
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Rename ``new`` to ``final``; an existing ``final`` is moved aside first and then removed."""
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(new, final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _reporting(chunks: Iterator[bytes], filename: str, progress: Any) -> Iterator[bytes]:

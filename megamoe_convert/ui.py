@@ -34,6 +34,7 @@ class ByteProgress:
         self._rich: Progress | None = None
         self._task: Any = None
         self.total_bytes = self.total_files = self.done_bytes = self.done_files = self.skipped = 0
+        self.unit = "files"
         self._last_line = 0.0
 
     def __enter__(self) -> "ByteProgress":
@@ -48,12 +49,18 @@ class ByteProgress:
         if self._rich is not None:
             self._rich.__exit__(*exc)
 
-    def start(self, total_bytes: int, total_files: int) -> None:
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
+        """Begin a phase (a job with several phases calls this again, with a new ``description``
+        and ``unit``: a new bar on a terminal, a new start line otherwise)."""
+        self.description = description or self.description
+        self.unit = unit
         self.total_bytes, self.total_files = total_bytes, total_files
+        self.done_bytes = self.done_files = self.skipped = 0
+        self._last_line = 0.0
         if self._rich is not None:
             self._task = self._rich.add_task(self.description, total=total_bytes, files=self._files_text())
         elif not self.quiet:
-            print(f"{self.description}: {total_files} files, {total_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
+            print(f"{self.description}: {total_files} {unit}, {total_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
 
     def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None:
         """``nbytes`` more done; ``files`` (default one) more finished. Writers that report
@@ -74,7 +81,7 @@ class ByteProgress:
                 print(f"{self.description}: {self._files_text()}, {pct:5.1f}%{resumed}", file=sys.stderr, flush=True)
 
     def _files_text(self) -> str:
-        return f"{self.done_files}/{self.total_files} files"
+        return f"{self.done_files}/{self.total_files} {self.unit}"
 
 
 def human_bytes(n: float) -> str:

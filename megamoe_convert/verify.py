@@ -22,7 +22,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -74,7 +74,25 @@ class VerifyReport:
                 "hash_gb_per_s": round(self.bytes_hashed / self.seconds / 1e9, 3) if self.seconds else None}
 
 
-Progress = Callable[[int, str], None]
+#: Local expert slots per rank and layer that ``--numerics`` runs (dequantised matrices are large).
+NUMERICS_MAX_EXPERTS = 8
+
+
+class Progress(Protocol):
+    """What verify reports to (``ui.ByteProgress``): one ``start`` per phase, then ``advance``."""
+
+    def start(self, total_bytes: int, total_files: int, description: str | None = None,
+              unit: str = "files") -> None: ...
+
+    def advance(self, nbytes: int, path: str, skipped: bool) -> None: ...
+
+
+class Silent:
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
+        pass
+
+    def advance(self, nbytes: int, path: str, skipped: bool) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------------------
@@ -82,7 +100,7 @@ Progress = Callable[[int, str], None]
 # --------------------------------------------------------------------------------------
 
 def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int],
-                progress: Progress | None) -> None:
+                progress: Progress) -> None:
     """Every listed file (of the chosen ranks) present, with its size and checksum (files checked
     on several threads, reported in manifest order)."""
     wanted_rank_files = {rank_file(r, manifest.ep_size, l) for r in ranks for l in manifest.layers}
@@ -91,14 +109,14 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
         report.problem(path, "missing from manifest.json")
     records = [r for r in manifest.files if not r.path.startswith("rank-") or r.path in wanted_rank_files]
     checks = [(out / record.path, record) for record in records]
+    progress.start(sum(r.size for r in records), len(records))
     for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True)):
         report.count("files")
         if problem:
             report.problem(record.path, problem)
         else:
             report.bytes_hashed += record.size
-        if progress:
-            progress(record.size, record.path)
+        progress.advance(record.size, record.path, False)
 
 
 def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) -> None:
@@ -165,9 +183,10 @@ def load_layer(out: Path, rank: int, layer: MoELayer, report: VerifyReport) -> A
 
 
 def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
-                    slots: dict[tuple[int, MoELayer], list[int]]) -> None:
+                    slots: dict[tuple[int, MoELayer], list[int]], progress: Progress) -> None:
     names = ("l1.weight", "l1.sf", "l2.weight", "l2.sf")
     for (rank, layer), local in slots.items():
+        progress.advance(len(local) * manifest.dims.bytes_per_expert(), f"experts: rank {rank} {layer.key}", False)
         loaded = load_layer(out, rank, layer, report)
         if loaded is None:
             continue
@@ -182,7 +201,8 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         report.count("expert slots vs source", len(local))
 
 
-def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: VerifyReport) -> None:
+def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
+                       progress: Progress) -> None:
     try:
         converted = Checkpoint.open_non_expert(out)
     except CheckpointError as e:
@@ -195,6 +215,7 @@ def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: Ve
         report.problem(name, "tensor is not in the source")
     for name in sorted(set(source) & set(converted)):
         a, b = source[name], converted[name]
+        progress.advance(a.nbytes, name, False)
         if (a.dtype, a.shape) != (b.dtype, b.shape) or not torch.equal(files.read(a).reshape(-1), files.read(b).reshape(-1)):
             report.problem(name, f"differs from the source ({b.path.name})")
     report.count("non-expert tensors vs source", len(set(source) & set(converted)))
@@ -228,7 +249,8 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
-                   ranks: Sequence[int], device: str, seed: int, tokens: int = 32, max_experts: int = 8) -> None:
+                   ranks: Sequence[int], device: str, seed: int, progress: Progress, tokens: int = 32,
+                   max_experts: int = NUMERICS_MAX_EXPERTS) -> None:
     """Pre-baked layout and source checkpoint must give bit-identical MoE outputs.
 
     Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
@@ -243,6 +265,8 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
              "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device}
     for rank in ranks:
         for layer in manifest.layers:
+            progress.advance(min(max_experts, manifest.placement.experts_per_rank) * manifest.dims.bytes_per_expert(),
+                             f"numerics: rank {rank} {layer.key}", False)
             loaded = load_layer(out, rank, layer, report)
             if loaded is None:
                 continue
@@ -307,13 +331,14 @@ def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, 
 
 
 def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
-                    slots: dict[tuple[int, MoELayer], list[int]]) -> None:
+                    slots: dict[tuple[int, MoELayer], list[int]], progress: Progress) -> None:
     reason = deep_gemm_unavailable_reason()
     if reason:
         report.skipped["deep_gemm"] = reason
         return
     for (rank, layer) in slots:
         ids = manifest.placement.rank_logical_ids(rank)
+        progress.advance(len(ids) * manifest.dims.bytes_per_expert(), f"deep_gemm: rank {rank} {layer.key}", False)
         reader = ExpertReader(ckpt, files, DEEP_GEMM_DEVICE)
         theirs = deep_gemm_layout(reader.stacked(layer, ids, ("w1", "w3"), "weight"),
                                   reader.stacked(layer, ids, ("w1", "w3"), "scale"),
@@ -333,9 +358,26 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
+def start_source_phase(progress: Progress, manifest: Manifest, ckpt: Checkpoint,
+                       slots: dict[tuple[int, MoELayer], list[int]], ranks: Sequence[int], numerics: bool,
+                       deep_gemm: bool) -> None:
+    """The second progress bar: one step per (rank, layer) compared, per non-expert tensor, per
+    (rank, layer) of numerics and of the DeepGEMM cross-check; bytes are the source bytes read."""
+    per_expert = manifest.dims.bytes_per_expert()
+    steps = [len(local) * per_expert for local in slots.values()]
+    if not manifest.experts_only:
+        steps += [e.nbytes for e in ckpt.non_expert_tensors()]
+    if numerics:
+        steps += [min(NUMERICS_MAX_EXPERTS, manifest.placement.experts_per_rank) * per_expert] * (
+            len(ranks) * len(manifest.layers))
+    if deep_gemm and deep_gemm_unavailable_reason() is None:
+        steps += [manifest.placement.experts_per_rank * per_expert] * len(slots)
+    progress.start(sum(steps), len(steps), description="verify vs source", unit="steps")
+
+
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
-           progress: Callable[[int, int], None] | None = None, advance: Progress | None = None) -> VerifyReport:
+           progress: Progress | None = None) -> VerifyReport:
     """Run the checks asked for; return a report (``report.ok`` when nothing is wrong).
 
     Raises :class:`ManifestError` when ``out`` is not a directory, :class:`DeviceError` (a
@@ -345,6 +387,9 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     """
     if source is None and (numerics or deep_gemm or sample is not None):
         raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
+    if sample is not None and sample < 1:
+        raise ValueError(f"--sample {sample}: compare at least one expert slot")
+    progress = progress or Silent()
     if numerics:
         usable_device(device)
     out = Path(out)
@@ -357,14 +402,12 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     except ManifestError as e:  # a directory that is not (or no longer) a finished conversion
         report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: ").removeprefix(f"{out}: "))
         return report
-    chosen = parse_ranks(ranks, manifest.ep_size)
+    chosen = manifest.ranks if ranks is None else parse_ranks(ranks, manifest.ep_size)  # default: what was converted
     missing = [r for r in chosen if r not in manifest.ranks]
     for r in missing:
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
-    if progress:
-        progress(sum(f.size for f in manifest.files), len(manifest.files))
-    check_files(out, manifest, report, chosen, advance)
+    check_files(out, manifest, report, chosen, progress)
     check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
     if source is not None:
@@ -373,13 +416,14 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
+            start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
             with FileCache() as files:
-                compare_experts(out, manifest, ckpt, files, report, slots)
+                compare_experts(out, manifest, ckpt, files, report, slots, progress)
                 if not manifest.experts_only:
-                    compare_non_expert(out, ckpt, files, report)
+                    compare_non_expert(out, ckpt, files, report, progress)
                 if numerics:
-                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed)
+                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, progress)
                 if deep_gemm:
-                    check_deep_gemm(out, manifest, ckpt, files, report, slots)
+                    check_deep_gemm(out, manifest, ckpt, files, report, slots, progress)
     report.seconds = time.perf_counter() - started
     return report

@@ -14,6 +14,7 @@ that adds ``--load-format megamoe``.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -34,6 +35,9 @@ REQUIRED_ATTRIBUTES = ("prefix", "experts_start_idx", "num_local_experts", "hidd
 #: The loader-side parameters that ``finalize_weights`` frees once the layout exists.
 LOADER_PARAMETERS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 LOAD_FORMAT = "megamoe"
+#: What vLLM's own weight iterator must never fetch from a hub repo: the rank folders
+#: (``install`` pulls just this rank's shards itself).
+RANK_FILES_PATTERN = "rank-*-of-*/*"
 
 #: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``.
 VLLM_PREFIX = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<index>\d+)\.(?:mtp_block\.)?ffn\.experts$")
@@ -169,13 +173,39 @@ def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Itera
     return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
 
 
+def as_safetensors_config(load_config: Any) -> Any:
+    """A copy of vLLM's ``LoadConfig`` for the default loader underneath: ``DefaultModelLoader``
+    knows only its own formats (``megamoe`` would be "Unknown load_format"), so the non-expert
+    shards are read as plain safetensors, and the rank folders are never downloaded."""
+    if load_config is None:
+        return None
+    config = copy.copy(load_config)
+    config.load_format = "safetensors"
+    ignore = config.ignore_patterns
+    config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN]
+    return config
+
+
+def refuse_experts_only(out: str) -> None:
+    """An ``--experts-only`` conversion has no non-expert weights for vLLM to load: say so,
+    rather than vLLM's "Cannot find any model weights"."""
+    path = Path(out)
+    if path.is_dir() and read_manifest(path).experts_only:
+        raise InstallError(f"{path}: converted with --experts-only, so it holds no non-expert weights to serve; "
+                           "convert without --experts-only for --load-format megamoe")
+
+
 def make_loader_class(default_loader: type) -> type:
     """A ``DefaultModelLoader`` subclass: experts from the shards, everything else as usual."""
 
     class MegaMoEModelLoader(default_loader):  # type: ignore[misc, valid-type]
         """``--load-format megamoe``: ``vllm serve OUT`` where OUT is a ``megamoe convert`` output."""
 
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(as_safetensors_config(load_config))
+
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            refuse_experts_only(model_config.model)
             install(model, model_config.model)  # first: frees the loader-side expert parameters
             model.load_weights(without_expert_tensors(self.get_all_weights(model_config, model)))
 

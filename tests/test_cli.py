@@ -10,6 +10,7 @@ import pytest
 from rich.console import Console
 
 import megamoe_convert
+import megamoe_convert.cli
 from megamoe_convert import ui
 from conftest import REPO, run_cli
 
@@ -54,6 +55,11 @@ def test_plain_progress_counts_files_and_bytes(tmp_path):
     proc = run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--json")
     written = json.loads(proc.stdout)["files_written"]
     assert f"convert: {written}/{written} files, 100.0%" in proc.stderr.splitlines()
+    # verify: a second phase (against the source) with its own count of steps, to the end
+    proc = run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics")
+    phase = [line for line in proc.stderr.splitlines() if line.startswith("verify vs source:")]
+    steps = int(phase[0].split()[3])
+    assert steps > 0 and phase[-1] == f"verify vs source: {steps}/{steps} steps, 100.0%"
 
 
 def test_terminal_progress_shows_files_beside_bytes(monkeypatch):
@@ -67,3 +73,15 @@ def test_terminal_progress_shows_files_beside_bytes(monkeypatch):
             progress.advance(500_000, f"f{n}", skipped=False)
     text = console.file.getvalue()
     assert "3/3 files" in text and "3.0/3.0 MB" in text and "4/3" not in text
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_at_80_columns_shows_every_option_name_whole(command):
+    """80 columns is what a pipe or a CI log gets: no option name may be cut short there."""
+    import typer.main
+
+    click_command = typer.main.get_command(megamoe_convert.cli.app).commands[command]
+    names = [opt for param in click_command.params for opt in param.opts if opt.startswith("--")]
+    text = run_cli(command, "--help", env={"COLUMNS": "80"}).stdout
+    assert names and all(name in text for name in names), [n for n in names if n not in text]
+    assert max(map(len, text.splitlines())) <= 80

@@ -152,6 +152,10 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     assert_rank_matches_source(out, tiny_ckpt, 1, Placement(8, 2, tuple(placement)), ["layers.1", "mtp.0"])
     with pytest.raises(ValueError, match="rank 0 was not converted"):
         load_rank(out, 0)
+    report = json.loads(run_cli("verify", out, "--source", tiny_ckpt, "--json").stdout)  # checks what was converted
+    assert report["ok"] and report["checks"]["rank shards"] == 2
+    proc = run_cli("verify", out, "--ranks", "0", "--json", check=False)  # asking for more is a problem
+    assert proc.returncode == 1 and "rank 0: not converted" in proc.stdout
 
 
 def test_placement_and_redundant_experts_together_are_refused(tiny_ckpt, tmp_path):
@@ -187,6 +191,27 @@ def test_single_file_checkpoint_without_an_index_converts_to_the_same_experts(ti
     rank_files = [path for path in reference if path.startswith("rank-")]
     assert rank_files and all(converted[path] == reference[path] for path in rank_files)
     assert run_cli("verify", out, "--source", src).returncode == 0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("1-0", r"'1-0' is an empty range \(write it low-high, e.g. 0-1\)"),
+    ("0-", r"cannot parse '0-'"),
+    ("7", r"layers.7 is not an MoE layer"),
+])
+def test_layer_selections_that_select_nothing_or_too_much_are_refused(tiny_ckpt, spec, message):
+    from megamoe_convert.checkpoint import Checkpoint
+    from megamoe_convert.convert import ConvertError, select_layers
+
+    with pytest.raises(ConvertError, match=message):
+        select_layers(Checkpoint.open(tiny_ckpt), spec)
+
+
+def test_mtp_selection_on_a_checkpoint_without_mtp_is_refused_and_writes_nothing(tmp_path):
+    """An empty selection would otherwise give a 'finished' conversion with no experts."""
+    synthesize(tmp_path / "src", "tiny", mtp_layers=0)
+    proc = run_cli("convert", tmp_path / "src", tmp_path / "out", "--ep-size", 2, "--layers", "mtp", check=False)
+    assert proc.returncode == 2 and "--layers mtp: selects no MoE layer" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_and_plan_report_the_checkpoint(tiny_ckpt):

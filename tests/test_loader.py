@@ -239,3 +239,16 @@ def test_unusable_devices_are_a_load_error_before_any_file_is_read(tmp_path, dev
         pytest.skip("this machine has 8 GPUs")
     with pytest.raises(LoadError, match=message):
         load_rank(tmp_path / "missing", 0, device=device)
+
+
+def test_expected_ep_size_layer_spec_and_rank_type(tiny_converted):
+    """A serving job can state the EP size it expects; layers can be named as on the command line."""
+    with pytest.raises(LoadError, match=r"converted for ep_size=4, not 8; convert again with --ep-size 8"):
+        load_rank(tiny_converted, 0, ep_size=8)
+    assert sorted(load_rank(tiny_converted, 0, ep_size=4)) == [
+        "layers.0.ffn.experts", "layers.1.ffn.experts", "mtp.0.ffn.experts"]
+    assert sorted(load_rank(tiny_converted, 1, layers="1,mtp")) == ["layers.1.ffn.experts", "mtp.0.ffn.experts"]
+    assert sorted(load_rank(tiny_converted, 1, layers="layers.0")) == ["layers.0.ffn.experts"]
+    for bad in ("1", 1.0, True):
+        with pytest.raises(LoadError, match="rank must be an int"):
+            load_rank(tiny_converted, bad)

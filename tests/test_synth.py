@@ -82,3 +82,27 @@ def test_real_presets_have_the_released_dims(preset):
     assert tuple(config[k] for k in keys) == RELEASED_DIMS[preset]
     assert config["expert_dtype"] == "fp4" and config["model_type"] == "deepseek_v4"
     check_dims(config["hidden_size"], config["moe_intermediate_size"])  # MegaMoE-compatible
+
+
+def test_synth_refuses_a_non_empty_directory_and_overwrite_replaces_it_whole(tmp_path):
+    out = tmp_path / "ckpt"
+    run_cli("synth", out, "--shard-mb", "0.1")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    refused = run_cli("synth", out, "--seed", "5", check=False)
+    assert refused.returncode == 2 and "not empty" in refused.stderr and "--overwrite" in refused.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    run_cli("synth", out, "--seed", "5", "--overwrite")  # default shard size: fewer, larger shards
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(index["weight_map"].values()))
+    assert len(index["weight_map"]) and len(list(out.glob("*.safetensors"))) < len([n for n in before if
+                                                                                      n.endswith(".safetensors")])
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # nothing hidden left beside it
+
+
+def test_synth_killed_midway_leaves_no_checkpoint(tmp_path):
+    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "kill-after-bytes=500000"})
+    assert proc.returncode == -9
+    assert not (tmp_path / "ckpt").exists()  # only the hidden temporary folder, which a rerun replaces
+    run_cli("synth", tmp_path / "ckpt")
+    Checkpoint.open(tmp_path / "ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -7,6 +7,7 @@ of ``finalize_weights`` on ``_transformed_l1_weights``, and the ``get_expert_wei
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import sys
@@ -150,16 +151,24 @@ def test_rank_none_asks_vllms_ep_group(tiny_converted, monkeypatch):
     assert expert_modules(model)[0]._transformed_l1_weights[0].shape[0] == 3
 
 
-def test_load_format_plugin_registers_and_loads(tiny_converted, monkeypatch):
+def test_load_format_plugin_registers_and_loads(tiny_ckpt, tiny_converted, tmp_path, monkeypatch):
     """The entry point registers a DefaultModelLoader subclass that installs experts and
     feeds the model every non-expert tensor (stand-in for vllm.model_executor.model_loader)."""
     registry = {}
 
     class DefaultModelLoader:
+        """Like vLLM's: only its own load formats; the repo files it would fetch pass ignore_patterns."""
+
         def __init__(self, load_config):
             self.load_config = load_config
 
         def get_all_weights(self, model_config, model):
+            if self.load_config.load_format not in ("auto", "hf", "safetensors", "fastsafetensors", "pt"):
+                raise ValueError(f"Unknown load_format: {self.load_config.load_format}")
+            repo_files = ["model-00001-of-00001.safetensors", "rank-00001-of-00004/layers.0.safetensors"]
+            fetched = [f for f in repo_files
+                       if not any(fnmatch.fnmatch(f, pattern) for pattern in self.load_config.ignore_patterns)]
+            assert fetched == ["model-00001-of-00001.safetensors"]
             yield "model.layers.0.attn.wq_a.weight", torch.zeros(1)
             yield "model.layers.0.ffn.experts.3.w1.weight", torch.zeros(1)
             yield "model.layers.0.ffn.experts.w13_weight", torch.zeros(1)
@@ -178,7 +187,10 @@ def test_load_format_plugin_registers_and_loads(tiny_converted, monkeypatch):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader", loader_module)
     vllm_integration.register()
-    loader = registry["megamoe"](load_config=None)
+    load_config = types.SimpleNamespace(load_format="megamoe", ignore_patterns=["original/**/*"])
+    loader = registry["megamoe"](load_config=load_config)
+    assert load_config.load_format == "megamoe"  # vLLM's own config object is left as it was
+    assert loader.load_config.ignore_patterns == ["original/**/*", vllm_integration.RANK_FILES_PATTERN]
 
     model = fake_model(1)
     seen = []
@@ -188,6 +200,11 @@ def test_load_format_plugin_registers_and_loads(tiny_converted, monkeypatch):
     loader.load_weights(model, types.SimpleNamespace(model=str(tiny_converted)))
     assert seen == ["model.layers.0.attn.wq_a.weight", "model.norm.weight"]
     assert all(m._transformed_l1_weights is not None for m in expert_modules(model))
+
+    experts_only = tmp_path / "experts-only"
+    run_cli("convert", tiny_ckpt, experts_only, "--ep-size", 4, "--num-redundant-experts", 4, "--experts-only")
+    with pytest.raises(InstallError, match="converted with --experts-only"):
+        loader.load_weights(fake_model(1), types.SimpleNamespace(model=str(experts_only)))
 
 
 def test_entry_point_is_declared():
@@ -203,6 +220,7 @@ def test_real_vllm_registers_the_load_format():
     from vllm.config import LoadConfig
     loader = get_model_loader(LoadConfig(load_format="megamoe"))
     assert type(loader).__name__ == "MegaMoEModelLoader"
+    assert loader.load_config.load_format == "safetensors"  # the default loader underneath knows this one
 
 
 def test_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(tiny_ckpt, tmp_path):
