@@ -8,15 +8,17 @@ file or tensor, not after an hour of conversion.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .layout import SCALE_BLOCK_K, LayoutError, check_dims
+from .placement import PlacementError, parse_range
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -296,13 +298,48 @@ class Checkpoint:
             "path": str(self.root.resolve()),
             "files": {name: h.file_size for name, h in sorted(self.headers.items())},
             "index_sha256": hashlib.sha256(self.index_bytes).hexdigest(),
-            "tensors_sha256": self._tensors_sha256(),
+            "tensors_sha256": self.tensors_sha256,
             "revision": hub_snapshot_commit(self.root),
         }
 
-    def _tensors_sha256(self) -> str:
+    @functools.cached_property
+    def tensors_sha256(self) -> str:
+        """Hash of the tensor table (name, file, dtype, shape, offsets); computed once, since every
+        fingerprint and manifest asks for it and a real checkpoint lists ~100k tensors."""
         table = sorted((e.name, e.path.name, e.dtype, list(e.shape), e.begin, e.end) for e in self.tensors.values())
         return hashlib.sha256(json.dumps(table).encode()).hexdigest()
+
+
+def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: object) -> list[MoELayer]:
+    """``"0-3,7,mtp"``-style layer selection (``--layers``, ``load_rank(layers=...)``): decoder
+    indices and ranges, ``layers.K`` / ``mtp.K`` (also as ``....ffn.experts`` prefixes), ``mtp``
+    for every MTP layer. ``None``, ``""`` or ``"all"``: every layer. Each layer must be one of
+    ``available`` (of ``where``), and the selection must not be empty."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(available)
+    chosen: set[MoELayer] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "mtp":
+            chosen.update(l for l in available if l.is_mtp)
+            continue
+        try:
+            if part.startswith(("mtp.", "layers.")):
+                picked = {MoELayer.parse(part.removesuffix(".ffn.experts"))}
+            else:
+                first, last = parse_range(part, "--layers", "0-3,7,mtp.0")
+                picked = {MoELayer(False, i) for i in range(first, last + 1)}
+        except PlacementError as e:
+            raise CheckpointError(str(e)) from None
+        except ValueError:
+            raise CheckpointError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
+        missing = sorted(picked - set(available))
+        if missing:
+            raise CheckpointError(f"--layers: {missing[0].key} is not an MoE layer of {where}")
+        chosen |= picked
+    if not chosen:
+        raise CheckpointError(f"--layers {spec}: selects no MoE layer of {where} "
+                              f"(it has {', '.join(l.key for l in available)})")
+    return sorted(chosen)
 
 
 #: ``.../models--owner--name/snapshots/<commit>``: where huggingface_hub puts a repo's files.

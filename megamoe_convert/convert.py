@@ -22,17 +22,17 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 from filelock import FileLock, Timeout
 
 from . import faults, layout
-from .checkpoint import INDEX_NAME, Checkpoint, MoELayer
+from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
                        rank_file)
-from .placement import Placement, PlacementError, parse_range, parse_ranks
+from .placement import Placement, PlacementError, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
 from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, partial_path, write_json_atomic,
                      write_safetensors)
@@ -81,33 +81,11 @@ class ConvertOptions:
 
 
 def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
-    """``--layers``: ``"0-3,7,mtp"`` style; decoder indices, ``mtp.K`` or ``mtp`` for all MTP."""
-    if spec is None or spec.strip() in ("", "all"):
-        return list(ckpt.layers)
-    available = set(ckpt.layers)
-    chosen: set[MoELayer] = set()
-    for part in (p.strip() for p in spec.split(",")):
-        if part == "mtp":
-            chosen.update(l for l in available if l.is_mtp)
-            continue
-        try:
-            if part.startswith(("mtp.", "layers.")):
-                picked = {MoELayer.parse(part)}
-            else:
-                first, last = parse_range(part, "--layers", "0-3,7,mtp.0")
-                picked = {MoELayer(False, i) for i in range(first, last + 1)}
-        except PlacementError as e:
-            raise ConvertError(str(e)) from None
-        except ValueError:
-            raise ConvertError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
-        missing = sorted(picked - available)
-        if missing:
-            raise ConvertError(f"--layers: {missing[0].key} is not an MoE layer of {ckpt.root}")
-        chosen |= picked
-    if not chosen:
-        raise ConvertError(f"--layers {spec}: selects no MoE layer of {ckpt.root} "
-                           f"(it has {', '.join(l.key for l in ckpt.layers)})")
-    return sorted(chosen)
+    """``--layers``: ``"0-3,7,mtp"`` style (:func:`checkpoint.parse_layer_spec`)."""
+    try:
+        return parse_layer_spec(ckpt.layers, spec, ckpt.root)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
 
 
 def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
@@ -462,12 +440,10 @@ class OutputState:
         self._journal_lock = threading.Lock()
         self.fsync = True  # --no-fsync: files are not durable, so neither need their journal lines be
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
+    def locked(self) -> ContextManager[None]:
         """Hold OUT for a whole-directory writer (a conversion, or a merge): no other one, and
         no part of a split conversion, may write it meanwhile."""
-        with hold_whole_output(self.out, timeout=0, who="`megamoe convert`"):
-            yield
+        return hold_whole_output(self.out, timeout=0, who="`megamoe convert`")
 
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
         """Refuse foreign, differently-planned or stale output (source files changed since), or
@@ -488,7 +464,7 @@ class OutputState:
         previous = _read_state_json(self.plan_path)
         if previous is None:
             return f"has an unreadable {self.plan_path.relative_to(self.out)} (not a JSON object)"
-        changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+        changed = differing_keys(previous, fingerprint)
         return f"holds a conversion made with different options ({', '.join(changed)} differ)" if changed else None
 
     def _source_problem(self, source: dict[str, list[int]]) -> str | None:
@@ -564,50 +540,56 @@ GLANCE_TIMEOUT_S = 2.0
 
 
 @contextmanager
-def hold_whole_output(out: Path, *, timeout: float, who: str) -> Iterator[None]:
-    """Hold ``OUT/.megamoe/lock`` (``timeout``: 0 = fail at once, -1 = wait), then refuse if any
-    part of a split conversion is being written into OUT."""
-    state_dir = out / STATE_DIR
-    state_dir.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(state_dir / WHOLE_LOCK)
+def holding(path: Path, timeout: float, refusal: str) -> Iterator[None]:
+    """Hold the lock file ``path`` (``timeout``: 0 = fail at once, -1 = wait); raise
+    :class:`OutputBusy` with ``refusal`` when someone else holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
     try:
         lock.acquire(timeout=timeout)
     except Timeout:
-        raise OutputBusy(f"{out}: another `megamoe convert` or `megamoe merge` is writing this directory "
-                         f"(lock {state_dir / WHOLE_LOCK} is held); {who} cannot run beside it") from None
+        raise OutputBusy(refusal) from None
+    try:  # only the acquisition is translated: the body's own errors pass through
+        yield
+    finally:
+        lock.release()
+
+
+def held_elsewhere(path: Path, timeout: float = 0) -> bool:
+    """Whether someone holds the lock file ``path`` (a glance: taken and given back at once)."""
     try:
+        with FileLock(path).acquire(timeout=timeout):
+            return False
+    except Timeout:
+        return True
+
+
+@contextmanager
+def hold_whole_output(out: Path, *, timeout: float, who: str) -> Iterator[None]:
+    """Hold ``OUT/.megamoe/lock``, then refuse if any part of a split conversion is being
+    written into OUT."""
+    lock = out / STATE_DIR / WHOLE_LOCK
+    with holding(lock, timeout, f"{out}: another `megamoe convert` or `megamoe merge` is writing this directory "
+                                f"(lock {lock} is held); {who} cannot run beside it"):
         if busy := busy_parts(out):
             raise OutputBusy(f"{out}: part {busy[0]} of a split conversion is being written into this directory "
                              f"right now; {who} cannot run beside it")
         yield
-    finally:
-        lock.release()
 
 
 def busy_parts(out: Path) -> list[str]:
     """Names (``I/N``) of the parts whose lock someone holds right now."""
     busy = []
     for path in sorted((out / STATE_DIR).glob(PART_LOCK_GLOB)):
-        lock = FileLock(path)
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
+        if held_elsewhere(path):
             index, count = path.parent.name.removeprefix("part-").split("-of-")
             busy.append(f"{int(index)}/{int(count)}")
-        else:
-            lock.release()
     return busy
 
 
-def whole_writer_running(out: Path) -> bool:
-    """Whether a whole-directory writer holds OUT (a glance: taken and given back at once)."""
-    lock = FileLock(out / STATE_DIR / WHOLE_LOCK)
-    try:
-        lock.acquire(timeout=GLANCE_TIMEOUT_S)
-    except Timeout:
-        return True
-    lock.release()
-    return False
+def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys where two plan fingerprints disagree (for errors that say what differs)."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _read_state_json(path: Path) -> dict[str, Any] | None:
@@ -726,20 +708,13 @@ class PartState(OutputState):
     @contextmanager
     def locked(self) -> Iterator[None]:
         """Hold this part's lock; refuse if another run holds it, or a whole-directory writer OUT."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(self.dir / "lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            raise OutputBusy(f"{self.out}: part {self.shard['index']}/{self.shard['count']} is already being "
-                             f"converted by another `megamoe convert` (lock {self.dir / 'lock'} is held)") from None
-        try:
-            if whole_writer_running(self.out):
+        name, lock = f"{self.shard['index']}/{self.shard['count']}", self.dir / "lock"
+        with holding(lock, 0, f"{self.out}: part {name} is already being converted by another "
+                              f"`megamoe convert` (lock {lock} is held)"):
+            if held_elsewhere(self.out / STATE_DIR / WHOLE_LOCK, GLANCE_TIMEOUT_S):
                 raise OutputBusy(f"{self.out}: a `megamoe convert` without --shard or a `megamoe merge` is writing "
-                                 f"this directory; part {self.shard['index']}/{self.shard['count']} cannot run beside it")
+                                 f"this directory; part {name} cannot run beside it")
             yield
-        finally:
-            lock.release()
 
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
         # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
@@ -772,12 +747,15 @@ class PartState(OutputState):
 # --------------------------------------------------------------------------------------
 
 class Progress(Protocol):
-    def start(self, total_bytes: int, total_files: int) -> None: ...
+    """What long jobs report to (``ui.ByteProgress``): ``start`` per phase, then ``advance``."""
+
+    def start(self, total_bytes: int, total_files: int, description: str | None = None,
+              unit: str = "files") -> None: ...
     def advance(self, nbytes: int, path: str, skipped: bool) -> None: ...
 
 
 class NoProgress:
-    def start(self, total_bytes: int, total_files: int) -> None:
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
         pass
 
     def advance(self, nbytes: int, path: str, skipped: bool) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from .checkpoint import INDEX_NAME
 from .convert import (MERGED_PARTS_DIR, REPLACED_JOURNAL, ConvertError, NoProgress, OutputBusy, OutputState, Progress,
-                      check_output_dir, hold_whole_output, index_text, non_expert_index, part_manifest_name)
+                      check_output_dir, differing_keys, hold_whole_output, index_text, non_expert_index, part_manifest_name)
 from .manifest import MANIFEST_NAME, Manifest, ManifestError
 from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
                      write_json_atomic)
@@ -160,9 +160,8 @@ def select_parts(parts: Sequence[Part], prefer: Path | None = None) -> tuple[lis
     if not complete:
         if len(groups) == 1:
             return None, "; ".join(reasons)
-        firsts = [group[0] for group in groups.values()]
-        keys = sorted(k for k in set(firsts[0].fingerprint) | set(firsts[1].fingerprint)
-                      if firsts[0].fingerprint.get(k) != firsts[1].fingerprint.get(k))
+        first, second = (group[0] for group in list(groups.values())[:2])
+        keys = differing_keys(first.fingerprint, second.fingerprint)
         differ = f" ({', '.join(keys)} differ)" if keys else " (--shard N differs)"
         return None, (f"parts of {len(groups)} different conversions found{differ}, none complete: "
                       + "; ".join(reasons))

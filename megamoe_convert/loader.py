@@ -21,7 +21,7 @@ import torch
 
 from . import layout
 from .devices import DeviceError, usable_device
-from .checkpoint import MoELayer
+from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
 from .layout import KernelWeights
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
@@ -64,23 +64,16 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
     if layers is None:
         return list(manifest.layers)
     if isinstance(layers, str):
-        layers = _expand_layer_spec(manifest, layers)
+        try:
+            return parse_layer_spec(manifest.layers, layers, "this conversion")
+        except CheckpointError as e:
+            raise LoadError(str(e)) from None
     by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
     missing = [name for name in layers if name not in by_name]
     if missing:
         raise LoadError(f"layer {missing[0]!r} is not in this conversion "
                         f"(layers: {', '.join(l.key for l in manifest.layers)})")
     return sorted({by_name[name] for name in layers})
-
-
-def _expand_layer_spec(manifest: Manifest, spec: str) -> list[str]:
-    names = []
-    for item in (part.strip() for part in spec.split(",") if part.strip()):
-        if item == "mtp":
-            names += [l.key for l in manifest.layers if l.is_mtp]
-        else:
-            names.append(f"layers.{item}" if item.isdigit() else item)
-    return names
 
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],

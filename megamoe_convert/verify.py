@@ -22,13 +22,13 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import layout
 from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .convert import ExpertReader
+from .convert import ExpertReader, NoProgress, Progress
 from .layout import KernelWeights
 from .devices import usable_device
 from .loader import LoadError, check_logical_ids, check_shard, load_rank
@@ -76,23 +76,6 @@ class VerifyReport:
 
 #: Local expert slots per rank and layer that ``--numerics`` runs (dequantised matrices are large).
 NUMERICS_MAX_EXPERTS = 8
-
-
-class Progress(Protocol):
-    """What verify reports to (``ui.ByteProgress``): one ``start`` per phase, then ``advance``."""
-
-    def start(self, total_bytes: int, total_files: int, description: str | None = None,
-              unit: str = "files") -> None: ...
-
-    def advance(self, nbytes: int, path: str, skipped: bool) -> None: ...
-
-
-class Silent:
-    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
-        pass
-
-    def advance(self, nbytes: int, path: str, skipped: bool) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------------------
@@ -389,7 +372,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
     if sample is not None and sample < 1:
         raise ValueError(f"--sample {sample}: compare at least one expert slot")
-    progress = progress or Silent()
+    progress = progress or NoProgress()
     if numerics:
         usable_device(device)
     out = Path(out)
