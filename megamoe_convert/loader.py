@@ -10,12 +10,14 @@ would have produced.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -52,6 +54,45 @@ class ExpertLayer:
     @property
     def num_local_experts(self) -> int:
         return len(self.logical_ids)
+
+
+@dataclass
+class ConvertedModel:
+    """A converted directory opened once: its manifest read and validated, passed on from there."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def weight_format(self) -> str:
+        """The routed experts' MegaMoE weight format (one so far: MXFP4)."""
+        return "mxfp4"
+
+    @cached_property
+    def num_hidden_layers(self) -> int:
+        """Decoder layers of the model, from the copied ``config.json`` (engines number MTP
+        blocks after them)."""
+        where = self.path / "config.json"
+        try:
+            value = json.loads(where.read_text())["num_hidden_layers"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise LoadError(f"{where}: cannot read num_hidden_layers ({e})") from None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 20:
+            raise LoadError(f"{where}: num_hidden_layers is {value!r}, expected a non-negative integer")
+        return value
+
+
+def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:
+    """A local directory or hub repo id (just ``ranks`` pulled), opened once."""
+    from .hub import resolve_converted
+
+    if isinstance(out, ConvertedModel):
+        return out
+    path = resolve_converted(out, None if ranks is None else list(ranks))
+    try:
+        return ConvertedModel(path, read_manifest(path))
+    except ManifestError as e:
+        raise LoadError(str(e)) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -212,15 +253,45 @@ def copy_pieces_to_device(pieces: list[_Piece], ring: PinnedRing, stream: torch.
     stream.synchronize()
 
 
-def _empty_like_entry(entry: TensorEntry, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(entry.shape, dtype=dtype, device=device)
+#: ``{"l1_weight": t, "l1_sf": t, "l2_weight": t, "l2_sf": t}``: where a layer's file tensors go,
+#: scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
+Destinations = dict[str, torch.Tensor]
+
+TENSOR_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf")
+
+
+def _file_dtype(key: str) -> torch.dtype:
+    return torch.int8 if key.endswith("weight") else torch.int32
+
+
+def _empty_destinations(entries: dict[str, TensorEntry], names: dict[str, str], device: torch.device) -> Destinations:
+    return {key: torch.empty(entries[names[key]].shape, dtype=_file_dtype(key), device=device) for key in TENSOR_KEYS}
+
+
+def check_destinations(where: str, dests: Destinations, entries: dict[str, TensorEntry], names: dict[str, str]) -> None:
+    """Caller-owned tensors must take the file bytes as they are: same bytes, shape and a
+    contiguous layout (a scale's storage form is contiguous in the kernel layout)."""
+    for key in TENSOR_KEYS:
+        dest, entry = dests[key], entries[names[key]]
+        if dest.dtype.itemsize != _file_dtype(key).itemsize or tuple(dest.shape) != tuple(entry.shape) \
+                or not dest.is_contiguous():
+            raise LoadError(f"{where}: {key} destination is {dest.dtype}{list(dest.shape)} with strides "
+                            f"{list(dest.stride())}, but {names[key]} is a contiguous {_file_dtype(key)}"
+                            f"{list(entry.shape)}")
+
+
+def _read_cpu(fd: int, path: Path, entries: dict[str, TensorEntry], names: dict[str, str],
+              dests: Destinations) -> None:
+    for key in TENSOR_KEYS:
+        read_into(fd, entries[names[key]].begin, dests[key], path)
 
 
 def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
-               device: torch.device) -> dict[MoELayer, tuple[KernelWeights, ...]]:
+               dests: dict[MoELayer, Destinations]) -> None:
+    """Fill every destination (all on one CUDA device) through the pinned ring."""
+    device = next(iter(dests.values()))["l1_weight"].device
     ring = PinnedRing()
     stream = torch.cuda.Stream(device=device)
-    result = {}
     pieces: list[_Piece] = []
     fds = []
     try:
@@ -228,32 +299,50 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
             names = expert_tensor_names(layer)
-            tensors = {}
-            for key, name in names.items():
-                if key == "logical_ids":
-                    continue
-                entry = headers[layer][name]
-                dest = _empty_like_entry(entry, torch.int8 if key.endswith("weight") else torch.int32, device)
-                pieces.extend(_pieces(fd, entry, dest, ring.nbytes))
-                tensors[key] = dest
-            result[layer] = (KernelWeights(tensors["l1_weight"], layout.sf_from_storage(tensors["l1_sf"])),
-                             KernelWeights(tensors["l2_weight"], layout.sf_from_storage(tensors["l2_sf"])))
+            for key in TENSOR_KEYS:
+                pieces.extend(_pieces(fd, headers[layer][names[key]], dests[layer][key], ring.nbytes))
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read") as readers:
             copy_pieces_to_device(pieces, ring, stream, readers)
         torch.cuda.current_stream(device).wait_stream(stream)
     finally:
         for fd in fds:
             os.close(fd)
-    return result
+
+
+def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
+          dests: dict[MoELayer, Destinations]) -> None:
+    """Read every layer's file tensors into its destinations: CUDA ones through the pinned ring,
+    CPU ones with one ``preadv`` each."""
+    on_cuda = {layer: d for layer, d in dests.items() if d["l1_weight"].device.type == "cuda"}
+    by_device: dict[torch.device, dict[MoELayer, Destinations]] = {}
+    for layer, d in on_cuda.items():
+        by_device.setdefault(d["l1_weight"].device, {})[layer] = d
+    for group in by_device.values():
+        _load_cuda(out, {layer: records[layer] for layer in group}, headers, group)
+    for layer, d in dests.items():
+        if layer in on_cuda:
+            continue
+        path = out / records[layer].path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _read_cpu(fd, path, headers[layer], expert_tensor_names(layer), d)
+        finally:
+            os.close(fd)
+
+
+def _as_kernel_weights(d: Destinations) -> tuple[KernelWeights, KernelWeights]:
+    return (KernelWeights(d["l1_weight"], layout.sf_from_storage(d["l1_sf"])),
+            KernelWeights(d["l2_weight"], layout.sf_from_storage(d["l2_sf"])))
 
 
 # --------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------
 
-def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
+def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch.device = "cpu", *,
               layers: str | Iterable[str] | None = None, verify: bool = False,
-              ep_size: int | None = None) -> dict[str, ExpertLayer]:
+              ep_size: int | None = None, into: Mapping[str, Destinations] | None = None,
+              ) -> dict[str, ExpertLayer]:
     """Load one EP rank's MegaMoE expert tensors from a converted directory.
 
     Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
@@ -261,24 +350,23 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
     tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
     given, must be the one converted for (a serving job states what it expects). ``out`` may also
     be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
-    """
-    from .hub import resolve_converted
 
+    ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,
+    e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,
+    and no second copy of a layer is ever allocated. ``device`` is then ignored.
+    """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise LoadError(f"rank must be an int, got {rank!r}")
     try:
         device = usable_device(device)
     except DeviceError as e:
         raise LoadError(str(e)) from None
-    out = resolve_converted(out, [rank])
-    try:
-        manifest = read_manifest(out)
-    except ManifestError as e:
-        raise LoadError(str(e)) from None
+    converted = open_converted(out, [rank])
+    out, manifest = converted.path, converted.manifest
     if ep_size is not None and ep_size != manifest.ep_size:
         raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
                         f"convert again with --ep-size {ep_size}")
-    chosen = resolve_layers(manifest, layers)
+    chosen = resolve_layers(manifest, list(into) if into is not None else layers)
     records = check_rank_files(out, manifest, rank, chosen, verify)
     headers: dict[MoELayer, dict[str, TensorEntry]] = {}
     for layer, record in records.items():
@@ -289,8 +377,17 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
         headers[layer] = check_shard(header, manifest, layer, rank)
         check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
                           manifest.placement.rank_logical_ids(rank))
-    if device.type == "cuda":
-        tensors = _load_cuda(out, records, headers, device)
+    if into is not None:
+        by_prefix = {layer.prefix: layer for layer in records}
+        dests = {by_prefix[prefix]: d for prefix, d in into.items()}
+        for layer, d in dests.items():
+            check_destinations(layer.prefix, d, headers[layer], expert_tensor_names(layer))
+        _fill(out, records, headers, dests)
+        tensors = {layer: _as_kernel_weights(d) for layer, d in dests.items()}
+    elif device.type == "cuda":
+        dests = {layer: _empty_destinations(headers[layer], expert_tensor_names(layer), device) for layer in records}
+        _fill(out, records, headers, dests)
+        tensors = {layer: _as_kernel_weights(d) for layer, d in dests.items()}
     else:
         tensors = {layer: _cpu_layer(out / rec.path, headers[layer], expert_tensor_names(layer))
                    for layer, rec in records.items()}

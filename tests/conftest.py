@@ -12,6 +12,8 @@ import pytest
 from megamoe_convert.synth import synthesize
 
 REPO = Path(__file__).resolve().parent.parent
+#: tests/engines runs only inside an engine's environment (tests/test_engines_real.py).
+collect_ignore = [] if os.environ.get("MEGAMOE_ENGINE") else ["engines"]
 
 
 def output_files(out: Path) -> dict[str, bytes]:
@@ -45,4 +47,12 @@ def tiny_converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """``tiny_ckpt`` converted through the CLI for EP 4 with 4 redundant experts. Read-only."""
     out = tmp_path_factory.mktemp("converted") / "ep4"
     run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_experts_only(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Like ``tiny_converted``, with ``--experts-only``. Read-only."""
+    out = tmp_path_factory.mktemp("converted") / "ep4-experts-only"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4, "--experts-only")
     return out

@@ -214,15 +214,15 @@ def test_load_rank_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
 
 
 def test_install_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
-    from test_vllm_integration import expert_modules, fake_model
     from megamoe_convert.vllm_integration import install
+    from vllm_stand_in import STAND_INS, experts_of, stand_in_model
 
-    model = fake_model(2)
+    model = stand_in_model(STAND_INS["kernel_layout"], 2)
     assert install(model, f"{REPO_ID}@ep4", rank=2) == 3
     assert {p.split("/")[0] for p in pushed.downloaded if "/" in p} == {"rank-00002-of-00004"}
     want = load_rank(tiny_converted, 2)
-    for module, key in zip(expert_modules(model), ["layers.0", "layers.1", "mtp.0"]):
-        assert torch.equal(module._transformed_l1_weights[0], want[f"{key}.ffn.experts"].l1[0])
+    for module, key in zip(experts_of(model), ["layers.0", "layers.1", "mtp.0"]):
+        assert torch.equal(module.w13_weight, want[f"{key}.ffn.experts"].l1[0])
 
 
 def test_convert_from_a_hub_repo_id(fake, tiny_ckpt, tiny_converted, tmp_path):

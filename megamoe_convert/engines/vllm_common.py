@@ -1,0 +1,137 @@
+"""What vLLM's two MegaMoE contracts share: module names, the EP numbers, the install driver.
+
+vLLM names a MegaMoE module by its prefix (``model.layers.7.ffn.experts``; MTP blocks are
+numbered after the decoder layers, ``model.layers.{N+i}.mtp_block.ffn.experts``) and builds it
+with the EP numbers of its rank; it always maps physical slot ``p`` to logical ``p % n``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..checkpoint import MoELayer
+from ..loader import ConvertedModel, LoadError, load_rank, open_converted
+from . import Contract, InstallError
+
+log = logging.getLogger(__name__)
+
+#: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``.
+VLLM_PREFIX = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<index>\d+)\.(?:mtp_block\.)?ffn\.experts$")
+#: What every vLLM MegaMoE experts module has, whatever its contract.
+EP_ATTRIBUTES = ("prefix", "experts_start_idx", "num_local_experts", "hidden_size", "intermediate_size")
+
+
+def layer_key(prefix: str, num_hidden_layers: int) -> str:
+    """vLLM module prefix -> checkpoint layer key (``layers.7`` / ``mtp.0``)."""
+    m = VLLM_PREFIX.match(prefix)
+    if m is None:
+        raise InstallError(f"{prefix}: not a MegaMoE experts prefix (expected model.layers.N.ffn.experts)")
+    index = int(m["index"])
+    if m["kind"] == "mtp":
+        return f"mtp.{index}"
+    return f"layers.{index}" if index < num_hidden_layers else f"mtp.{index - num_hidden_layers}"
+
+
+def looks_like_megamoe_experts(module: nn.Module) -> bool:
+    """A candidate for some contract: MegaMoE by name, or carrying vLLM's EP attributes."""
+    name = type(module).__name__
+    return ("MegaMoE" in name and name.endswith("Experts")) or all(hasattr(module, a) for a in EP_ATTRIBUTES)
+
+
+def check_ep_numbers(module: nn.Module, converted: ConvertedModel, rank: int) -> None:
+    """Every number the module was built with must be the one the shards were built for."""
+    placement, dims = converted.manifest.placement, converted.manifest.dims
+    expected = {
+        "experts_start_idx": placement.experts_start(rank),
+        "num_local_experts": placement.experts_per_rank,
+        "num_experts": placement.n_physical,
+        "num_logical_experts": placement.n_logical,
+        "hidden_size": dims.hidden_size,
+        "intermediate_size": dims.moe_intermediate_size,
+    }
+    for attribute, want in expected.items():
+        got = getattr(module, attribute, want)
+        if got != want:
+            raise InstallError(f"{module.prefix}: {attribute} is {got} in the model but {want} in {converted.path} "
+                               f"(rank {rank}, ep_size {placement.ep_size})")
+    if not placement.is_default():
+        raise InstallError(f"{module.prefix}: the conversion uses an explicit expert placement, but "
+                           f"{type(module).__name__} maps physical slot p to logical p % num_logical_experts; "
+                           "convert with the default placement to serve it with vLLM")
+
+
+def current_ep_rank() -> int:
+    """This process's rank in vLLM's expert-parallel group."""
+    try:
+        from vllm.distributed import get_ep_group
+    except ImportError as e:
+        raise InstallError("rank=None needs vLLM's EP group, but vllm is not importable; pass rank=") from e
+    return int(get_ep_group().rank_in_group)
+
+
+def classify(model: nn.Module, contracts: Sequence[Contract]) -> list[tuple[nn.Module, Contract]]:
+    """Every MegaMoE experts module with its contract; one of no known contract is refused."""
+    found = []
+    for module in model.modules():
+        if not looks_like_megamoe_experts(module):
+            continue
+        contract = next((c for c in contracts if c.detect(module)), None)
+        if contract is None:
+            closest = min(contracts, key=lambda c: len(c.missing(module)))
+            raise InstallError(f"{getattr(module, 'prefix', '?')}: {type(module).__name__} is of no MegaMoE contract "
+                               f"megamoe-convert knows; closest is {closest.name}, which needs "
+                               f"{', '.join(closest.missing(module))}")
+        found.append((module, contract))
+    if not found:
+        raise InstallError("no MegaMoE experts modules in the model (is --moe-backend deep_gemm_mega_moe set, "
+                           "with --enable-expert-parallel?)")
+    return found
+
+
+def install_model(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
+                  *, verify: bool = False) -> int:
+    """Check every module, then put each layer's bytes straight into its module's storage."""
+    rank = current_ep_rank() if rank is None else rank
+    try:
+        converted = open_converted(out, [rank])
+    except LoadError as e:
+        raise InstallError(str(e)) from None
+    modules = classify(model, contracts)
+    layers = {l.key: l for l in converted.manifest.layers}
+    planned: list[tuple[nn.Module, Contract, MoELayer]] = []
+    for module, contract in modules:
+        key = layer_key(module.prefix, converted.num_hidden_layers)
+        if key not in layers:
+            raise InstallError(f"{module.prefix}: layer {key} is not in {converted.path} "
+                               f"(converted layers: {', '.join(sorted(layers))})")
+        check_ep_numbers(module, converted, rank)
+        contract.check(module, layers[key], converted, rank)
+        planned.append((module, contract, layers[key]))
+    for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
+        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
+        contract.finish(module, loaded[layer.prefix])
+    log.info("megamoe: installed %d MegaMoE layers for EP rank %d from %s", len(planned), rank, converted.path)
+    return len(planned)
+
+
+def require(module: nn.Module, names: Sequence[str]) -> list[str]:
+    """The attributes of ``names`` the module lacks."""
+    return [n for n in names if not hasattr(module, n)]
+
+
+def expect_tensor(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                  stride: tuple[int, ...] | None = None) -> None:
+    """A parameter the bytes will go into must be exactly what the conversion wrote."""
+    t = getattr(module, name, None)
+    if not isinstance(t, torch.Tensor):
+        raise InstallError(f"{module.prefix}: {name} is {type(t).__name__}, expected a {dtype} tensor "
+                           "(already finalized or released?)")
+    if t.dtype != dtype or tuple(t.shape) != shape or (stride is not None and tuple(t.stride()) != stride):
+        raise InstallError(f"{module.prefix}: {name} is {t.dtype}{list(t.shape)} with strides {list(t.stride())}, "
+                           f"expected {dtype}{list(shape)}" + (f" with strides {list(stride)}" if stride else ""))

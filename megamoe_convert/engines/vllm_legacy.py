@@ -1,0 +1,80 @@
+"""vLLM 0.30-0.32: ``DeepseekV4MegaMoEExperts`` (vllm/models/deepseek_v4/nvidia/model.py).
+
+The finalize contract: the module registers loader-side uint8 parameters in the checkpoint's
+layout (``w13_weight [E, 2I, H/2]``, ``w13_weight_scale [E, 2I, H/32]``, likewise ``w2``);
+``finalize_weights()`` resolves the backend (``_ensure_backend()``, which reads
+``w13_weight.device``), transforms them into ``_transformed_l1_weights`` /
+``_transformed_l2_weights``, drops the four parameters, then fuses the shared expert.
+``forward`` and EPLB's ``get_expert_weights()`` read the ``_transformed_*`` tuples.
+
+Installing: resolve the backend first (in ``check``) (while ``w13_weight`` still exists), write the rank
+file's bytes into the loader-side parameters' own storage (the kernel layout has exactly their
+byte count: ``H/2`` weight bytes and ``H/32`` scale bytes per row), set ``_transformed_*`` to
+views of it and release the parameters, as ``finalize_weights`` does. ``finalize_weights()``
+then skips the routed transform and still fuses the shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..checkpoint import MoELayer
+from ..loader import ConvertedModel, Destinations, ExpertLayer
+from . import InstallError
+from .vllm_common import EP_ATTRIBUTES, expect_tensor, require
+
+LOADER_PARAMETERS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+MARKERS = (*EP_ATTRIBUTES, "finalize_weights", "_ensure_backend", "_backend", "_transformed_l1_weights",
+           "_transformed_l2_weights", *LOADER_PARAMETERS)
+
+
+def _as_int32_storage(param: torch.Tensor, mn: int) -> torch.Tensor:
+    """A uint8 ``[E, MN, K/32]`` scale parameter's bytes as the contiguous int32 ``[E, K/128, MN]``
+    storage of the kernel's MN-major scales (same byte count, reinterpreted)."""
+    e, _, kb = param.shape
+    return param.view(torch.int32).reshape(e, kb // 4, mn)
+
+
+class FinalizeContract:
+    name = "vLLM 0.30-0.32 DeepseekV4MegaMoEExperts (finalize_weights transforms)"
+
+    def missing(self, module: nn.Module) -> list[str]:
+        return require(module, MARKERS)
+
+    def detect(self, module: nn.Module) -> bool:
+        return not self.missing(module)
+
+    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+        if converted.weight_format != "mxfp4":
+            raise InstallError(f"{module.prefix}: {type(module).__name__} takes MXFP4 experts only, but "
+                               f"{converted.path} holds {converted.weight_format}")
+        if module._transformed_l1_weights is not None:
+            raise InstallError(f"{module.prefix}: finalize_weights() already ran; install before loading weights")
+        try:  # vLLM's own capability check; it caches the backend and must run while w13_weight exists
+            module._ensure_backend()
+        except (NotImplementedError, ValueError, RuntimeError, AssertionError) as e:
+            raise InstallError(f"{module.prefix}: vLLM's MegaMoE backend refuses this module: {e}") from None
+        e, h, i = module.num_local_experts, module.hidden_size, module.intermediate_size
+        for name, shape in (("w13_weight", (e, 2 * i, h // 2)), ("w13_weight_scale", (e, 2 * i, h // 32)),
+                            ("w2_weight", (e, h, i // 2)), ("w2_weight_scale", (e, h, i // 32))):
+            expect_tensor(module, name, torch.uint8, shape)
+            if not getattr(module, name).is_contiguous():
+                raise InstallError(f"{module.prefix}: {name} is not contiguous")
+
+    def destinations(self, module: nn.Module) -> Destinations:
+        h, i = module.hidden_size, module.intermediate_size
+        return {"l1_weight": module.w13_weight.data.view(torch.int8),
+                "l1_sf": _as_int32_storage(module.w13_weight_scale.data, 2 * i),
+                "l2_weight": module.w2_weight.data.view(torch.int8),
+                "l2_sf": _as_int32_storage(module.w2_weight_scale.data, h)}
+
+    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+        module._transformed_l1_weights = (layer.l1.weight, layer.l1.sf)
+        module._transformed_l2_weights = (layer.l2.weight, layer.l2.sf)
+        for name in LOADER_PARAMETERS:
+            setattr(module, name, None)
+
+
+CONTRACT = FinalizeContract()

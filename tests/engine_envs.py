@@ -1,0 +1,84 @@
+"""Environments that hold a real engine release beside the project's own venv.
+
+An engine's wheel (hundreds of MB, with CUDA libraries) is installed ``--no-deps`` into a
+folder of its own, ``.cache/engines/<name>``, together with the pure-Python packages its
+import chain needs; the project's torch is reused, so nothing multi-GB is pulled. Each
+folder is built once (stamped with its package list, so a changed list rebuilds it) and put
+in place by a rename, so a half-built one is never used. Tests run the engine's own code in a
+subprocess with ``PYTHONPATH=<folder>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from filelock import FileLock
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("MEGAMOE_ENGINE_CACHE", REPO / ".cache" / "engines"))
+
+#: What vLLM's loading code imports, beyond what the project's venv already has
+#: (torch, safetensors, numpy, huggingface_hub, filelock, psutil, ...): found by importing
+#: vllm.models.deepseek_v4, the fused-MoE layers and the model loader on a CPU.
+VLLM_IMPORT_CHAIN = [
+    "aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0", "apache-tvm-ffi==0.1.11", "attrs==26.1.0",
+    "cachetools==8.0.1", "cbor2==6.3.0", "certifi==2026.10.18", "cloudpickle==3.1.2", "einops==0.8.2",
+    "fastapi==0.136.0", "frozenlist==1.8.0", "llguidance==1.9.1", "msgspec==0.22.0", "multidict==7.2.1",
+    "openai==3.54.0", "openai-harmony==0.0.8", "partial-json-parser==0.2.1.1.post7", "pillow==13.0.0",
+    "prometheus-client==0.26.0", "propcache==0.5.4", "py-cpuinfo==9.0.0", "pybase64==1.5.1", "pyzmq==27.3.0",
+    "regex==2026.11.15", "requests==2.34.2", "sniffio==1.3.1", "starlette==1.10.0", "tokenizers==0.23.3",
+    "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.8", "yarl==1.25.1",
+]
+
+ENGINES: dict[str, list[str]] = {
+    "vllm==0.32.0": ["vllm==0.32.0", "transformers==5.19.0", *VLLM_IMPORT_CHAIN],
+    "vllm==0.33.0": ["vllm==0.33.0", "transformers==5.20.0", *VLLM_IMPORT_CHAIN],
+}
+
+
+def env_dir(engine: str) -> Path:
+    return CACHE / engine.replace("==", "-")
+
+
+def _stamp(packages: list[str]) -> str:
+    return hashlib.sha256("\n".join(packages).encode()).hexdigest()
+
+
+def ensure(engine: str) -> Path:
+    """The environment folder for ``engine`` (e.g. ``vllm==0.33.0``), built if missing or stale."""
+    packages = ENGINES[engine]
+    target = env_dir(engine)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        stamp = target / ".megamoe-engine-stamp"
+        if stamp.is_file() and stamp.read_text() == _stamp(packages):
+            return target
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--disable-pip-version-check",
+               "--target", str(partial), *packages]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the {engine} environment failed:\n{proc.stdout}\n{proc.stderr}")
+        (partial / ".megamoe-engine-stamp").write_text(_stamp(packages))
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+        return target
+
+
+def run_engine_tests(engine: str, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    """``pytest tests/engines`` inside ``engine``'s environment, on the CPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ensure(engine)), str(REPO)]),
+           "MEGAMOE_ENGINE": engine, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "engines"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+if __name__ == "__main__":  # python tests/engine_envs.py [ENGINE...]: build (or find) the environments
+    for name in sys.argv[1:] or list(ENGINES):
+        print(ensure(name))

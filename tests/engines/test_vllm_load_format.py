@@ -1,0 +1,89 @@
+"""``--load-format megamoe`` through vLLM's own plugin loading and model-loader registry."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megamoe_convert.vllm_integration import InstallError
+
+import vllm_harness as h
+
+
+def model_config(out) -> types.SimpleNamespace:
+    """The fields of vLLM's ``ModelConfig`` that ``DefaultModelLoader`` reads (a real one needs the
+    model's HF config class, which vLLM builds on a GPU platform)."""
+    return types.SimpleNamespace(model=str(out), revision=None, quantization="fp8", is_moe=True,
+                                 multimodal_config=None)
+
+
+def megamoe_loader():
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # finds megamoe-convert's vllm.general_plugins entry point
+    return get_model_loader(LoadConfig(load_format="megamoe"))
+
+
+def load(loader, model, out) -> None:
+    """What ``BaseModelLoader.load_model`` does around ``load_weights``: a current vLLM config."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):
+        loader.load_weights(model, model_config(out))
+
+
+def recording(model):
+    """The model's own ``load_weights`` is fed what vLLM's default iterator reads; record it
+    (the tree holds only the MoE layers, so non-expert tensors have no parameter to go to)."""
+    seen: list[str] = []
+
+    def load_weights(weights):
+        seen.extend(name for name, _ in weights)
+        if not h.KERNEL_LAYOUT:
+            model.model.finalize_mega_moe_weights()  # what 0.30-0.32's load_weights ends with
+        return set()
+
+    model.load_weights = load_weights
+    return seen
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_load_format_installs_every_layer_and_feeds_vllm_the_rest(tiny_ckpt, tiny_converted, rank):
+    config = h.hf_config(tiny_ckpt)
+    loader = megamoe_loader()
+    assert type(loader).__name__ == "MegaMoEModelLoader" and loader.load_config.load_format == "safetensors"
+    with h.patched(rank, 4):
+        reference = h.build_main_model(config, rank, 4, 4)
+        h.vllm_load(reference, h.build_mtp_model(config, rank, 4, 4), tiny_ckpt)
+        model = h.build_main_model(config, rank, 4, 4)
+        seen = recording(model)
+        load(loader, model, tiny_converted)
+        for prefix, module in h.experts_of(model).items():
+            want = h.experts_of(reference)[prefix]
+            h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want), prefix)
+    assert seen and not any(".experts." in name and ".shared_experts." not in name for name in seen)
+    assert any(name.startswith("layers.0.attn.") for name in seen)
+    assert len(seen) == len(set(seen))
+
+
+def test_load_format_refuses_a_model_of_another_ep_size(tiny_ckpt, tiny_converted):
+    config = h.hf_config(tiny_ckpt)
+    loader = megamoe_loader()
+    with h.patched(0, 2):
+        model = h.build_main_model(config, 0, 2, 0)
+        seen = recording(model)
+        with pytest.raises(InstallError, match="num_local_experts is 4 in the model but 3"):
+            load(loader, model, tiny_converted)
+        assert not seen and all(torch.count_nonzero(p) == 0 for p in model.parameters())
+
+
+def test_load_format_refuses_an_experts_only_conversion(tiny_ckpt, tiny_experts_only):
+    out = tiny_experts_only
+    with h.patched(0, 4):
+        model = h.build_main_model(h.hf_config(tiny_ckpt), 0, 4, 4)
+        with pytest.raises(InstallError, match="converted with --experts-only"):
+            load(megamoe_loader(), model, out)

@@ -1,0 +1,213 @@
+"""Real vLLM modules on the CPU, built and loaded by vLLM's own code.
+
+Only what needs hardware or a process group is patched: the SM100 capability check, the
+pipeline/EP groups, and (0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
+which cannot run on a CPU: it is replaced by the project's spec-exact equivalent
+(``megamoe_convert.layout.sf_into_required_layout``) while DeepGEMM's own Python
+``transform_weights_for_mega_moe`` (bundled in vLLM) does the rest.
+
+The model trees are vLLM's own classes (``DeepseekV4ForCausalLM``, ``DeepseekV4Model``,
+``DeepseekV4MoE``, ``DeepSeekV4MTP``) holding real MegaMoE experts modules built with the
+arguments ``DeepseekV4MoE._init_mega_moe_experts`` passes; attention and dense layers are left
+out (their constructors need a GPU attention backend). Loading goes through vLLM's own
+``safetensors_weights_iterator``, the model's ``hf_to_vllm_mapper`` and ``load_weights`` (its
+own name mapping) and the experts' ``weight_loader``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Iterator
+from unittest import mock
+
+import torch
+from torch import nn
+
+import vllm
+from megamoe_convert import layout
+
+VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+#: vLLM >= 0.33 builds DeepGemmMegaMoEExperts (kernel layout); before, DeepseekV4MegaMoEExperts (finalize).
+KERNEL_LAYOUT = VERSION >= (0, 33)
+
+model_py = importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
+mtp_py = importlib.import_module("vllm.models.deepseek_v4.nvidia.mtp")
+mega_py = importlib.import_module("vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe")
+
+
+# --------------------------------------------------------------------------------------
+# Patches: hardware and process groups only
+# --------------------------------------------------------------------------------------
+
+def _bundled_deep_gemm() -> types.ModuleType:
+    """vLLM's bundled DeepGEMM Python (``vllm/third_party/deep_gemm``) without its CUDA ``_C``:
+    its real ``transform_weights_for_mega_moe``; the SM100-only C++ scale transform replaced by
+    the project's spec-exact equivalent."""
+    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "third_party" / "deep_gemm"
+    package = types.ModuleType("vllm.third_party.deep_gemm")
+    package.__path__ = [str(root)]
+    compiled = types.ModuleType("_C")  # every compiled entry point: present, and refusing to run here
+
+    def no_cuda(name: str):
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"deep_gemm._C.{name} needs DeepGEMM's CUDA extension")
+        return refuse
+
+    compiled.__getattr__ = no_cuda
+    with mock.patch.dict(sys.modules, {"vllm.third_party.deep_gemm": package,
+                                       "vllm.third_party.deep_gemm._C": compiled}):
+        mega = importlib.import_module("vllm.third_party.deep_gemm.mega")
+    deep_gemm = types.ModuleType("deep_gemm")
+    deep_gemm.transform_weights_for_mega_moe = mega.transform_weights_for_mega_moe
+
+    def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, **_):
+        assert tuple(recipe) == (1, 32) and sf.dtype == torch.float32 and sf.shape[-2:] == (mn, k // 32)
+        return layout.sf_into_required_layout(layout.narrow_fp32_to_ue8m0(sf))
+
+    deep_gemm.transform_sf_into_required_layout = transform_sf_into_required_layout
+    return deep_gemm
+
+
+@contextlib.contextmanager
+def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
+    ep_group = types.SimpleNamespace(rank_in_group=ep_rank, world_size=ep_size)
+    pp_group = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1)
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(mock.patch("vllm.distributed.get_ep_group", lambda: ep_group))
+        enter(mock.patch.object(model_py, "get_pp_group", lambda: pp_group, create=True))
+        for module in (model_py, mtp_py):  # one TP rank: TP=1 is how DP+EP serving runs
+            enter(mock.patch.object(module, "get_tensor_model_parallel_world_size", lambda: 1, create=True))
+            enter(mock.patch.object(module, "get_tensor_model_parallel_rank", lambda: 0, create=True))
+        if KERNEL_LAYOUT:
+            enter(mock.patch.object(mega_py, "check_deep_gemm_mega_moe_supported", lambda *a, **k: None))
+        else:
+            backend = mega_py.DeepGemmSm100MegaMoEBackend
+            enter(mock.patch.object(model_py, "get_deep_gemm_mega_moe_backend", lambda *a, **k: backend()))
+            enter(mock.patch.dict(sys.modules, {"deep_gemm": _bundled_deep_gemm()}))
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# Model trees of vLLM's own classes
+# --------------------------------------------------------------------------------------
+
+#: Fields vLLM's ``load_weights`` reads for attention slicing only (no attention tensor is fed).
+ATTENTION_DEFAULTS = {"num_attention_heads": 1}
+
+
+def hf_config(ckpt: Path) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{**ATTENTION_DEFAULTS, **json.loads((ckpt / "config.json").read_text())})
+
+
+def _bare(cls: type, **attributes) -> nn.Module:
+    """An instance of vLLM's class whose heavy ``__init__`` (GPU attention, TP linears) is skipped."""
+    module = cls.__new__(cls)
+    nn.Module.__init__(module)
+    for name, value in attributes.items():
+        setattr(module, name, value)
+    return module
+
+
+def make_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:
+    """The experts module with the arguments ``DeepseekV4MoE._init_mega_moe_experts`` passes."""
+    n_physical = config.n_routed_experts + redundant
+    local = n_physical // ep_size
+    kwargs = dict(num_experts=n_physical, num_local_experts=local, experts_start_idx=ep_rank * local,
+                  num_logical_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+                  hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size, prefix=prefix)
+    from vllm.config import VllmConfig
+
+    if KERNEL_LAYOUT:
+        kwargs.update(activation=mega_py.MegaMoEActivation("swiglu", clamp=float(config.swiglu_limit)),
+                      weight_format=mega_py.MEGA_MOE_MXFP4)
+        kwargs.update(overrides)
+        return mega_py.DeepGemmMegaMoEExperts(VllmConfig(), **kwargs)
+    kwargs.update(overrides)
+    return model_py.DeepseekV4MegaMoEExperts(VllmConfig(), num_shared_experts=config.n_shared_experts or 0, **kwargs)
+
+
+def _moe(experts: nn.Module) -> nn.Module:
+    return _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, experts=experts, shared_experts=None,
+                 prefix=experts.prefix.removesuffix(".experts"))
+
+
+def build_main_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+    """``DeepseekV4ForCausalLM`` > ``DeepseekV4Model`` > ``layers[i].ffn`` (``DeepseekV4MoE``) > experts."""
+    n = config.num_hidden_layers
+    layers = nn.ModuleList()
+    for i in range(n):
+        block = nn.Module()
+        block.ffn = _moe(make_experts(config, f"model.layers.{i}.ffn.experts", ep_rank, ep_size, redundant))
+        layers.append(block)
+    model = _bare(model_py.DeepseekV4Model, config=config, quant_config=None, use_sequence_parallel=False,
+                  start_layer=0, end_layer=n, layers=layers)
+    return _bare(model_py.DeepseekV4ForCausalLM, config=config, model=model)
+
+
+def build_mtp_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+    """``DeepSeekV4MTP`` > predictor > ``layers[str(N + i)].mtp_block.ffn`` > experts."""
+    n, k = config.num_hidden_layers, config.num_nextn_predict_layers
+    layers = nn.ModuleDict()
+    for i in range(k):
+        block, layer = nn.Module(), nn.Module()
+        block.ffn = _moe(make_experts(config, f"model.layers.{n + i}.mtp_block.ffn.experts", ep_rank, ep_size,
+                                      redundant))
+        layer.mtp_block = block
+        layers[str(n + i)] = layer
+    predictor = _bare(nn.Module, layers=layers, mtp_start_layer_idx=n, num_mtp_layers=k)
+    return _bare(mtp_py.DeepSeekV4MTP, config=config, quant_config=None, pad_shared_expert=False, model=predictor)
+
+
+def experts_of(model: nn.Module) -> dict[str, nn.Module]:
+    return {m.prefix: m for m in model.modules() if hasattr(m, "experts_start_idx")}
+
+
+# --------------------------------------------------------------------------------------
+# vLLM's own loading path
+# --------------------------------------------------------------------------------------
+
+def checkpoint_weights(ckpt: Path, only_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's own safetensors iterator over the checkpoint files, in file order."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+
+    files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
+    for name, tensor in safetensors_weights_iterator(files, False):
+        if not only_experts or ".ffn.experts." in name:
+            yield name, tensor
+
+
+def vllm_load(main: nn.Module, mtp: nn.Module, ckpt: Path) -> None:
+    """What vLLM does with the checkpoint: the main model's ``load_weights`` (through its own
+    ``hf_to_vllm_mapper``; 0.30-0.32 finalize there), and the MTP draft's own ``load_weights``."""
+    main.load_weights(checkpoint_weights(ckpt))
+    mtp.load_weights(checkpoint_weights(ckpt))
+    if not KERNEL_LAYOUT:
+        for moe in (m for m in mtp.modules() if isinstance(m, model_py.DeepseekV4MoE)):
+            moe.finalize_mega_moe_weights()  # vLLM's MTP model finalizes in process_weights_after_loading
+
+
+# --------------------------------------------------------------------------------------
+# What the kernel and EPLB read
+# --------------------------------------------------------------------------------------
+
+def kernel_view(experts: nn.Module) -> list[torch.Tensor]:
+    """The four tensors ``forward`` hands the kernel (l1 weight, l1 scales, l2 weight, l2 scales)."""
+    if KERNEL_LAYOUT:
+        return [*experts.l1_weights, *experts.l2_weights]
+    return [*experts._transformed_l1_weights, *experts._transformed_l2_weights]
+
+
+def assert_same_tensors(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None:
+    assert len(got) == len(want), f"{where}: {len(got)} tensors, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g is not None, f"{where}[{i}] is None"
+        assert (g.dtype, tuple(g.shape), g.stride()) == (w.dtype, tuple(w.shape), w.stride()), \
+            f"{where}[{i}]: {g.dtype}{tuple(g.shape)}{g.stride()} vs {w.dtype}{tuple(w.shape)}{w.stride()}"
+        assert torch.equal(g, w), f"{where}[{i}]: bytes differ"
