@@ -49,10 +49,3 @@ def tiny_converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
     run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4)
     return out
 
-
-@pytest.fixture(scope="session")
-def tiny_experts_only(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Like ``tiny_converted``, with ``--experts-only``. Read-only."""
-    out = tmp_path_factory.mktemp("converted") / "ep4-experts-only"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4, "--experts-only")
-    return out

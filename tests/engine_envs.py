@@ -35,7 +35,12 @@ VLLM_IMPORT_CHAIN = [
     "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.8", "yarl==1.25.1",
 ]
 
+#: transformers < 5.18 (what vLLM 0.30-0.31 pin) wants huggingface_hub 1.x, which speaks httpx.
+HUB_1X = ["huggingface-hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9"]
+
 ENGINES: dict[str, list[str]] = {
+    "vllm==0.30.0": ["vllm==0.30.0", "transformers==5.17.0", *HUB_1X, *VLLM_IMPORT_CHAIN],
+    "vllm==0.31.0": ["vllm==0.31.0", "transformers==5.17.0", *HUB_1X, *VLLM_IMPORT_CHAIN],
     "vllm==0.32.0": ["vllm==0.32.0", "transformers==5.19.0", *VLLM_IMPORT_CHAIN],
     "vllm==0.33.0": ["vllm==0.33.0", "transformers==5.20.0", *VLLM_IMPORT_CHAIN],
 }

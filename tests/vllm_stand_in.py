@@ -66,16 +66,11 @@ class FinalizeExperts(_Experts):
             getattr(self, f"{name}_weight_scale").quant_method = "block"
         self._transformed_l1_weights = None
         self._transformed_l2_weights = None
-        self._backend = None
 
-    def _ensure_backend(self):
-        if self._backend is None:
-            assert self.w13_weight is not None, "_ensure_backend() must be called before finalize_weights()"
-            self._backend = "sm100"
-        return self._backend
+    def _check_runtime_supported(self) -> None:
+        assert self.w13_weight is not None, "the runtime check reads w13_weight's device"
 
     def finalize_weights(self, shared_experts=None):
-        self._ensure_backend()
         if self._transformed_l1_weights is None:
             raise RuntimeError("stand-in: the transform needs DeepGEMM on an SM100 GPU")
 

@@ -2,8 +2,8 @@
 
 The finalize contract: the module registers loader-side uint8 parameters in the checkpoint's
 layout (``w13_weight [E, 2I, H/2]``, ``w13_weight_scale [E, 2I, H/32]``, likewise ``w2``);
-``finalize_weights()`` resolves the backend (``_ensure_backend()``, which reads
-``w13_weight.device``), transforms them into ``_transformed_l1_weights`` /
+``finalize_weights()`` checks the runtime (``_check_runtime_supported()``; in 0.32 it resolves
+the backend through ``_ensure_backend()``, which reads ``w13_weight.device``), transforms them into ``_transformed_l1_weights`` /
 ``_transformed_l2_weights``, drops the four parameters, then fuses the shared expert.
 ``forward`` and EPLB's ``get_expert_weights()`` read the ``_transformed_*`` tuples.
 
@@ -16,6 +16,8 @@ then skips the routed transform and still fuses the shared expert.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
 import torch
 from torch import nn
 
@@ -26,8 +28,22 @@ from . import InstallError
 from .vllm_common import EP_ATTRIBUTES, expect_tensor, require
 
 LOADER_PARAMETERS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
-MARKERS = (*EP_ATTRIBUTES, "finalize_weights", "_ensure_backend", "_backend", "_transformed_l1_weights",
+MARKERS = (*EP_ATTRIBUTES, "finalize_weights", "_check_runtime_supported", "_transformed_l1_weights",
            "_transformed_l2_weights", *LOADER_PARAMETERS)
+#: 0.30-0.31's FlashInfer subclass (``DeepseekV4MegaMoEExpertsFI``) finalizes into its own
+#: FlashInfer layout: DeepGEMM's layout is not what it runs.
+FLASHINFER_MARKER = "_mega_layer"
+
+
+def pads_intermediate_to_512() -> bool:
+    """vLLM 0.30's ``finalize_weights`` pads the intermediate size up to a multiple of 512 (and
+    changes ``intermediate_size``) before transforming; later releases do not. Released
+    DeepSeek-V4 models (I = 2048, 3072) are multiples of 512 already."""
+    try:
+        major, minor = (int(x) for x in version("vllm").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) < (0, 31)
 
 
 def _as_int32_storage(param: torch.Tensor, mn: int) -> torch.Tensor:
@@ -41,7 +57,10 @@ class FinalizeContract:
     name = "vLLM 0.30-0.32 DeepseekV4MegaMoEExperts (finalize_weights transforms)"
 
     def missing(self, module: nn.Module) -> list[str]:
-        return require(module, MARKERS)
+        gone = require(module, MARKERS)
+        if hasattr(module, FLASHINFER_MARKER):
+            gone.append(f"no {FLASHINFER_MARKER} (a FlashInfer MegaMoE module runs its own layout)")
+        return gone
 
     def detect(self, module: nn.Module) -> bool:
         return not self.missing(module)
@@ -52,11 +71,15 @@ class FinalizeContract:
                                f"{converted.path} holds {converted.weight_format}")
         if module._transformed_l1_weights is not None:
             raise InstallError(f"{module.prefix}: finalize_weights() already ran; install before loading weights")
-        try:  # vLLM's own capability check; it caches the backend and must run while w13_weight exists
-            module._ensure_backend()
+        try:  # vLLM's own capability check (0.32: resolves and caches the backend, which must
+            # happen while w13_weight exists: _ensure_backend reads its device)
+            module._check_runtime_supported()
         except (NotImplementedError, ValueError, RuntimeError, AssertionError) as e:
             raise InstallError(f"{module.prefix}: vLLM's MegaMoE backend refuses this module: {e}") from None
         e, h, i = module.num_local_experts, module.hidden_size, module.intermediate_size
+        if i % 512 and pads_intermediate_to_512():
+            raise InstallError(f"{module.prefix}: this vLLM pads intermediate_size {i} to a multiple of 512 in "
+                               "finalize_weights, a layout the conversion does not hold; serve it with vLLM >= 0.31")
         for name, shape in (("w13_weight", (e, 2 * i, h // 2)), ("w13_weight_scale", (e, 2 * i, h // 32)),
                             ("w2_weight", (e, h, i // 2)), ("w2_weight_scale", (e, h, i // 32))):
             expect_tensor(module, name, torch.uint8, shape)

@@ -1,12 +1,18 @@
-"""Tests that run a real engine's code (fixtures: ``tests/conftest.py``). They run only inside that engine's environment
+"""Tests that run a real engine's code. They run only inside that engine's environment
 (``tests/test_engines_real.py`` builds it and runs this folder there); there a missing or
 wrong engine is a failure, never a skip."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+from megamoe_convert.synth import load_preset, synthesize
 
 EXPECTED = os.environ.get("MEGAMOE_ENGINE")  # e.g. "vllm==0.33.0"
 
@@ -34,3 +40,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 
+
+
+def convert(src: Path, out: Path, *args: object) -> Path:
+    subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", src, out, *map(str, args)],
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with I = 512: a multiple of 512, as every released DeepSeek-V4 is (vLLM
+    0.30 pads other sizes in finalize)."""
+    root = tmp_path_factory.mktemp("engine-ckpt")
+    (root / "preset.json").write_text(json.dumps({**load_preset("tiny"), "moe_intermediate_size": 512}))
+    synthesize(root / "ckpt", str(root / "preset.json"), seed=5)
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="session")
+def engine_converted(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EP 4 with 4 redundant experts: 3 slots per rank, ranks 1-3 hold replicas."""
+    return convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "ep4", "--ep-size", 4,
+                   "--num-redundant-experts", 4)
+
+
+@pytest.fixture(scope="session")
+def engine_experts_only(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "experts-only", "--ep-size", 4,
+                   "--num-redundant-experts", 4, "--experts-only")

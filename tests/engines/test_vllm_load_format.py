@@ -52,16 +52,16 @@ def recording(model):
 
 
 @pytest.mark.parametrize("rank", [0, 3])
-def test_load_format_installs_every_layer_and_feeds_vllm_the_rest(tiny_ckpt, tiny_converted, rank):
-    config = h.hf_config(tiny_ckpt)
+def test_load_format_installs_every_layer_and_feeds_vllm_the_rest(engine_ckpt, engine_converted, rank):
+    config = h.hf_config(engine_ckpt)
     loader = megamoe_loader()
     assert type(loader).__name__ == "MegaMoEModelLoader" and loader.load_config.load_format == "safetensors"
     with h.patched(rank, 4):
         reference = h.build_main_model(config, rank, 4, 4)
-        h.vllm_load(reference, h.build_mtp_model(config, rank, 4, 4), tiny_ckpt)
+        h.vllm_load(reference, h.build_mtp_model(config, rank, 4, 4), engine_ckpt)
         model = h.build_main_model(config, rank, 4, 4)
         seen = recording(model)
-        load(loader, model, tiny_converted)
+        load(loader, model, engine_converted)
         for prefix, module in h.experts_of(model).items():
             want = h.experts_of(reference)[prefix]
             h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want), prefix)
@@ -70,20 +70,20 @@ def test_load_format_installs_every_layer_and_feeds_vllm_the_rest(tiny_ckpt, tin
     assert len(seen) == len(set(seen))
 
 
-def test_load_format_refuses_a_model_of_another_ep_size(tiny_ckpt, tiny_converted):
-    config = h.hf_config(tiny_ckpt)
+def test_load_format_refuses_a_model_of_another_ep_size(engine_ckpt, engine_converted):
+    config = h.hf_config(engine_ckpt)
     loader = megamoe_loader()
     with h.patched(0, 2):
         model = h.build_main_model(config, 0, 2, 0)
         seen = recording(model)
         with pytest.raises(InstallError, match="num_local_experts is 4 in the model but 3"):
-            load(loader, model, tiny_converted)
+            load(loader, model, engine_converted)
         assert not seen and all(torch.count_nonzero(p) == 0 for p in model.parameters())
 
 
-def test_load_format_refuses_an_experts_only_conversion(tiny_ckpt, tiny_experts_only):
-    out = tiny_experts_only
+def test_load_format_refuses_an_experts_only_conversion(engine_ckpt, engine_experts_only):
+    out = engine_experts_only
     with h.patched(0, 4):
-        model = h.build_main_model(h.hf_config(tiny_ckpt), 0, 4, 4)
+        model = h.build_main_model(h.hf_config(engine_ckpt), 0, 4, 4)
         with pytest.raises(InstallError, match="converted with --experts-only"):
             load(megamoe_loader(), model, out)

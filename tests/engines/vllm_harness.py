@@ -38,7 +38,9 @@ KERNEL_LAYOUT = VERSION >= (0, 33)
 
 model_py = importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
 mtp_py = importlib.import_module("vllm.models.deepseek_v4.nvidia.mtp")
-mega_py = importlib.import_module("vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe")
+#: 0.32: the backend factory; >= 0.33: the experts class and its formats; absent in 0.30-0.31.
+mega_py = (importlib.import_module("vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe")
+           if importlib.util.find_spec("vllm.model_executor.layers.fused_moe.deep_gemm_mega_moe") else None)
 
 
 # --------------------------------------------------------------------------------------
@@ -88,8 +90,11 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
         if KERNEL_LAYOUT:
             enter(mock.patch.object(mega_py, "check_deep_gemm_mega_moe_supported", lambda *a, **k: None))
         else:
-            backend = mega_py.DeepGemmSm100MegaMoEBackend
-            enter(mock.patch.object(model_py, "get_deep_gemm_mega_moe_backend", lambda *a, **k: backend()))
+            if mega_py is not None:  # 0.32: a backend factory
+                backend = mega_py.DeepGemmSm100MegaMoEBackend
+                enter(mock.patch.object(model_py, "get_deep_gemm_mega_moe_backend", lambda *a, **k: backend()))
+            else:  # 0.30-0.31: the module asks CUDA for the device's capability itself
+                enter(mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (10, 0)))
             enter(mock.patch.dict(sys.modules, {"deep_gemm": _bundled_deep_gemm()}))
         yield
 
@@ -134,7 +139,8 @@ def make_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int
 
 
 def _moe(experts: nn.Module) -> nn.Module:
-    return _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, experts=experts, shared_experts=None,
+    return _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, use_mega_moe=True,  # 0.32+ / 0.30-0.31
+                 experts=experts, shared_experts=None,
                  prefix=experts.prefix.removesuffix(".experts"))
 
 
