@@ -1,11 +1,11 @@
 """Environments that hold a real engine release beside the project's own venv.
 
 An engine's wheel (hundreds of MB, with CUDA libraries) is installed ``--no-deps`` into a
-folder of its own, ``.cache/engines/<name>``, together with the pure-Python packages its
-import chain needs; the project's torch is reused, so nothing multi-GB is pulled. Each
-folder is built once (stamped with its package list, so a changed list rebuilds it) and put
-in place by a rename, so a half-built one is never used. Tests run the engine's own code in a
-subprocess with ``PYTHONPATH=<folder>``.
+folder of its own under ``.cache/engines/``, and the packages its import chain needs into
+another, shared by every release that needs the same ones; the project's torch is reused, so
+nothing multi-GB is pulled. Each folder is named by a hash of its package list (a changed list
+builds a new one), built once and put in place by a rename, so a half-built one is never used.
+Tests run the engine's own code in a subprocess with ``PYTHONPATH=<folders>``.
 """
 
 from __future__ import annotations
@@ -38,30 +38,33 @@ VLLM_IMPORT_CHAIN = [
 #: transformers < 5.18 (what vLLM 0.30-0.31 pin) wants huggingface_hub 1.x, which speaks httpx.
 HUB_1X = ["huggingface-hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9"]
 
-ENGINES: dict[str, list[str]] = {
-    "vllm==0.30.0": ["vllm==0.30.0", "transformers==5.17.0", *HUB_1X, *VLLM_IMPORT_CHAIN],
-    "vllm==0.31.0": ["vllm==0.31.0", "transformers==5.17.0", *HUB_1X, *VLLM_IMPORT_CHAIN],
-    "vllm==0.32.0": ["vllm==0.32.0", "transformers==5.19.0", *VLLM_IMPORT_CHAIN],
-    "vllm==0.33.0": ["vllm==0.33.0", "transformers==5.20.0", *VLLM_IMPORT_CHAIN],
+#: A folder of packages: (name, pins).
+Layer = tuple[str, list[str]]
+
+VLLM_CHAIN_LAYER: Layer = ("vllm-import-chain", VLLM_IMPORT_CHAIN)
+
+#: Each engine: its package layers, first on the path first.
+ENGINES: dict[str, list[Layer]] = {
+    "vllm==0.30.0": [("vllm-0.30.0", ["vllm==0.30.0", "transformers==5.17.0", *HUB_1X]), VLLM_CHAIN_LAYER],
+    "vllm==0.31.0": [("vllm-0.31.0", ["vllm==0.31.0", "transformers==5.17.0", *HUB_1X]), VLLM_CHAIN_LAYER],
+    "vllm==0.32.0": [("vllm-0.32.0", ["vllm==0.32.0", "transformers==5.19.0"]), VLLM_CHAIN_LAYER],
+    "vllm==0.33.0": [("vllm-0.33.0", ["vllm==0.33.0", "transformers==5.20.0"]), VLLM_CHAIN_LAYER],
 }
 
 
-def env_dir(engine: str) -> Path:
-    return CACHE / engine.replace("==", "-")
+def layer_dir(layer: Layer) -> Path:
+    """``.cache/engines/<name>-<hash of the pins>``."""
+    name, packages = layer
+    return CACHE / f"{name}-{hashlib.sha256(chr(10).join(packages).encode()).hexdigest()[:12]}"
 
 
-def _stamp(packages: list[str]) -> str:
-    return hashlib.sha256("\n".join(packages).encode()).hexdigest()
-
-
-def ensure(engine: str) -> Path:
-    """The environment folder for ``engine`` (e.g. ``vllm==0.33.0``), built if missing or stale."""
-    packages = ENGINES[engine]
-    target = env_dir(engine)
+def ensure_layer(layer: Layer) -> Path:
+    """One folder of the layer's packages, installed ``--no-deps``, built if missing."""
+    packages = layer[1]
+    target = layer_dir(layer)
     CACHE.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        stamp = target / ".megamoe-engine-stamp"
-        if stamp.is_file() and stamp.read_text() == _stamp(packages):
+        if target.is_dir():
             return target
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -69,16 +72,19 @@ def ensure(engine: str) -> Path:
                "--target", str(partial), *packages]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"building the {engine} environment failed:\n{proc.stdout}\n{proc.stderr}")
-        (partial / ".megamoe-engine-stamp").write_text(_stamp(packages))
-        shutil.rmtree(target, ignore_errors=True)
+            raise RuntimeError(f"installing {' '.join(packages)} failed:\n{proc.stdout}\n{proc.stderr}")
         partial.rename(target)
         return target
 
 
+def ensure(engine: str) -> list[Path]:
+    """The folders that make ``engine``'s environment (e.g. ``vllm==0.33.0``), built if missing."""
+    return [ensure_layer(layer) for layer in ENGINES[engine]]
+
+
 def run_engine_tests(engine: str, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
     """``pytest tests/engines`` inside ``engine``'s environment, on the CPU."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ensure(engine)), str(REPO)]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, ensure(engine)), str(REPO)]),
            "MEGAMOE_ENGINE": engine, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "engines"), *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
@@ -86,4 +92,4 @@ def run_engine_tests(engine: str, *args: str, timeout: float = 1800) -> subproce
 
 if __name__ == "__main__":  # python tests/engine_envs.py [ENGINE...]: build (or find) the environments
     for name in sys.argv[1:] or list(ENGINES):
-        print(ensure(name))
+        print(os.pathsep.join(map(str, ensure(name))))
