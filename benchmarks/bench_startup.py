@@ -134,15 +134,6 @@ def expert_weights(src: Path, local_expert_ids: set[int] | None):
 # Parent: set-up, limits, scenarios
 # --------------------------------------------------------------------------------------
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def warm(paths: list[Path]) -> None:
     from bench_load import HostRead
 
@@ -175,8 +166,10 @@ def collect(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
 
 def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """One method, warm or cold, on ``ranks`` (one GPU each) started at the same moment."""
+    from bench_convert import drop_page_cache  # parent only: children time their own imports
+
     everything = sorted(args.src.glob("*.safetensors")) + [f for r in ranks for f in rank_files(args.out, r)]
-    dropped = drop_caches() if cache == "cold" else warm(everything)
+    dropped = drop_page_cache() if cache == "cold" else warm(everything)
     runs = collect([spawn(method, args, rank, gpu) for gpu, rank in enumerate(ranks)])
     wall = max(r["end_unix"] for r in runs) - min(r["start_unix"] for r in runs)
     return {"method": method, "cache": cache, "ranks": ranks, "dropped": dropped, "node_wall_s": wall,
@@ -186,12 +179,13 @@ def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace
 def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
     import torch
 
+    from bench_convert import drop_page_cache
     from bench_load import H2D, HostRead
 
     files = [f for r in ranks for f in rank_files(args.out, r)]
     nbytes = sum(f.stat().st_size for f in files)
     result: dict[str, Any] = {"rank_bytes": nbytes}
-    drop_caches()
+    drop_page_cache()
     reader = HostRead(files, 16, 16 << 20)
     start = time.perf_counter()
     reader.run()
