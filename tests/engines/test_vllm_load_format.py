@@ -43,8 +43,9 @@ def recording(model):
 
     def load_weights(weights):
         seen.extend(name for name, _ in weights)
-        if not h.KERNEL_LAYOUT:
-            model.model.finalize_mega_moe_weights()  # what 0.30-0.32's load_weights ends with
+        if not h.KERNEL_LAYOUT:  # what 0.30-0.32's load_weights / process_weights_after_loading end with
+            for moe in (m for m in model.modules() if isinstance(m, h.model_py.DeepseekV4MoE)):
+                moe.finalize_mega_moe_weights()
         return set()
 
     model.load_weights = load_weights
@@ -68,6 +69,21 @@ def test_load_format_installs_every_layer_and_feeds_vllm_the_rest(engine_ckpt, e
     assert seen and not any(".experts." in name and ".shared_experts." not in name for name in seen)
     assert any(name.startswith("layers.0.attn.") for name in seen)
     assert len(seen) == len(set(seen))
+
+
+def test_load_format_installs_the_mtp_draft_models_experts(engine_ckpt, engine_converted):
+    """vLLM loads the MTP draft model with the same loader: its layers are numbered after the
+    decoder layers (``model.layers.{N+i}.mtp_block``) and map to the checkpoint's ``mtp.{i}``."""
+    config = h.hf_config(engine_ckpt)
+    with h.patched(2, 4):
+        reference = h.build_mtp_model(config, 2, 4, 4)
+        h.vllm_load(h.build_main_model(config, 2, 4, 4), reference, engine_ckpt)
+        mtp = h.build_mtp_model(config, 2, 4, 4)
+        recording(mtp)
+        load(megamoe_loader(), mtp, engine_converted)
+        (prefix, module), = h.experts_of(mtp).items()
+        assert prefix == f"model.layers.{config.num_hidden_layers}.mtp_block.ffn.experts"
+        h.assert_same_tensors(h.kernel_view(module), h.kernel_view(h.experts_of(reference)[prefix]), prefix)
 
 
 def test_load_format_refuses_a_model_of_another_ep_size(engine_ckpt, engine_converted):
