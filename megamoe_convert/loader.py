@@ -10,6 +10,7 @@ would have produced.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,8 @@ from . import layout
 from .devices import DeviceError, usable_device
 from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
 from .layout import KernelWeights
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
+from .manifest import (MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, rank_shard_specs,
+                       read_manifest)
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problems
 
@@ -68,12 +70,19 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
             return parse_layer_spec(manifest.layers, layers, "this conversion")
         except CheckpointError as e:
             raise LoadError(str(e)) from None
+    try:  # any iterable, read once and only as far as a valid selection can reach
+        names = list(itertools.islice(layers, 2 * len(manifest.layers) + 1))
+    except TypeError:
+        raise LoadError(f"layers must be a string or an iterable of layer names, got {type(layers).__name__}") from None
     by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
-    missing = [name for name in layers if name not in by_name]
+    missing = [name for name in names if not isinstance(name, str) or name not in by_name]
     if missing:
         raise LoadError(f"layer {missing[0]!r} is not in this conversion "
                         f"(layers: {', '.join(l.key for l in manifest.layers)})")
-    return sorted({by_name[name] for name in layers})
+    if not names or len(names) > 2 * len(manifest.layers):
+        raise LoadError(f"layers={'[]' if not names else 'more names than the conversion has'}: select at least one "
+                        f"of {', '.join(l.key for l in manifest.layers)} (or layers=None for all)")
+    return sorted({by_name[name] for name in names})
 
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
@@ -101,8 +110,6 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
 
 def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
     """The shard must hold exactly the tensors the manifest's dims and placement imply."""
-    from .convert import rank_shard_specs  # the writer's own spec is the contract
-
     dims = manifest.dims
     experts = manifest.placement.experts_per_rank
     expected = rank_shard_specs(layer, experts, dims.hidden_size, dims.moe_intermediate_size)
@@ -264,8 +271,9 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
     """
     from .hub import resolve_converted
 
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise LoadError(f"rank must be an int, got {rank!r}")
+    for name, value in (("rank", rank), ("ep_size", 0 if ep_size is None else ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LoadError(f"{name} must be an int, got {value!r}")
     try:
         device = usable_device(device)
     except DeviceError as e:
