@@ -93,7 +93,7 @@ def _describe(repo_id: str, revision: str | None, e: BaseException) -> str:
 def _network_errors() -> tuple[type[BaseException], ...]:
     """The HTTP clients' own errors (no network, DNS, TLS, timeouts), for whichever is installed."""
     found = []
-    for module, name in (("httpx", "HTTPError"), ("requests", "RequestException")):
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
         try:
             found.append(getattr(__import__(module), name))
         except (ImportError, AttributeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -103,6 +104,11 @@ def read(path: Path, error: type[E], what: str = "JSON file", max_bytes: int = M
 _MISSING = object()
 
 
+def one_line(text: str) -> str:
+    """``text`` with control characters escaped: names read from a file cannot break an error line."""
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], text)
+
+
 def short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -127,7 +133,7 @@ class Fields:
         self.where, self.error = where, error
 
     def fail(self, what: str) -> Exception:
-        return self.error(f"{self.where}: {what}")
+        return self.error(one_line(f"{self.where}: {what}"))
 
     def _get(self, data: Any, key: str | int, name: str | None) -> tuple[Any, str]:
         label = name or (key if isinstance(key, str) else "value")

@@ -23,6 +23,7 @@ import torch
 from . import layout
 from .devices import DeviceError, usable_device
 from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
+from .jsonio import one_line
 from .layout import KernelWeights
 from .manifest import (MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, rank_shard_specs,
                        read_manifest)
@@ -293,7 +294,7 @@ def load_rank(out: Path | str, rank: int, device: str | torch.device = "cpu", *,
         try:
             header = read_header(out / record.path)
         except SafetensorsError as e:
-            raise LoadError(str(e)) from None
+            raise LoadError(one_line(str(e))) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
         check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
                           manifest.placement.rank_logical_ids(rank))

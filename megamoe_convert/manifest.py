@@ -47,7 +47,7 @@ def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
 
 #: The only paths this tool writes below OUT: a rank shard, or a plain top-level name.
 _RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}/(?:layers|mtp)\.(?:0|[1-9]\d*)\.safetensors")
-_TOP_LEVEL = re.compile(r"[^/\\\x00]+")
+_TOP_LEVEL = re.compile(r"[^/\\\x00-\x1f\x7f]+")
 RANK_DIR = re.compile(r"rank-\d{5,}-of-\d{5,}")
 
 
