@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert.cli import run_command
-from megamoe_convert.convert import OutputBusy, part_name
+from megamoe_convert.output_state import OutputBusy, part_name
 from megamoe_convert.fleet import auto_merge, merge
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.manifest import Manifest, ManifestError, read_manifest, seal
@@ -148,7 +148,7 @@ def test_commit_errors_name_the_file_and_leave_no_temporary_file(tmp_path, monke
 
 
 def test_journal_write_errors_name_the_journal(tmp_path, monkeypatch):
-    from megamoe_convert.convert import OutputState
+    from megamoe_convert.output_state import OutputState
     from megamoe_convert.writer import FileRecord
 
     state = OutputState(tmp_path)
