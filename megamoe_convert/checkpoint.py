@@ -11,23 +11,32 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import jsonio
 from .layout import SCALE_BLOCK_K, LayoutError, check_dims
-from .placement import PlacementError, parse_range
+from .placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+#: Names a converted directory reserves: never copied from a source (``manifest.json`` written last).
+RESERVED_NAMES = re.compile(r"manifest(?:\.part-\d+-of-\d+)?\.json")
+#: Bounds on config.json's sizes and counts, checked before anything is built from them.
+MAX_DIM = 1 << 20
+MAX_LAYERS = 1 << 16
 
 #: ``layers.{L}.ffn.experts.{e}.w{1,2,3}.{weight,scale}`` and the same under ``mtp.{k}.``.
-EXPERT_TENSOR = re.compile(
-    r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+#: Numbers are canonical (``3``, never ``03``): one tensor, one name.
+_NUMBER = r"(?:0|[1-9]\d{0,8})"
+EXPERT_TENSOR = re.compile(rf"^(?P<layer>(?:layers|mtp)\.{_NUMBER})\.ffn\.experts\.(?P<expert>{_NUMBER})"
+                           r"\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 #: Anything under ``.ffn.experts.`` is an expert tensor, recognised or not.
 UNDER_EXPERTS = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.")
 
@@ -72,7 +81,7 @@ class MoELayer:
     @classmethod
     def parse(cls, key: str) -> "MoELayer":
         kind, _, number = key.partition(".")
-        if kind not in ("layers", "mtp") or not number.isdigit():
+        if kind not in ("layers", "mtp") or not re.fullmatch(_NUMBER, number):
             raise ValueError(f"not a layer key: {key!r} (expected 'layers.N' or 'mtp.N')")
         return cls(kind == "mtp", int(number))
 
@@ -94,20 +103,20 @@ class MoELayer:
         return f"{self.prefix}.{expert}.{proj}.{kind}"
 
 
-def _load_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing {what}") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable {what} ({e})") from None
+def _config_int(config: dict[str, Any], key: str, path: Path, default: int | None = None,
+                hi: int = MAX_DIM) -> int:
+    f = jsonio.Fields(path, CheckpointError)
+    return f.int({key: config.get(key, default)}, key, lo=0, hi=hi, name=f"config field {key!r}")
 
 
-def _config_int(config: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise CheckpointError(f"{path}: config field {key!r} must be an integer, got {value!r}")
-    return value
+def _index_file(name: Any, index_path: Path) -> str:
+    """An index entry's file, as a plain path inside the checkpoint (``./x`` is ``x``)."""
+    f = jsonio.Fields(index_path, CheckpointError)
+    text = f.str(name, name="a weight_map entry")
+    clean = posixpath.normpath(text) if text else ""
+    if not clean or clean.startswith(("/", "../")) or clean in (".", "..") or "\\" in clean or "\x00" in clean:
+        raise f.fail(f"weight_map entry {text!r} is not a file inside the checkpoint")
+    return clean
 
 
 @dataclass
@@ -129,9 +138,8 @@ class Checkpoint:
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a checkpoint directory")
         config_path = root / CONFIG_NAME
-        config = _load_json(config_path, "config.json")
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{config_path}: config.json must be a JSON object")
+        config = jsonio.Fields(config_path, CheckpointError).obj(
+            jsonio.read(config_path, CheckpointError, "config.json"), name="config.json")
         dims = cls._dims_from_config(config, config_path)
         weight_map, index_bytes = cls._read_index(root)
         headers = cls._read_headers(root, weight_map)
@@ -153,9 +161,10 @@ class Checkpoint:
     def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
         expert_dtype = config.get("expert_dtype", "fp4")
         if expert_dtype != "fp4":
-            raise CheckpointError(f"{path}: expert_dtype is {expert_dtype!r}; MegaMoE needs FP4 experts ('fp4')")
+            raise CheckpointError(f"{path}: expert_dtype is {jsonio.short(expert_dtype)}; MegaMoE needs FP4 experts "
+                                  "('fp4')")
         dims = ModelDims(_config_int(config, "hidden_size", path), _config_int(config, "moe_intermediate_size", path),
-                         _config_int(config, "n_routed_experts", path))
+                         _config_int(config, "n_routed_experts", path, hi=MAX_PHYSICAL_EXPERTS))
         try:
             check_dims(dims.hidden_size, dims.moe_intermediate_size)
         except LayoutError as e:
@@ -168,11 +177,12 @@ class Checkpoint:
     def _read_index(root: Path) -> tuple[dict[str, str], bytes]:
         index_path = root / INDEX_NAME
         if index_path.exists():
-            index = _load_json(index_path, "safetensors index")
-            weight_map = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path}: no 'weight_map' in the index")
-            return {str(k): str(v) for k, v in weight_map.items()}, index_path.read_bytes()
+            index_bytes = index_path.read_bytes()
+            weight_map = jsonio.Fields(index_path, CheckpointError).obj(
+                jsonio.parse(index_bytes, index_path, CheckpointError), "weight_map")
+            if not weight_map:
+                raise CheckpointError(f"{index_path}: empty 'weight_map' in the index")
+            return {k: _index_file(v, index_path) for k, v in weight_map.items()}, index_bytes
         single = root / SINGLE_FILE_NAME
         if single.exists():
             names = read_header(single).tensors
@@ -244,8 +254,10 @@ class Checkpoint:
         config_path = self.root / CONFIG_NAME
         found_decoder = sorted(l.index for l in self.layers if not l.is_mtp)
         found_mtp = sorted(l.index for l in self.layers if l.is_mtp)
-        want_decoder = list(range(_config_int(self.config, "num_hidden_layers", config_path, len(found_decoder))))
-        want_mtp = list(range(_config_int(self.config, "num_nextn_predict_layers", config_path, len(found_mtp))))
+        want_decoder = list(range(_config_int(self.config, "num_hidden_layers", config_path, len(found_decoder),
+                                              hi=MAX_LAYERS)))
+        want_mtp = list(range(_config_int(self.config, "num_nextn_predict_layers", config_path, len(found_mtp),
+                                          hi=MAX_LAYERS)))
         if not self.layers:
             raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
         if found_decoder != want_decoder:
@@ -284,7 +296,7 @@ class Checkpoint:
         """Files copied verbatim: config, tokenizer, generation config, licence... (not shards)."""
         return sorted(p for p in self.root.iterdir()
                       if p.is_file() and not p.name.startswith(".") and p.suffix != ".safetensors"
-                      and p.name != INDEX_NAME)
+                      and p.name != INDEX_NAME and not RESERVED_NAMES.fullmatch(p.name))
 
     def expert_bytes(self) -> int:
         return self.dims.bytes_per_expert() * self.dims.n_routed_experts * len(self.layers)
@@ -317,6 +329,8 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
     ``available`` (of ``where``), and the selection must not be empty."""
     if spec is None or spec.strip() in ("", "all"):
         return list(available)
+    # Ranges are bounded by the last decoder layer before they are expanded.
+    last_decoder = max((l.index for l in available if not l.is_mtp), default=0)
     chosen: set[MoELayer] = set()
     for part in (p.strip() for p in spec.split(",")):
         if part == "mtp":
@@ -326,10 +340,10 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
             if part.startswith(("mtp.", "layers.")):
                 picked = {MoELayer.parse(part.removesuffix(".ffn.experts"))}
             else:
-                first, last = parse_range(part, "--layers", "0-3,7,mtp.0")
+                first, last = parse_range(part, "--layers", "0-3,7,mtp.0", last_decoder)
                 picked = {MoELayer(False, i) for i in range(first, last + 1)}
         except PlacementError as e:
-            raise CheckpointError(str(e)) from None
+            raise CheckpointError(f"{e} (MoE layers of {where}: {_ranges([l.index for l in available if not l.is_mtp])})") from None
         except ValueError:
             raise CheckpointError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
         missing = sorted(picked - set(available))

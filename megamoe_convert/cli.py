@@ -14,6 +14,7 @@ from rich.table import Table
 
 from . import __version__
 from .devices import Device
+from .jsonio import one_line
 from .ui import ByteProgress, err_console, human_bytes, out_console
 
 app = typer.Typer(
@@ -60,7 +61,7 @@ def run_command(body: Callable[[], Any]) -> Any:
         disk_full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
         if disk_full and _state["command"] in RESUMABLE_COMMANDS:
             message += " (nothing partial was kept: free space and rerun the same command to resume)"
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {one_line(message)}", file=sys.stderr)
         raise typer.Exit(2) from None
 
 

@@ -14,44 +14,36 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
-from filelock import FileLock, Timeout
 
 from . import faults, layout
 from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
-from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, STATE_DIR, Manifest, expert_tensor_names,
-                       rank_file)
+from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, rank_file, rank_shard_metadata,
+                       rank_shard_specs)
+from .output_state import (MERGED_PARTS_DIR, ConvertError, OutputBusy, OutputState, PartState, SourceWatch,
+                           check_output_dir, is_done, part_manifest_name, remove_named, stamp_files)
 from .placement import Placement, PlacementError, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
-from .writer import (PARTIAL_SUFFIX, AtomicWriter, FileRecord, file_checksum, partial_path, write_json_atomic,
-                     write_safetensors)
+from .writer import AtomicWriter, FileRecord, write_json_atomic, write_safetensors
+
+__all__ = ["ConvertError", "OutputBusy", "MERGED_PARTS_DIR", "part_manifest_name", "rank_shard_specs"]  # re-exported
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
 NON_EXPERT_SHARD_BYTES = 4 << 30
 COPY_CHUNK_BYTES = 64 << 20
 
 
-class ConvertError(RuntimeError):
-    """A conversion that cannot start or continue (bad options, busy or foreign OUT)."""
-
-
 class Cancelled(ConvertError):
     pass
-
-
-class OutputBusy(ConvertError):
-    """Another run is writing OUT in a way this one cannot run beside."""
 
 
 # --------------------------------------------------------------------------------------
@@ -131,15 +123,16 @@ class Plan:
                 "ranks": self.ranks, "layers": [l.key for l in self.layers],
                 "experts_only": self.options.experts_only}
 
-    def source_stamp(self) -> dict[str, list[int]]:
-        """``{file: [st_mtime_ns, st_ino]}`` of every source file read (shards, copied small files).
-
-        It changes when a file is rewritten, even in place with the same size. It is kept out of
-        :meth:`fingerprint`, which machines with their own copies of the source share (``--shard``).
-        """
+    def source_paths(self) -> dict[str, Path]:
+        """Every source file read: shards and copied small files."""
         paths = {name: self.ckpt.root / name for name in self.ckpt.headers}
         paths.update((p.name, p) for p in self.ckpt.small_files())
-        return {name: [(st := path.stat()).st_mtime_ns, st.st_ino] for name, path in sorted(paths.items())}
+        return paths
+
+    def source_stamp(self) -> dict[str, list[int]]:
+        """:func:`output_state.stamp_files` of the source. It is kept out of :meth:`fingerprint`,
+        which machines with their own copies of the source share (``--shard``)."""
+        return stamp_files(self.source_paths())
 
     def manifest(self, records: dict[str, FileRecord], extra: Sequence[FileRecord] = ()) -> Manifest:
         """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
@@ -297,19 +290,6 @@ def direct_rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids:
                 yield produce(reader, layer, experts, projs, gate_up, buf)
 
 
-def rank_shard_specs(layer: MoELayer, experts: int, hidden: int, inter: int) -> list[TensorSpec]:
-    """The tensors of one rank shard, in file order."""
-    names = expert_tensor_names(layer)
-    pk_h, pk_i = layout.packed_k(hidden), layout.packed_k(inter)
-    return [
-        TensorSpec(names["l1_weight"], "I8", (experts, 2 * inter, hidden // 2), experts * inter * hidden),
-        TensorSpec(names["l1_sf"], "I32", (experts, pk_h, 2 * inter), experts * pk_h * 2 * inter * 4),
-        TensorSpec(names["l2_weight"], "I8", (experts, hidden, inter // 2), experts * hidden * inter // 2),
-        TensorSpec(names["l2_sf"], "I32", (experts, pk_i, hidden), experts * pk_i * hidden * 4),
-        TensorSpec(names["logical_ids"], "I32", (experts,), experts * 4),
-    ]
-
-
 def _groups(items: Sequence[int], size: int) -> Iterator[Sequence[int]]:
     for start in range(0, len(items), size):
         yield items[start:start + size]
@@ -348,9 +328,7 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
     ids = plan.placement.rank_logical_ids(rank)
     specs = rank_shard_specs(layer, len(ids), dims.hidden_size, dims.moe_intermediate_size)
     rel = rank_file(rank, plan.placement.ep_size, layer)
-    metadata = {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
-                "rank": str(rank), "ep_size": str(plan.placement.ep_size),
-                "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+    metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size)
 
     def run() -> FileRecord:
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)
@@ -421,208 +399,6 @@ def small_file_units(plan: Plan) -> list[Unit]:
 
 
 # --------------------------------------------------------------------------------------
-# State: lock, plan fingerprint, journal
-# --------------------------------------------------------------------------------------
-
-#: The journal of a whole conversion that ``--shard --overwrite`` parts are replacing (``OUT/.megamoe/``).
-REPLACED_JOURNAL = "replaced-journal.jsonl"
-
-
-class OutputState:
-    """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the source stamp, the journal."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.dir = out / STATE_DIR
-        self.plan_path = self.dir / "plan.json"
-        self.source_path = self.dir / "source.json"
-        self.journal_path = self.dir / "journal.jsonl"
-        self._journal_lock = threading.Lock()
-        self.fsync = True  # --no-fsync: files are not durable, so neither need their journal lines be
-
-    def locked(self) -> ContextManager[None]:
-        """Hold OUT for a whole-directory writer (a conversion, or a merge): no other one, and
-        no part of a split conversion, may write it meanwhile."""
-        return hold_whole_output(self.out, timeout=0, who="`megamoe convert`")
-
-    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
-        """Refuse foreign, differently-planned or stale output (source files changed since), or
-        state a crash or a person damaged; clear it when ``overwrite``. ``source`` is
-        :meth:`Plan.source_stamp`."""
-        if self.plan_path.exists():
-            problem = self._plan_problem(fingerprint) or self._source_problem(source)
-            if problem:
-                if not overwrite:
-                    raise ConvertError(f"{self.out} {problem}; pass --overwrite to convert again")
-                self.clear()
-        elif overwrite:
-            self.clear()
-        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True))
-        write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True))
-
-    def _plan_problem(self, fingerprint: dict[str, Any]) -> str | None:
-        previous = _read_state_json(self.plan_path)
-        if previous is None:
-            return f"has an unreadable {self.plan_path.relative_to(self.out)} (not a JSON object)"
-        changed = differing_keys(previous, fingerprint)
-        return f"holds a conversion made with different options ({', '.join(changed)} differ)" if changed else None
-
-    def _source_problem(self, source: dict[str, list[int]]) -> str | None:
-        changed_files = self.changed_sources(source)
-        if not changed_files:
-            return None
-        more = f" and {len(changed_files) - 3} more" if len(changed_files) > 3 else ""
-        return f"was converted before these source files changed: {', '.join(changed_files[:3])}{more}"
-
-    def changed_sources(self, source: dict[str, list[int]]) -> list[str]:
-        """Source files whose stamp differs from the previous run's (``[]`` where none was recorded:
-        an OUT written by an older version, or by ``merge``; all of them where the record is
-        unreadable, since nothing then says they are unchanged)."""
-        if not self.source_path.exists():
-            return []
-        previous = _read_state_json(self.source_path)
-        if previous is None:
-            return sorted(source)
-        return [name for name, stamp in source.items() if name in previous and previous[name] != stamp]
-
-    def clear(self) -> None:
-        """Remove what a previous conversion (or merge) wrote, and nothing else: manifest, index,
-        part manifests, journaled files, ``rank-*-of-*/``, merged parts and this state."""
-        from .fleet import PART_GLOB
-        for path in (self.out / MANIFEST_NAME, self.out / INDEX_NAME, *self.out.glob(PART_GLOB)):
-            path.unlink(missing_ok=True)
-        for record in self.journal().values():
-            (self.out / record.path).unlink(missing_ok=True)
-        for path in (*self.out.glob("rank-*-of-*"), self.out / MERGED_PARTS_DIR):
-            if path.is_dir():
-                shutil.rmtree(path)
-        self.journal_path.unlink(missing_ok=True)
-        self.source_path.unlink(missing_ok=True)
-
-    def journal(self, path: Path | None = None) -> dict[str, FileRecord]:
-        """The committed files of the journal at ``path`` (default: this run's)."""
-        path = path or self.journal_path
-        records: dict[str, FileRecord] = {}
-        if not path.exists():
-            return records
-        for line in path.read_text().splitlines():
-            try:
-                data = json.loads(line)
-                records[data["path"]] = FileRecord(data["path"], int(data["size"]), data["checksum"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a crash: that file is redone
-        return records
-
-    def record(self, rec: FileRecord) -> None:
-        try:
-            with self._journal_lock, open(self.journal_path, "a") as f:
-                f.write(json.dumps(rec.to_json()) + "\n")
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-        except OSError as e:  # name the journal in the one-line error (a full disk, say)
-            raise OSError(e.errno, e.strerror, str(self.journal_path)) from None
-
-    def remove_partials(self) -> None:
-        for path in self.out.rglob(f".*{PARTIAL_SUFFIX}"):
-            path.unlink(missing_ok=True)
-
-
-# Who may write OUT at once: whole-directory writers (``convert`` without ``--shard``, and
-# ``merge``) hold ``.megamoe/lock``; each part holds ``.megamoe/part-I-of-N/lock``. Parts run
-# side by side, but never beside a whole-directory writer. The two sides check each other in
-# opposite order (a writer takes its lock, then looks at the parts' locks; a part takes its own
-# lock, then looks at the writers' lock), so two that start at the same moment cannot both go on.
-WHOLE_LOCK = "lock"
-PART_LOCK_GLOB = "part-*-of-*/lock"
-#: How long a part waits on a whole-directory lock that may only be held for a glance by another part.
-GLANCE_TIMEOUT_S = 2.0
-
-
-@contextmanager
-def holding(path: Path, timeout: float, refusal: str) -> Iterator[None]:
-    """Hold the lock file ``path`` (``timeout``: 0 = fail at once, -1 = wait); raise
-    :class:`OutputBusy` with ``refusal`` when someone else holds it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=timeout)
-    except Timeout:
-        raise OutputBusy(refusal) from None
-    try:  # only the acquisition is translated: the body's own errors pass through
-        yield
-    finally:
-        lock.release()
-
-
-def held_elsewhere(path: Path, timeout: float = 0) -> bool:
-    """Whether someone holds the lock file ``path`` (a glance: taken and given back at once)."""
-    try:
-        with FileLock(path).acquire(timeout=timeout):
-            return False
-    except Timeout:
-        return True
-
-
-@contextmanager
-def hold_whole_output(out: Path, *, timeout: float, who: str) -> Iterator[None]:
-    """Hold ``OUT/.megamoe/lock``, then refuse if any part of a split conversion is being
-    written into OUT."""
-    lock = out / STATE_DIR / WHOLE_LOCK
-    with holding(lock, timeout, f"{out}: another `megamoe convert` or `megamoe merge` is writing this directory "
-                                f"(lock {lock} is held); {who} cannot run beside it"):
-        if busy := busy_parts(out):
-            raise OutputBusy(f"{out}: part {busy[0]} of a split conversion is being written into this directory "
-                             f"right now; {who} cannot run beside it")
-        yield
-
-
-def busy_parts(out: Path) -> list[str]:
-    """Names (``I/N``) of the parts whose lock someone holds right now."""
-    busy = []
-    for path in sorted((out / STATE_DIR).glob(PART_LOCK_GLOB)):
-        if held_elsewhere(path):
-            index, count = path.parent.name.removeprefix("part-").split("-of-")
-            busy.append(f"{int(index)}/{int(count)}")
-    return busy
-
-
-def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """The keys where two plan fingerprints disagree (for errors that say what differs)."""
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-
-
-def _read_state_json(path: Path) -> dict[str, Any] | None:
-    """A state file's JSON object, or ``None`` where it is not one (cut short, edited, binary)."""
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def check_output_dir(out: Path) -> None:
-    """OUT must be new, empty, or a previous megamoe output: never someone else's files."""
-    if out.exists() and not out.is_dir():
-        raise ConvertError(f"{out}: exists and is not a directory")
-    if out.is_dir() and not (out / STATE_DIR).is_dir() and any(out.iterdir()):
-        raise ConvertError(f"{out}: directory is not empty and is not a megamoe output; choose an empty directory")
-
-
-def is_done(out: Path, record: FileRecord | None) -> bool:
-    """A journaled file counts as done only if its size and checksum still match."""
-    if record is None:
-        return False
-    path = out / record.path
-    try:
-        if path.stat().st_size != record.size:
-            return False
-    except FileNotFoundError:
-        return False
-    return file_checksum(path) == record.checksum
-
-
-# --------------------------------------------------------------------------------------
 # Splitting one conversion over machines (--shard I/N)
 # --------------------------------------------------------------------------------------
 
@@ -639,19 +415,6 @@ def parse_shard(spec: str) -> tuple[int, int]:
     if not sep or n < 1 or not 0 <= i < n:
         raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
     return i, n
-
-
-def part_name(index: int, count: int) -> str:
-    return f"part-{index:05d}-of-{count:05d}"
-
-
-def part_manifest_name(index: int, count: int) -> str:
-    """What a part writes instead of ``manifest.json`` (which only ``merge`` writes)."""
-    return f"manifest.{part_name(index, count)}.json"
-
-
-#: Where ``merge`` keeps the part manifests it consumed (relative to OUT), so merging is repeatable.
-MERGED_PARTS_DIR = f"{STATE_DIR}/parts"
 
 
 def _block(items: Sequence[Any], index: int, count: int) -> Sequence[Any]:
@@ -681,65 +444,6 @@ def shard_units(plan: Plan, index: int, count: int, by: str = "layer") -> list[U
         if take:
             chosen.append(unit)
     return chosen
-
-
-class PartState(OutputState):
-    """State of one part of a split conversion, in ``OUT/.megamoe/part-I-of-N/``.
-
-    Parts may run at the same time into one shared OUT: each has its own lock, plan and
-    journal, and touches only its own files (no directory-wide cleanup).
-    """
-
-    def __init__(self, out: Path, plan: Plan) -> None:
-        super().__init__(out)
-        assert plan.options.shard is not None
-        index, count = plan.options.shard
-        self.root_plan_path, self.root_journal_path = self.plan_path, self.journal_path
-        self.root_source_path = self.source_path
-        self.shard = {"index": index, "count": count, "by": plan.options.shard_by}
-        self.dir = out / STATE_DIR / part_name(index, count)
-        self.plan_path = self.dir / "plan.json"
-        self.source_path = self.dir / "source.json"
-        self.journal_path = self.dir / "journal.jsonl"
-        self.part_manifest = out / part_manifest_name(index, count)
-        self.merged_part_manifest = out / MERGED_PARTS_DIR / part_manifest_name(index, count)
-        self.paths = [u.path for u in plan.units]
-
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """Hold this part's lock; refuse if another run holds it, or a whole-directory writer OUT."""
-        name, lock = f"{self.shard['index']}/{self.shard['count']}", self.dir / "lock"
-        with holding(lock, 0, f"{self.out}: part {name} is already being converted by another "
-                              f"`megamoe convert` (lock {lock} is held)"):
-            if held_elsewhere(self.out / STATE_DIR / WHOLE_LOCK, GLANCE_TIMEOUT_S):
-                raise OutputBusy(f"{self.out}: a `megamoe convert` without --shard or a `megamoe merge` is writing "
-                                 f"this directory; part {name} cannot run beside it")
-            yield
-
-    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, list[int]]) -> None:
-        # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
-        if self.root_plan_path.exists() and _read_state_json(self.root_plan_path) != fingerprint:
-            if not overwrite:
-                raise ConvertError(f"{self.out} holds a conversion made with different options; "
-                                   "pass --overwrite (to every part) to replace it")
-            self.root_plan_path.unlink(missing_ok=True)
-            if self.root_journal_path.exists():  # kept for merge, to delete what the new plan does not write
-                os.replace(self.root_journal_path, self.root_journal_path.with_name(REPLACED_JOURNAL))
-            self.root_source_path.unlink(missing_ok=True)
-        super().prepare(fingerprint | {"shard": self.shard}, overwrite, source)
-        self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten
-        self.merged_part_manifest.unlink(missing_ok=True)
-
-    def clear(self) -> None:
-        for record in self.journal().values():
-            (self.out / record.path).unlink(missing_ok=True)
-        self.journal_path.unlink(missing_ok=True)
-        self.part_manifest.unlink(missing_ok=True)
-        self.merged_part_manifest.unlink(missing_ok=True)
-
-    def remove_partials(self) -> None:
-        for rel in self.paths:  # only this part's: other parts may be writing theirs right now
-            partial_path(self.out / rel).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -814,23 +518,31 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     started = time.perf_counter()
     with FileCache() as files:
         plan = build_plan(src, out, options, files, cancelled)
+        watch = SourceWatch(plan.source_paths(), {n: h.file_size for n, h in plan.ckpt.headers.items()})
         check_output_dir(out)
-        state = OutputState(out) if options.shard is None else PartState(out, plan)
-        state.fsync = options.fsync
+        state = make_state(plan)
         with state.locked():
-            summary = _run_locked(plan, state, progress, cancelled, started)
+            summary = _run_locked(plan, state, progress, cancelled, started, watch)
     if options.shard is not None and options.auto_merge:
         from .fleet import auto_merge  # the last part to finish in a shared OUT writes the manifest
         summary.merged = auto_merge(out, fsync=options.fsync)
     return summary
 
 
+def make_state(plan: Plan) -> OutputState:
+    if plan.options.shard is None:
+        return OutputState(plan.out, plan.options.fsync)
+    index, count = plan.options.shard
+    shard = {"index": index, "count": count, "by": plan.options.shard_by}
+    return PartState(plan.out, shard, [u.path for u in plan.units], plan.options.fsync)
+
+
 def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
-                started: float) -> Summary:
+                started: float, watch: SourceWatch) -> Summary:
     out = plan.out
     # Refuses (a different plan, a changed source) before anything is touched.
     state.prepare(plan.fingerprint(), plan.options.overwrite, plan.source_stamp())
-    (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
+    remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     state.remove_partials()
     journal = state.journal()
     records: dict[str, FileRecord] = {}
@@ -843,6 +555,7 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
         else:
             todo.append(unit)
     written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
+    watch.check()  # every source byte was read: were they the bytes of one unchanged source?
     shard = plan.options.shard
     if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
         from .fleet import write_part_manifest

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from . import jsonio
 from .checkpoint import INDEX_NAME
-from .convert import (MERGED_PARTS_DIR, REPLACED_JOURNAL, ConvertError, NoProgress, OutputBusy, OutputState, Progress,
-                      check_output_dir, differing_keys, hold_whole_output, index_text, non_expert_index, part_manifest_name)
-from .manifest import MANIFEST_NAME, Manifest, ManifestError
+from .convert import NoProgress, Progress, index_text, non_expert_index
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, is_own_path
+from .output_state import (MERGED_PARTS_DIR, PART_GLOB, ConvertError, OutputBusy, OutputState, check_output_dir,
+                           differing_keys, forget_replaced_conversion, hold_whole_output, part_manifest_name,
+                           remove_named)
 from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
                      write_json_atomic)
 
@@ -35,7 +38,6 @@ if TYPE_CHECKING:
 
 PART_FORMAT = "megamoe-convert-part"
 PART_FORMAT_VERSION = 1
-PART_GLOB = "manifest.part-*-of-*.json"
 COPY_CHUNK_BYTES = 64 << 20
 
 
@@ -62,6 +64,7 @@ def write_part_manifest(plan: "Plan", records: dict[str, FileRecord]) -> Path:
         "plan_files": plan.all_paths,
         "index": non_expert_index(plan),
         "files": [records[u.path].to_json() for u in plan.units],
+        "source_stamp": plan.source_stamp(),
     }
     path = plan.out / part_manifest_name(index, count)
     write_json_atomic(path, json.dumps(data, indent=1) + "\n", fsync=plan.options.fsync)
@@ -82,6 +85,7 @@ class Part:
     plan_files: list[str]
     index_json: dict[str, Any] | None
     files: list[FileRecord]
+    source_stamp: dict[str, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -89,26 +93,33 @@ class Part:
 
 
 def read_part(path: Path, root: Path | None = None) -> Part:
-    try:
-        data = json.loads(path.read_text())
-        if data.get("format") != PART_FORMAT:
-            raise MergeError(f"{path}: not a megamoe part manifest (format={data.get('format')!r})")
-        if data.get("format_version", 0) > PART_FORMAT_VERSION:
-            raise MergeError(f"{path}: part format_version {data['format_version']} is newer than this "
-                             "megamoe-convert understands; upgrade megamoe-convert")
-        shard = data["shard"]
-        files = [FileRecord(str(f["path"]), int(f["size"]), str(f["checksum"])) for f in data["files"]]
-        part = Part(root or path.parent, path, int(shard["index"]), int(shard["count"]), str(shard["by"]),
-                    dict(data["fingerprint"]), dict(data["manifest"]), [str(p) for p in data["plan_files"]],
-                    data["index"], files)
-    except MergeError:
-        raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise MergeError(f"{path}: unreadable part manifest ({type(e).__name__}: {e})") from None
-    for rel in part.plan_files:
-        if rel.startswith("/") or ".." in Path(rel).parts:
-            raise MergeError(f"{path}: file path {rel!r} escapes the directory")
-    return part
+    """A part manifest, every field checked (paths must be ones the tool writes, inside OUT)."""
+    data = jsonio.read(path, MergeError, "part manifest")
+    f = jsonio.Fields(path, MergeError)
+    if f.obj(data, name="part manifest").get("format") != PART_FORMAT:
+        raise f.fail(f"not a megamoe part manifest (format={jsonio.short(data.get('format'))})")
+    if f.int(data, "format_version") > PART_FORMAT_VERSION:
+        raise f.fail(f"part format_version {data['format_version']} is newer than this megamoe-convert "
+                     "understands; upgrade megamoe-convert")
+    shard = f.obj(data, "shard")
+    files = f.each(f.list(data, "files"), lambda x, label: _record(f, x, label), "files")
+    plan_files = [f.str(p, name="plan_files[]") for p in f.list(data, "plan_files")]
+    for rel in plan_files:
+        if not is_own_path(rel):
+            raise f.fail(f"file path {rel!r} is not a file this tool writes")
+    index = None if data.get("index") is None else f.obj(data, "index")
+    stamp = f.obj(data, "source_stamp") if "source_stamp" in data else None
+    count = f.int(shard, "count", lo=1, hi=1 << 16, name="shard.count")
+    return Part(root or path.parent, path, f.int(shard, "index", hi=count - 1, name="shard.index"), count,
+                f.str(shard, "by", name="shard.by"), f.obj(data, "fingerprint"), f.obj(data, "manifest"),
+                plan_files, index, files, stamp)
+
+
+def _record(f: jsonio.Fields, item: Any, label: str) -> FileRecord:
+    path = f.str(item, "path", f"{label}.path")
+    if not is_own_path(path):
+        raise f.fail(f"{label}.path {path!r} is not a file this tool writes")
+    return FileRecord(path, f.int(item, "size", name=f"{label}.size"), f.str(item, "checksum", f"{label}.checksum"))
 
 
 def find_parts(dirs: Iterable[Path]) -> list[Part]:
@@ -247,20 +258,6 @@ def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: b
 # Merge
 # --------------------------------------------------------------------------------------
 
-def forget_replaced_conversion(out: Path, new_paths: set[str], has_index: bool) -> None:
-    """Delete what the whole conversion in ``out`` before this merge wrote and this one does not
-    (e.g. a full conversion replaced by ``--experts-only`` parts): the non-expert shards, the index.
-    Only journaled files go; anything else in ``out`` is left alone."""
-    state = OutputState(out)
-    previous = {**state.journal(state.dir / REPLACED_JOURNAL), **state.journal()}
-    stale = [path for path in previous if path not in new_paths]
-    if not has_index:
-        stale.append(INDEX_NAME)
-    for path in stale:
-        (out / path).unlink(missing_ok=True)
-    (state.dir / REPLACED_JOURNAL).unlink(missing_ok=True)
-
-
 def merge(out: Path | str, parts: Sequence[Path | str] = (), *, verify: bool = True, fsync: bool = True,
           workers: int = 0, wait: bool = False, if_needed: bool = False,
           progress: Progress | None = None) -> dict[str, Any]:
@@ -291,7 +288,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     if if_needed and (out / MANIFEST_NAME).exists() and all(p.path.parent.resolve() != out.resolve() for p in chosen):
         return {"out": str(out), "parts": len(chosen), "already_merged": True}
     files = check_coverage(chosen)
-    (out / MANIFEST_NAME).unlink(missing_ok=True)  # from here on, OUT is visibly unfinished
+    remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     forget_replaced_conversion(out, {r.path for _, r in files}, has_index=chosen[0].index_json is not None)
     progress.start(sum(r.size for _, r in files), len(files))
     how: dict[str, int] = {}
@@ -306,12 +303,13 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
         listed.append(write_json_atomic(out / INDEX_NAME, index_text(first.index_json), fsync=fsync))
     # The whole-conversion state, as a single-machine run leaves it: a rerun of the same
     # `megamoe convert` (without --shard) into OUT then finds every file done.
-    state = OutputState(out)
-    write_json_atomic(state.plan_path, json.dumps(first.fingerprint, indent=1, sort_keys=True), fsync=fsync)
+    state = OutputState(out, fsync)
+    state.source_path.unlink(missing_ok=True)
+    state.write_state(first.fingerprint, shared_source_stamp(chosen))
     write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync)
     data = dict(first.manifest, complete=True, files=[r.to_json() for r in listed])
     try:
-        manifest = Manifest.from_json(data, str(first.path))
+        manifest = Manifest.from_json(data, str(first.path), sealed=False)
     except ManifestError as e:
         raise MergeError(str(e)) from None
     write_json_atomic(out / MANIFEST_NAME, manifest.dumps(), fsync=fsync)
@@ -325,6 +323,13 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
             **{k: how.get(k, 0) for k in ("linked", "copied", "in_place", "present")},
             "ignored_part_manifests": [str(p.path) for p in all_parts if p.path.resolve() not in used],
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def shared_source_stamp(parts: Sequence[Part]) -> dict[str, Any] | None:
+    """The source stamp every part recorded, where they agree (one source, read on one machine);
+    else ``None``: a rerun of ``convert`` into OUT then cannot reuse the files without --overwrite."""
+    stamps = [p.source_stamp for p in parts]
+    return stamps[0] if stamps[0] is not None and all(s == stamps[0] for s in stamps) else None
 
 
 def auto_merge(out: Path, fsync: bool = True) -> bool:

@@ -26,9 +26,10 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import huggingface_hub
 import huggingface_hub.constants
@@ -39,6 +40,7 @@ import huggingface_hub.utils
 from . import __version__
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
+from .output_state import ConvertError, hold_whole_output, owned_path
 from .placement import PlacementError, parse_ranks
 from .writer import FileRecord, file_problem, partial_path
 
@@ -88,10 +90,21 @@ def _describe(repo_id: str, revision: str | None, e: BaseException) -> str:
     return f"{where}: {first}"
 
 
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP clients' own errors (no network, DNS, TLS, timeouts), for whichever is installed."""
+    found = []
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException")):
+        try:
+            found.append(getattr(__import__(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
 def _hub_errors() -> tuple[type[BaseException], ...]:
     errors = huggingface_hub.errors
     return (errors.HfHubHTTPError, errors.EntryNotFoundError, errors.OfflineModeIsEnabled, errors.HFValidationError,
-            OSError)
+            OSError, *_network_errors())
 
 
 def _snapshot(repo_id: str, revision: str | None, **kwargs: Any) -> Path:
@@ -227,6 +240,27 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
     records, patterns = select_files(manifest, chosen_ranks, non_expert)
     # 2. Everything else, at that commit. Offline, huggingface_hub looks only inside local_dir,
     #    so the files are taken from the cache and linked into local_dir after the checks.
+    with nullcontext() if local_dir is None else _holding(Path(local_dir)):
+        path = _download_checked(repo_id, commit, where, manifest, records, patterns, local_dir, non_expert,
+                                 verify=verify, force_download=force_download, max_workers=max_workers)
+    skipped = [CARD_NAME] if any(r.path == CARD_NAME for r in manifest.files) else []
+    return PullResult(path, repo_id, commit, chosen_ranks, records, "checksum" if verify else "size", skipped)
+
+
+@contextmanager
+def _holding(local_dir: Path) -> Iterator[None]:
+    """``pull --local-dir`` writes like any other whole-directory writer: under OUT's lock."""
+    try:
+        with hold_whole_output(local_dir, timeout=0, who="`megamoe pull`"):
+            yield
+    except ConvertError as e:
+        raise HubError(str(e)) from None
+
+
+def _download_checked(repo_id: str, commit: str, where: str, manifest: Manifest, records: list[FileRecord],
+                      patterns: list[str], local_dir: Path | str | None, non_expert: bool, *, verify: bool,
+                      force_download: bool, max_workers: int) -> Path:
+    """Steps 2 and 3 of :func:`pull`: download at ``commit``, then check against ``manifest``."""
     from_cache = local_dir is not None and huggingface_hub.constants.HF_HUB_OFFLINE
     path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
                      force_download=force_download, max_workers=max_workers)
@@ -242,15 +276,16 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
     if from_cache:
         index = [INDEX_NAME] if non_expert and (path / INDEX_NAME).is_file() else []
         path = link_into(path, Path(local_dir), [MANIFEST_NAME, *index, *(r.path for r in records)])
-    skipped = [CARD_NAME] if any(r.path == CARD_NAME for r in manifest.files) else []
-    return PullResult(path, repo_id, commit, chosen_ranks, records, "checksum" if verify else "size", skipped)
+    return path
 
 
 def link_into(snapshot: Path, local_dir: Path, paths: Sequence[str]) -> Path:
     """Put ``paths`` of a cache snapshot into ``local_dir``: hard links to the cache's blobs
     where the filesystem allows, copies otherwise; each appears by rename, the manifest last."""
     for rel in sorted(paths, key=lambda rel: rel == MANIFEST_NAME):
-        src, dst = (snapshot / rel).resolve(), local_dir / rel  # the blob, not the snapshot's symlink
+        src, dst = (snapshot / rel).resolve(), owned_path(local_dir, rel)  # the blob, not the snapshot's symlink
+        if dst is None:
+            raise HubError(f"{local_dir / rel}: not a path inside {local_dir} that megamoe writes")
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = partial_path(dst)
         tmp.unlink(missing_ok=True)

@@ -10,7 +10,7 @@ would have produced.
 
 from __future__ import annotations
 
-import json
+import itertools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +24,11 @@ import torch
 from . import layout
 from .devices import DeviceError, usable_device
 from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
+from . import jsonio
+from .jsonio import Fields, one_line
 from .layout import KernelWeights
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, read_manifest
+from .manifest import (MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, rank_shard_specs,
+                       read_manifest)
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problems
 
@@ -73,13 +76,8 @@ class ConvertedModel:
         """Decoder layers of the model, from the copied ``config.json`` (engines number MTP
         blocks after them)."""
         where = self.path / "config.json"
-        try:
-            value = json.loads(where.read_text())["num_hidden_layers"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise LoadError(f"{where}: cannot read num_hidden_layers ({e})") from None
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 20:
-            raise LoadError(f"{where}: num_hidden_layers is {value!r}, expected a non-negative integer")
-        return value
+        return Fields(where, LoadError).int(jsonio.read(where, LoadError, "config.json"), "num_hidden_layers",
+                                            0, 1 << 20)
 
 
 def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:
@@ -109,12 +107,19 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
             return parse_layer_spec(manifest.layers, layers, "this conversion")
         except CheckpointError as e:
             raise LoadError(str(e)) from None
+    try:  # any iterable, read once and only as far as a valid selection can reach
+        names = list(itertools.islice(layers, 2 * len(manifest.layers) + 1))
+    except TypeError:
+        raise LoadError(f"layers must be a string or an iterable of layer names, got {type(layers).__name__}") from None
     by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
-    missing = [name for name in layers if name not in by_name]
+    missing = [name for name in names if not isinstance(name, str) or name not in by_name]
     if missing:
         raise LoadError(f"layer {missing[0]!r} is not in this conversion "
                         f"(layers: {', '.join(l.key for l in manifest.layers)})")
-    return sorted({by_name[name] for name in layers})
+    if not names or len(names) > 2 * len(manifest.layers):
+        raise LoadError(f"layers={'[]' if not names else 'more names than the conversion has'}: select at least one "
+                        f"of {', '.join(l.key for l in manifest.layers)} (or layers=None for all)")
+    return sorted({by_name[name] for name in names})
 
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
@@ -142,8 +147,6 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
 
 def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
     """The shard must hold exactly the tensors the manifest's dims and placement imply."""
-    from .convert import rank_shard_specs  # the writer's own spec is the contract
-
     dims = manifest.dims
     experts = manifest.placement.experts_per_rank
     expected = rank_shard_specs(layer, experts, dims.hidden_size, dims.moe_intermediate_size)
@@ -355,8 +358,9 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,
     and no second copy of a layer is ever allocated. ``device`` is then ignored.
     """
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise LoadError(f"rank must be an int, got {rank!r}")
+    for name, value in (("rank", rank), ("ep_size", 0 if ep_size is None else ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LoadError(f"{name} must be an int, got {value!r}")
     try:
         device = usable_device(device)
     except DeviceError as e:
@@ -373,7 +377,7 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
         try:
             header = read_header(out / record.path)
         except SafetensorsError as e:
-            raise LoadError(str(e)) from None
+            raise LoadError(one_line(str(e))) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
         check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
                           manifest.placement.rank_logical_ids(rank))

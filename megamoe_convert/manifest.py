@@ -1,34 +1,39 @@
-"""``manifest.json``: what a converted directory holds, and the proof that it is complete.
-
-The manifest is the last file a conversion writes. Its presence (with ``complete: true``)
-is what makes a directory loadable; it records the placement every rank was built for,
-the dimensions, the source it came from, and the size and checksum of every file.
-"""
-
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .checkpoint import ModelDims, MoELayer
-from .placement import Placement
+import xxhash
+
+from . import __version__, jsonio, layout
+from .checkpoint import MAX_DIM, ModelDims, MoELayer
+from .placement import MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError
+from .safetensors_io import TensorSpec, encode_header
 from .writer import CHECKSUM_ALGORITHM, FileRecord
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "megamoe-convert"
-#: Version of this directory format (file names, manifest fields).
-FORMAT_VERSION = 1
+#: Version of this directory format (file names, manifest fields). 2: the manifest carries
+#: ``manifest_checksum`` (:func:`seal`); version 1 manifests (no checksum) are still read.
+FORMAT_VERSION = 2
 #: Version of the MegaMoE tensor layout (DeepGEMM ``transform_weights_for_mega_moe``, June 2026).
 LAYOUT_VERSION = 1
 #: Hidden folder for conversion state (lock, journal, plan); never read by loaders.
 STATE_DIR = ".megamoe"
+#: The manifest's checksum of itself: xxh3-128 of its canonical JSON without this field.
+SEAL_KEY = "manifest_checksum"
 
 
 class ManifestError(ValueError):
-    """A missing, incomplete, unknown or inconsistent manifest."""
+    """A missing, incomplete, unknown or inconsistent manifest. ``problems`` lists every
+    inconsistency found (``megamoe verify`` reports them all); the message names the first."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
 
 
 def rank_dir_name(rank: int, ep_size: int) -> str:
@@ -40,12 +45,70 @@ def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
     return f"{rank_dir_name(rank, ep_size)}/{layer.key}.safetensors"
 
 
+#: The only paths this tool writes below OUT: a rank shard, or a plain top-level name.
+_RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}/(?:layers|mtp)\.(?:0|[1-9]\d*)\.safetensors")
+_TOP_LEVEL = re.compile(r"[^/\\\x00-\x1f\x7f]+")
+RANK_DIR = re.compile(r"rank-\d{5,}-of-\d{5,}")
+
+
+_NON_EXPERT_SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+
+
+def is_shard_path(rel: str) -> bool:
+    """A rank shard or a non-expert shard, by the tool's exact naming scheme."""
+    return bool(_RANK_FILE.fullmatch(rel) or _NON_EXPERT_SHARD.fullmatch(rel))
+
+
+def is_own_path(rel: str) -> bool:
+    """Whether ``rel`` fits this tool's naming scheme: a rank shard (``rank-NNNNN-of-NNNNN/
+    layers.L.safetensors``) or a visible top-level file name. Never absolute, never ``..``."""
+    if is_shard_path(rel):
+        return True
+    return bool(_TOP_LEVEL.fullmatch(rel)) and not rel.startswith(".")
+
+
 def expert_tensor_names(layer: MoELayer) -> dict[str, str]:
     """Names of the tensors in a rank shard. ``*.sf`` hold the MN-major scales' storage
     ``[E, packed_k, MN]``; the kernel's view is ``tensor.transpose(1, 2)``."""
     p = layer.prefix
     return {"l1_weight": f"{p}.l1.weight", "l1_sf": f"{p}.l1.sf", "l2_weight": f"{p}.l2.weight",
             "l2_sf": f"{p}.l2.sf", "logical_ids": f"{p}.logical_ids"}
+
+
+def rank_shard_specs(layer: MoELayer, experts: int, hidden: int, inter: int) -> list[TensorSpec]:
+    """The tensors of one rank shard, in file order (the writer's and every reader's contract)."""
+    names = expert_tensor_names(layer)
+    pk_h, pk_i = layout.packed_k(hidden), layout.packed_k(inter)
+    return [
+        TensorSpec(names["l1_weight"], "I8", (experts, 2 * inter, hidden // 2), experts * inter * hidden),
+        TensorSpec(names["l1_sf"], "I32", (experts, pk_h, 2 * inter), experts * pk_h * 2 * inter * 4),
+        TensorSpec(names["l2_weight"], "I8", (experts, hidden, inter // 2), experts * hidden * inter // 2),
+        TensorSpec(names["l2_sf"], "I32", (experts, pk_i, hidden), experts * pk_i * hidden * 4),
+        TensorSpec(names["logical_ids"], "I32", (experts,), experts * 4),
+    ]
+
+
+def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int) -> dict[str, str]:
+    return {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
+            "rank": str(rank), "ep_size": str(ep_size),
+            "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+
+
+def rank_shard_size(layer: MoELayer, rank: int, placement: Placement, dims: ModelDims) -> int:
+    """The exact size of a rank shard: its header (aligned) plus its tensors."""
+    specs = rank_shard_specs(layer, placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size)
+    return len(encode_header(specs, rank_shard_metadata(layer, rank, placement.ep_size))) + sum(s.nbytes for s in specs)
+
+
+def _canonical(data: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in data.items() if k != SEAL_KEY}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def seal(data: dict[str, Any]) -> str:
+    """The manifest text of ``data`` with its own checksum added (also for tests that forge edits)."""
+    sealed = dict(data, **{SEAL_KEY: xxhash.xxh3_128_hexdigest(_canonical(data))})
+    return json.dumps(sealed, indent=1) + "\n"
 
 
 @dataclass
@@ -86,60 +149,31 @@ class Manifest:
         }
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1) + "\n"
+        return seal(self.to_json())
 
     @classmethod
-    def from_json(cls, data: Any, where: str = MANIFEST_NAME) -> "Manifest":
-        """Parse and validate; every problem is a :class:`ManifestError` naming the field."""
-        if not isinstance(data, dict):
-            raise ManifestError(f"{where}: not a JSON object")
+    def from_json(cls, data: Any, where: str = MANIFEST_NAME, sealed: bool = True) -> "Manifest":
+        """Parse and validate (:func:`manifest_problems`); any problem is a :class:`ManifestError`
+        naming the file and the field. ``sealed=False``: a manifest being assembled (``merge``)."""
+        f = jsonio.Fields(where, ManifestError)
+        f.obj(data, name="the manifest")
         if data.get("format") != FORMAT_NAME:
-            raise ManifestError(f"{where}: not a megamoe-convert manifest (format={data.get('format')!r})")
-        for key, known in (("format_version", FORMAT_VERSION), ("layout_version", LAYOUT_VERSION)):
-            value = data.get(key)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ManifestError(f"{where}: {key} must be an integer, got {value!r}")
+            raise f.fail(f"not a megamoe-convert manifest (format={jsonio.short(data.get('format'))})")
+        versions = [f.int(data, key, lo=1) for key in ("format_version", "layout_version")]
+        for key, value, known in zip(("format_version", "layout_version"), versions, (FORMAT_VERSION, LAYOUT_VERSION)):
             if value > known:
-                raise ManifestError(f"{where}: {key} {value} is newer than this megamoe-convert understands "
-                                    f"({known}); upgrade megamoe-convert")
-            if value < 1:
-                raise ManifestError(f"{where}: invalid {key} {value}")
+                raise f.fail(f"{key} {value} is newer than this megamoe-convert understands ({known}); "
+                             "upgrade megamoe-convert")
         if data.get("complete") is not True:
-            raise ManifestError(f"{where}: the conversion did not finish (manifest marked incomplete); "
-                                "rerun the same `megamoe convert` command to complete it")
-        try:
-            dims = ModelDims(**{k: _int(data["dims"][k], f"dims.{k}") for k in
-                                ("hidden_size", "moe_intermediate_size", "n_routed_experts")})
-            placement = Placement.from_json(data["placement"])
-            manifest = cls(
-                source=dict(data["source"]),
-                dims=dims,
-                placement=placement,
-                ranks=[_int(r, "ranks[]") for r in data["ranks"]],
-                layers=[MoELayer.parse(l["key"]) for l in data["layers"]],
-                experts_only=bool(data["experts_only"]),
-                files=[FileRecord(str(f["path"]), _int(f["size"], "files[].size"), str(f["checksum"]))
-                       for f in data["files"]],
-                format_version=data["format_version"], layout_version=data["layout_version"],
-            )
-        except ManifestError as e:
-            raise ManifestError(f"{where}: {e}") from None
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ManifestError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from None
-        if _int(data.get("ep_size"), "ep_size") != placement.ep_size:
-            raise ManifestError(f"{where}: ep_size {data.get('ep_size')} disagrees with placement.ep_size "
-                                f"{placement.ep_size}")
-        if placement.n_logical != dims.n_routed_experts:
-            raise ManifestError(f"{where}: placement has {placement.n_logical} logical experts, dims say "
-                                f"{dims.n_routed_experts}")
-        bad = [r for r in manifest.ranks if not 0 <= r < placement.ep_size]
-        if bad:
-            raise ManifestError(f"{where}: rank {bad[0]} out of range for ep_size={placement.ep_size}")
-        if data.get("checksum_algorithm", CHECKSUM_ALGORITHM) != CHECKSUM_ALGORITHM:
-            raise ManifestError(f"{where}: unknown checksum algorithm {data.get('checksum_algorithm')!r}")
-        for record in manifest.files:
-            if record.path.startswith("/") or ".." in Path(record.path).parts:
-                raise ManifestError(f"{where}: file path {record.path!r} escapes the directory")
+            raise f.fail("the conversion did not finish (manifest marked incomplete); "
+                         "rerun the same `megamoe convert` command to complete it")
+        if sealed and (versions[0] >= 2 or SEAL_KEY in data):
+            _check_seal(data, f)
+        manifest = _parse(data, f, versions)
+        problems = manifest_problems(manifest, data)
+        if problems:
+            more = f" (and {len(problems) - 1} more: `megamoe verify` lists them)" if len(problems) > 1 else ""
+            raise ManifestError(f"{where}: {problems[0]}{more}", [f"{where}: {p}" for p in problems])
         return manifest
 
     def file(self, path: str) -> FileRecord:
@@ -152,10 +186,99 @@ class Manifest:
         return {layer: self.file(rank_file(rank, self.ep_size, layer)) for layer in self.layers}
 
 
-def _int(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ManifestError(f"{name} must be an integer, got {value!r}")
-    return value
+def _check_seal(data: dict[str, Any], f: jsonio.Fields) -> None:
+    if SEAL_KEY not in data:
+        raise f.fail(f"no {SEAL_KEY} (a format_version 2 manifest carries its own checksum)")
+    if f.str(data, SEAL_KEY) != xxhash.xxh3_128_hexdigest(_canonical(data)):
+        raise f.fail(f"{SEAL_KEY} does not match its content (the manifest is corrupted or was edited)")
+
+
+_CHECKSUM = re.compile(r"[0-9a-f]{32}")
+
+
+def _file_record(f: jsonio.Fields, item: Any, label: str) -> FileRecord:
+    path, checksum = f.str(item, "path", f"{label}.path"), f.str(item, "checksum", f"{label}.checksum")
+    if not is_own_path(path):
+        raise f.fail(f"{label}.path {path!r} is not a file this tool writes (a rank shard or a top-level name)")
+    if not _CHECKSUM.fullmatch(checksum):
+        raise f.fail(f"{label}.checksum must be 32 hex digits, got {jsonio.short(checksum)}")
+    return FileRecord(path, f.int(item, "size", name=f"{label}.size"), checksum)
+
+
+def _layer(f: jsonio.Fields, item: Any, label: str) -> MoELayer:
+    key = f.str(item, "key", f"{label}.key")
+    try:
+        layer = MoELayer.parse(key)
+    except ValueError as e:
+        raise f.fail(f"{label}: {e}") from None
+    for name in ("prefix", "vllm_prefix"):
+        if name in item and f.str(item, name, f"{label}.{name}") != getattr(layer, name):
+            raise f.fail(f"{label}.{name} {item[name]!r} disagrees with key {key!r}")
+    return layer
+
+
+def _placement(f: jsonio.Fields, data: Any) -> Placement:
+    try:
+        return Placement.from_json(f.obj(data, "placement"), f.where)
+    except PlacementError as e:
+        raise ManifestError(str(e)) from None
+
+
+def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manifest:
+    dims_data = f.obj(data, "dims")
+    dims = ModelDims(*(f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
+                       (("hidden_size", MAX_DIM), ("moe_intermediate_size", MAX_DIM),
+                        ("n_routed_experts", MAX_PHYSICAL_EXPERTS))))
+    placement = _placement(f, data)
+    if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
+        raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
+    algorithm = f.str(data, "checksum_algorithm") if "checksum_algorithm" in data else CHECKSUM_ALGORITHM
+    if algorithm != CHECKSUM_ALGORITHM:
+        raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
+    layers = f.each(f.list(data, "layers", max_len=1 << 16), lambda x, label: _layer(f, x, label), "layers")
+    files = f.each(f.list(data, "files"), lambda x, label: _file_record(f, x, label), "files")
+    return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
+                    ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
+                    experts_only=f.bool(data, "experts_only"), files=files,
+                    format_version=versions[0], layout_version=versions[1])
+
+
+def _duplicates(items: list[Any]) -> list[Any]:
+    seen: set[Any] = set()
+    return [x for x in items if x in seen or seen.add(x)]  # type: ignore[func-returns-value]
+
+
+def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
+    """Every way the manifest contradicts itself: each rank x layer listed exactly once with the
+    exact size its dims and placement give, nothing else in rank folders, no rank, layer or file
+    twice, logical experts = ``n_routed_experts``, no non-expert shard with ``experts_only``."""
+    problems = [f"rank {r} listed twice" for r in _duplicates(m.ranks)]
+    problems += [f"layer {l.key} listed twice" for l in _duplicates(m.layers)]
+    problems += [f"file {p} listed twice" for p in _duplicates([r.path for r in m.files])]
+    problems += [f"rank {r} out of range for ep_size={m.ep_size}" for r in m.ranks if r >= m.ep_size]
+    if not m.ranks:
+        problems.append("no ranks listed")
+    if not m.layers:
+        problems.append("no layers listed")
+    if m.placement.n_logical != m.dims.n_routed_experts:
+        problems.append(f"placement has {m.placement.n_logical} logical experts, dims say {m.dims.n_routed_experts}")
+        return problems  # sizes below follow from dims and placement
+    listed = {r.path: r for r in m.files if "/" in r.path}
+    for rank in sorted(set(m.ranks)):
+        if rank >= m.ep_size:
+            continue
+        for layer in sorted(set(m.layers)):
+            path = rank_file(rank, m.ep_size, layer)
+            record = listed.pop(path, None)
+            if record is None:
+                problems.append(f"{path}: rank {rank} x {layer.key} is not listed")
+            elif record.size != (size := rank_shard_size(layer, rank, m.placement, m.dims)):
+                problems.append(f"{path}: listed with size {record.size}, its dims and placement give {size}")
+    problems += [f"{path}: not a rank x layer of this conversion" for path in sorted(listed)]
+    if m.experts_only:
+        problems += [f"{r.path}: a non-expert shard in an --experts-only conversion" for r in m.files
+                     if "/" not in r.path and r.path.endswith(".safetensors")]
+    return problems
 
 
 def read_manifest(out: Path) -> Manifest:
@@ -163,17 +286,11 @@ def read_manifest(out: Path) -> Manifest:
     path = Path(out) / MANIFEST_NAME
     if not Path(out).is_dir():
         raise ManifestError(f"{out}: no such converted directory")
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not path.exists():
         parts = sorted(p.name for p in Path(out).glob("manifest.part-*-of-*.json"))
         if parts:
             raise ManifestError(f"{path}: missing; {out} holds {parts[0]}{' ...' if len(parts) > 1 else ''}, a part "
-                                "of a conversion split with --shard: run `megamoe merge` to assemble the parts") from None
+                                "of a conversion split with --shard: run `megamoe merge` to assemble the parts")
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
-                            "(rerun `megamoe convert` to complete it)") from None
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise ManifestError(f"{path}: corrupted manifest ({e})") from None
-    return Manifest.from_json(data, str(path))
+                            "(rerun `megamoe convert` to complete it)")
+    return Manifest.from_json(jsonio.read(path, ManifestError, "manifest"), str(path))

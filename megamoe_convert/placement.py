@@ -8,10 +8,15 @@ statistics) is a list of logical ids, one per physical slot.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from . import jsonio
+
+#: Bounds checked before anything is expanded (DeepSeek-V4: 256-384 experts, EP up to a few hundred).
+MAX_EP_SIZE = 1 << 16
+MAX_PHYSICAL_EXPERTS = 1 << 20
 
 
 class PlacementError(ValueError):
@@ -45,18 +50,20 @@ class Placement:
     @classmethod
     def default(cls, n_logical: int, ep_size: int, num_redundant: int = 0) -> "Placement":
         """vLLM's default placement: slot ``p`` holds ``p % n_logical``."""
-        if n_logical <= 0 or num_redundant < 0:
-            raise PlacementError(f"need n_routed > 0 and num_redundant >= 0, got {n_logical} and {num_redundant}")
+        check_counts(n_logical, ep_size, num_redundant)
         n_physical = n_logical + num_redundant
-        if ep_size <= 0 or n_physical % ep_size:
+        if n_physical % ep_size:
             raise PlacementError(f"n_routed_experts ({n_logical}) + num_redundant_experts ({num_redundant}) = "
                                  f"{n_physical} is not divisible by ep_size={ep_size}")
         return cls(n_logical, ep_size, tuple(p % n_logical for p in range(n_physical)))
 
     @classmethod
     def from_list(cls, ids: Sequence[Any], n_logical: int, ep_size: int, source: str = "placement") -> "Placement":
+        check_counts(n_logical, ep_size)
         if not isinstance(ids, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
             raise PlacementError(f"{source}: expected a JSON list of integer logical expert ids, one per physical slot")
+        if len(ids) > MAX_PHYSICAL_EXPERTS:
+            raise PlacementError(f"{source}: {len(ids)} physical slots, at most {MAX_PHYSICAL_EXPERTS} supported")
         try:
             return cls(n_logical, ep_size, tuple(ids))
         except PlacementError as e:
@@ -64,15 +71,15 @@ class Placement:
 
     @classmethod
     def from_file(cls, path: Path, n_logical: int, ep_size: int) -> "Placement":
-        """Read ``[l0, l1, ...]`` or ``{"physical_to_logical": [...]}`` from a JSON file."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlacementError(f"{path}: placement file not found") from None
-        except (OSError, ValueError) as e:
-            raise PlacementError(f"{path}: unreadable placement file ({e})") from None
+        """Read ``[l0, l1, ...]`` or ``{"physical_to_logical": [...]}`` from a JSON file; an
+        object's own ``ep_size`` / ``n_logical``, where given, must be the ones converted for."""
+        data = jsonio.read(Path(path), PlacementError, "placement file")
         if isinstance(data, dict):
-            data = data.get("physical_to_logical")
+            f = jsonio.Fields(path, PlacementError)
+            for key, want in (("ep_size", ep_size), ("n_logical", n_logical)):
+                if key in data and f.int(data, key, hi=MAX_PHYSICAL_EXPERTS) != want:
+                    raise f.fail(f"{key} is {data[key]}, but this conversion has {key}={want}")
+            data = f.list(data, "physical_to_logical")
         return cls.from_list(data, n_logical, ep_size, source=str(path))
 
     # ---------------------------------------------------------------- queries
@@ -111,32 +118,62 @@ class Placement:
                 "physical_to_logical": list(self.physical_to_logical)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Placement":
-        return cls(int(data["n_logical"]), int(data["ep_size"]), tuple(int(x) for x in data["physical_to_logical"]))
+    def from_json(cls, data: Any, where: object = "placement") -> "Placement":
+        """:meth:`to_json`'s object, every field checked: the derived ones must agree with the list."""
+        f = jsonio.Fields(where, PlacementError)
+        f.obj(data, name="placement")
+        ep_size = f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE, name="placement.ep_size")
+        n_logical = f.int(data, "n_logical", lo=1, hi=MAX_PHYSICAL_EXPERTS, name="placement.n_logical")
+        ids = f.ints(data, "physical_to_logical", name="placement.physical_to_logical", max_len=MAX_PHYSICAL_EXPERTS)
+        try:
+            placement = cls(n_logical, ep_size, tuple(ids))
+        except PlacementError as e:
+            raise f.fail(f"placement: {e}") from None
+        derived = placement.to_json()
+        for key in ("num_redundant", "experts_per_rank", "default"):
+            if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
+                raise f.fail(f"placement.{key} is {jsonio.short(data[key])}, its physical_to_logical gives {derived[key]}")
+        return placement
 
 
-def parse_range(part: str, flag: str, example: str) -> tuple[int, int]:
-    """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``) is an error."""
+def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:
+    """Counts must be integers within bounds before anything is built from them."""
+    for name, value, lo, hi in (("n_routed_experts", n_logical, 1, MAX_PHYSICAL_EXPERTS),
+                                ("ep_size", ep_size, 1, MAX_EP_SIZE),
+                                ("num_redundant_experts", num_redundant, 0, MAX_PHYSICAL_EXPERTS - n_logical)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise PlacementError(f"{name} must be an integer, got {value!r}")
+        if not lo <= value <= max(lo, hi):
+            raise PlacementError(f"{name}={value} is outside {lo}..{max(lo, hi)} "
+                                 f"(at most {MAX_PHYSICAL_EXPERTS} physical experts, ep_size at most {MAX_EP_SIZE})")
+
+
+def parse_range(part: str, flag: str, example: str, limit: int) -> tuple[int, int]:
+    """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``, ``"x"``) is
+    an error, and so is any bound outside ``0..limit``: checked before anything is expanded."""
     lo, dash, hi = part.partition("-")
-    try:
-        first = int(lo)
-        last = int(hi) if dash else first
-    except ValueError:
-        raise PlacementError(f"{flag}: cannot parse {part!r} (expected e.g. {example})") from None
+    if not lo.isdigit() or (dash and not hi.isdigit()) or len(lo) > 9 or len(hi) > 9:
+        raise PlacementError(f"{flag}: cannot parse {part!r} (expected e.g. {example})")
+    first = int(lo)
+    last = int(hi) if dash else first
     if first > last:
         raise PlacementError(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
+    if last > limit:
+        raise PlacementError(f"{flag}: {part!r} is outside 0..{limit}")
     return first, last
 
 
 def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
     """``"0,3-5"`` -> ``[0, 3, 4, 5]``; ``None`` -> every rank. Out-of-range ranks are errors."""
+    check_counts(1, ep_size)
     if spec is None or spec.strip() in ("", "all"):
         return list(range(ep_size))
     ranks: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
-        first, last = parse_range(part, "--ranks", "0,3-5")
-        if first < 0 or last >= ep_size:
-            raise PlacementError(f"--ranks: {part!r} is outside 0..{ep_size - 1} for ep_size={ep_size}")
+        try:
+            first, last = parse_range(part, "--ranks", "0,3-5", ep_size - 1)
+        except PlacementError as e:
+            raise PlacementError(f"{e} for ep_size={ep_size}") from None
         ranks.update(range(first, last + 1))
     return sorted(ranks)

@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 import torch
 
+from . import jsonio
+
 #: Bytes per element of each safetensors dtype (F4 packs two elements per byte).
 DTYPE_BITS: dict[str, int] = {
     "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
@@ -91,31 +93,35 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = f.read(header_len)
     except OSError as e:
         raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
+    f = jsonio.Fields(path, SafetensorsError)
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SafetensorsError(f"{path}: corrupted safetensors header ({e})") from None
+        header = f.obj(jsonio.parse(raw, path, SafetensorsError), name="header")
+    except SafetensorsError as e:
+        raise SafetensorsError(f"{path}: corrupted safetensors header ({str(e).removeprefix(f'{path}: ')})") from None
     data_start = 8 + header_len
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = {name: _parse_entry(path, name, spec, data_start) for name, spec in header.items()}
+    metadata = f.obj(header.pop("__metadata__", None) or {}, name="__metadata__")
+    for key in metadata:
+        f.str(metadata, key, f"__metadata__.{key}")
+    tensors = {name: _parse_entry(f, name, spec, data_start) for name, spec in header.items()}
     _check_coverage(path, tensors, data_start, file_size)
     return SafetensorsHeader(path, data_start, file_size, tensors, metadata)
 
 
-def _parse_entry(path: Path, name: str, spec: Any, data_start: int) -> TensorEntry:
-    try:
-        dtype, shape, (begin, end) = spec["dtype"], tuple(int(d) for d in spec["shape"]), spec["data_offsets"]
-        begin, end = int(begin), int(end)
-    except (KeyError, TypeError, ValueError):
-        raise SafetensorsError(f"{path}: corrupted safetensors header entry for {name!r}") from None
+def _parse_entry(f: jsonio.Fields, name: str, spec: Any, data_start: int) -> TensorEntry:
+    path = f.where
+    f.obj(spec, name=name)
+    dtype = f.str(spec, "dtype", f"{name}.dtype")
+    shape = tuple(f.ints(spec, "shape", name=f"{name}.shape", max_len=16))
+    offsets = f.ints(spec, "data_offsets", name=f"{name}.data_offsets", max_len=2)
+    if len(offsets) != 2:
+        raise f.fail(f"{name}.data_offsets must be [begin, end], got {offsets}")
+    begin, end = offsets
     if dtype not in DTYPE_BITS:
-        raise SafetensorsError(f"{path}: {name}: unknown dtype {dtype!r}")
+        raise SafetensorsError(f"{path}: {name}: unknown dtype {jsonio.short(dtype)}")
     numel = 1
     for d in shape:
         numel *= d
-    if any(d < 0 for d in shape) or end < begin or (numel * DTYPE_BITS[dtype] + 7) // 8 != end - begin:
+    if end < begin or (numel * DTYPE_BITS[dtype] + 7) // 8 != end - begin:
         raise SafetensorsError(f"{path}: {name}: data_offsets [{begin}, {end}) do not match {dtype}{list(shape)}")
     return TensorEntry(name, path, dtype, shape, data_start + begin, data_start + end)
 

@@ -163,7 +163,7 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
         shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))
     shards = _shards(tensors, shard_bytes)
-    final = out
+    final = Path(os.path.abspath(out))
     _check_synth_target(final, overwrite)
     out = final.with_name(f".{final.name}.partial")
     shutil.rmtree(out, ignore_errors=True)  # left by a crashed run
@@ -194,6 +194,11 @@ class SynthError(ValueError):
 
 
 def _check_synth_target(out: Path, overwrite: bool) -> None:
+    """A new or empty directory (``overwrite``: any), other than ``/`` and the working directory,
+    which is written beside and renamed into place."""
+    cwd = Path.cwd().resolve()
+    if not out.name or out.resolve() == cwd or out.resolve() in cwd.parents:
+        raise SynthError(f"{out}: cannot replace the current directory or one above it; name a new directory")
     if out.exists() and not out.is_dir():
         raise SynthError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -382,8 +382,9 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         raise ManifestError(f"{out}: no such directory")
     try:
         manifest = read_manifest(out)
-    except ManifestError as e:  # a directory that is not (or no longer) a finished conversion
-        report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: ").removeprefix(f"{out}: "))
+    except ManifestError as e:  # not (or no longer) a finished conversion, or one that contradicts itself
+        for problem in e.problems:
+            report.problem(MANIFEST_NAME, problem.removeprefix(f"{out / MANIFEST_NAME}: ").removeprefix(f"{out}: "))
         return report
     chosen = manifest.ranks if ranks is None else parse_ranks(ranks, manifest.ep_size)  # default: what was converted
     missing = [r for r in chosen if r not in manifest.ranks]

@@ -92,7 +92,7 @@ def test_hidden_not_twice_intermediate_and_chunked_streaming_give_the_reference_
 
 def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_converted):
     manifest = json.loads((tiny_converted / "manifest.json").read_text())
-    assert manifest["complete"] is True and manifest["format_version"] == 1 and manifest["layout_version"] == 1
+    assert manifest["complete"] is True and manifest["format_version"] == 2 and manifest["layout_version"] == 1
     assert manifest["ep_size"] == 4 and manifest["ranks"] == [0, 1, 2, 3]
     assert manifest["placement"]["physical_to_logical"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
     assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8}
@@ -196,7 +196,8 @@ def test_single_file_checkpoint_without_an_index_converts_to_the_same_experts(ti
 @pytest.mark.parametrize("spec, message", [
     ("1-0", r"'1-0' is an empty range \(write it low-high, e.g. 0-1\)"),
     ("0-", r"cannot parse '0-'"),
-    ("7", r"layers.7 is not an MoE layer"),
+    ("7", r"--layers: '7' is outside 0..1"),
+    ("0-20000000", r"--layers: '0-20000000' is outside 0..1"),
 ])
 def test_layer_selections_that_select_nothing_or_too_much_are_refused(tiny_ckpt, spec, message):
     from megamoe_convert.checkpoint import Checkpoint

@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert.cli import run_command
-from megamoe_convert.convert import OutputBusy, part_name
+from megamoe_convert.output_state import OutputBusy, part_name
 from megamoe_convert.fleet import auto_merge, merge
 from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import Manifest, ManifestError, read_manifest
+from megamoe_convert.manifest import Manifest, ManifestError, read_manifest, seal
 from megamoe_convert.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth import synthesize
 from megamoe_convert.verify import verify
@@ -148,7 +148,7 @@ def test_commit_errors_name_the_file_and_leave_no_temporary_file(tmp_path, monke
 
 
 def test_journal_write_errors_name_the_journal(tmp_path, monkeypatch):
-    from megamoe_convert.convert import OutputState
+    from megamoe_convert.output_state import OutputState
     from megamoe_convert.writer import FileRecord
 
     state = OutputState(tmp_path)
@@ -297,7 +297,7 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
     shutil.copy(tmp_path / "other-out" / rel, out / rel)
     with pytest.raises(LoadError, match="checksum mismatch"):
         load_rank(out, 1, verify=True)
-    # A shard of a model with other dims is refused by shape, even with a forged manifest entry.
+    # A shard of a model with other dims is refused, even with a forged (re-sealed) manifest entry.
     small = tmp_path / "small"
     config = json.loads((REPO / "configs" / "tiny.json").read_text())
     config.update(hidden_size=128)
@@ -309,9 +309,9 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
     for record in manifest["files"]:
         if record["path"] == rel:
             record["size"] = (out / rel).stat().st_size
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(LoadError, match=r"layers.0.ffn.experts.l1.weight is I8\[3, 256, 64\], expected "
-                                        r"I8\[3, 256, 128\] \(hidden_size=256"):
+    (out / "manifest.json").write_text(seal(manifest))
+    # The forged record now contradicts the manifest's own dims: refused before the shard is opened.
+    with pytest.raises(LoadError, match=rf"{rel}: listed with size \d+, its dims and placement give \d+"):
         load_rank(out, 1)
 
 
@@ -450,7 +450,7 @@ def test_fuzz_manifest_reader_only_raises_its_own_error(tiny_converted, data):
         else:
             doc[key] = data.draw(json_values)
     try:
-        manifest = Manifest.from_json(doc)
+        manifest = Manifest.from_json(doc, sealed=False)  # the fields, not just the checksum
     except ManifestError:
         return
     assert isinstance(manifest.ranks, list) and manifest.placement.ep_size >= 1
@@ -460,9 +460,9 @@ def test_corrupted_manifest_text_is_refused(tiny_converted, tmp_path):
     out = tmp_path / "copy"
     shutil.copytree(tiny_converted, out)
     (out / "manifest.json").write_text('{"format": "megamoe-convert", "format_version": 1,')
-    with pytest.raises(ManifestError, match="corrupted manifest"):
+    with pytest.raises(ManifestError, match="manifest.json: invalid JSON"):
         read_manifest(out)
-    with pytest.raises(LoadError, match="corrupted manifest"):
+    with pytest.raises(LoadError, match="manifest.json: invalid JSON"):
         load_rank(out, 0)
 
 

@@ -14,6 +14,7 @@ import xxhash
 
 from conftest import run_cli
 from megamoe_convert import layout, verify as verify_module
+from megamoe_convert.manifest import seal
 from megamoe_convert.safetensors_io import read_header
 from megamoe_convert.verify import verify
 
@@ -32,7 +33,7 @@ def rewrite_manifest_record(out: Path, rel: str) -> None:
     for record in manifest["files"]:
         if record["path"] == rel:
             record["size"], record["checksum"] = len(data), xxhash.xxh3_128_hexdigest(data)
-    (out / "manifest.json").write_text(json.dumps(manifest))
+    (out / "manifest.json").write_text(seal(manifest))
 
 
 def problems(out: Path, *args: object) -> tuple[int, list[str]]:
@@ -129,7 +130,8 @@ def test_wrong_placement_in_the_manifest_is_caught(damaged):
     manifest = json.loads((damaged / "manifest.json").read_text())
     p = manifest["placement"]["physical_to_logical"]
     p[0], p[5] = p[5], p[0]
-    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    manifest["placement"]["default"] = False
+    (damaged / "manifest.json").write_text(seal(manifest))
     code, found = problems(damaged)
     assert code == 1
     assert found == [f"rank-0000{r}-of-00004/{layer}.safetensors: holds logical experts {held}, but manifest.json's "
