@@ -14,7 +14,7 @@ from typing import Any
 
 from . import __version__
 from .checkpoint import ModelDims, MoELayer
-from .placement import Placement
+from .placement import ENGINES, Placement, layer_placement
 from .writer import CHECKSUM_ALGORITHM, FileRecord
 
 MANIFEST_NAME = "manifest.json"
@@ -60,10 +60,16 @@ class Manifest:
     complete: bool = True
     format_version: int = FORMAT_VERSION
     layout_version: int = LAYOUT_VERSION
+    #: The engine whose per-layer placement the ranks hold (:func:`placement.layer_placement`).
+    engine: str = "vllm"
 
     @property
     def ep_size(self) -> int:
         return self.placement.ep_size
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement ``layer``'s rank files were built for (the engine's rule for that layer)."""
+        return layer_placement(self.engine, self.placement, layer.is_mtp)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -78,6 +84,7 @@ class Manifest:
                      "n_routed_experts": self.dims.n_routed_experts},
             "ep_size": self.ep_size,
             "ranks": self.ranks,
+            "engine": self.engine,
             "placement": self.placement.to_json(),
             "layers": [{"key": l.key, "prefix": l.prefix, "vllm_prefix": l.vllm_prefix} for l in self.layers],
             "experts_only": self.experts_only,
@@ -121,6 +128,7 @@ class Manifest:
                 files=[FileRecord(str(f["path"]), _int(f["size"], "files[].size"), str(f["checksum"]))
                        for f in data["files"]],
                 format_version=data["format_version"], layout_version=data["layout_version"],
+                engine=data.get("engine", "vllm"),  # manifests before per-engine placement held vLLM's
             )
         except ManifestError as e:
             raise ManifestError(f"{where}: {e}") from None
@@ -132,6 +140,8 @@ class Manifest:
         if placement.n_logical != dims.n_routed_experts:
             raise ManifestError(f"{where}: placement has {placement.n_logical} logical experts, dims say "
                                 f"{dims.n_routed_experts}")
+        if manifest.engine not in ENGINES:
+            raise ManifestError(f"{where}: unknown engine {manifest.engine!r} (known: {', '.join(ENGINES)})")
         bad = [r for r in manifest.ranks if not 0 <= r < placement.ep_size]
         if bad:
             raise ManifestError(f"{where}: rank {bad[0]} out of range for ep_size={placement.ep_size}")

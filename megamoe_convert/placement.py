@@ -18,6 +18,10 @@ class PlacementError(ValueError):
     """An impossible or inconsistent expert placement."""
 
 
+#: Engines whose placement a conversion can hold (``convert --engine``); vLLM is the default.
+ENGINES = ("vllm", "sglang")
+
+
 @dataclass(frozen=True)
 class Placement:
     """The logical expert id of every physical slot, and how slots split over ranks."""
@@ -113,6 +117,22 @@ class Placement:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "Placement":
         return cls(int(data["n_logical"]), int(data["ep_size"]), tuple(int(x) for x in data["physical_to_logical"]))
+
+
+def layer_placement(engine: str, placement: Placement, is_mtp: bool) -> Placement:
+    """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``.
+
+    vLLM uses one placement for every layer. SGLang builds DeepSeek-V4's MTP (NextN) layer
+    without expert location and without redundant experts: slot ``p`` holds logical ``p``.
+    """
+    if engine not in ENGINES:
+        raise PlacementError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    if engine != "sglang" or not is_mtp:
+        return placement
+    if placement.n_logical % placement.ep_size:
+        raise PlacementError(f"SGLang builds the MTP layer with {placement.n_logical} experts and no redundant "
+                             f"ones, which do not divide over ep_size={placement.ep_size}")
+    return Placement.default(placement.n_logical, placement.ep_size)
 
 
 def parse_range(part: str, flag: str, example: str) -> tuple[int, int]:

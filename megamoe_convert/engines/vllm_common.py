@@ -17,7 +17,7 @@ from torch import nn
 
 from ..checkpoint import MoELayer
 from ..loader import ConvertedModel, LoadError, load_rank, open_converted
-from . import Contract, InstallError
+from . import Contract, InstallError, require_engine
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def install_model(model: nn.Module, out: Path | str, rank: int | None, contracts
         converted = open_converted(out, [rank])
     except LoadError as e:
         raise InstallError(str(e)) from None
+    require_engine(converted, "vllm")
     modules = classify(model, contracts)
     layers = {l.key: l for l in converted.manifest.layers}
     planned: list[tuple[nn.Module, Contract, MoELayer]] = []
