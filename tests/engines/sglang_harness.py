@@ -67,6 +67,7 @@ from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from sglang.srt.models.deepseek_v4_nextn import DeepseekV4ForCausalLMNextN  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, override_platform, publish, reset_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from trees import bare as _bare  # noqa: E402
 
 #: The tiny preset with hidden_size 512: SGLang's MegaMoE needs hidden % 512 == 0.
 CONFIG = {**json.loads((Path(__file__).resolve().parents[2] / "configs" / "tiny.json").read_text()),
@@ -140,15 +141,6 @@ def make_experts(config, prefix: str, layer_id: int, redundant: int, uses_expert
         intermediate_size=config.moe_intermediate_size, layer_id=layer_id, quant_config=qc,
         routed_scaling_factor=config.routed_scaling_factor, swiglu_limit=config.swiglu_limit,
         prefix=prefix, uses_expert_location=uses_expert_location)
-
-
-def _bare(cls: type, **attributes) -> nn.Module:
-    """An instance of SGLang's class whose heavy ``__init__`` (GPU attention, TP linears) is skipped."""
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    for name, value in attributes.items():
-        setattr(module, name, value)
-    return module
 
 
 def _block(experts: nn.Module) -> nn.Module:

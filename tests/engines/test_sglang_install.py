@@ -111,3 +111,15 @@ def test_contract_detects_sglangs_real_fused_moe(sglang_ckpt):
     with h.patched(0, EP_SIZE, REDUNDANT):
         experts = h.experts_of(h.build_main_model(config, 0, REDUNDANT))["model.layers.1.mlp.experts"]
     assert CONTRACT.detect(experts), CONTRACT.missing(experts)
+
+
+def test_a_hidden_size_sglangs_megamoe_cannot_serve_is_refused(tiny_ckpt, tmp_path):
+    from megamoe_convert.convert import ConvertOptions, convert
+
+    out = tmp_path / "h256"
+    convert(tiny_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang", experts_only=True))
+    with h.patched(0, EP_SIZE, REDUNDANT):
+        main = h.build_main_model(h.hf_config(tiny_ckpt), 0, REDUNDANT)
+        with pytest.raises(InstallError, match=r"model.layers.0.mlp.experts: SGLang's MegaMoE needs hidden_size % 512 "
+                                               r"== 0 and moe_intermediate_size % 128 == 0; .* has 256 and 128"):
+            install(main, out, rank=0)
