@@ -100,6 +100,9 @@ class MegaMoEContract:
         why = refusal(module)
         if why:
             raise InstallError(f"{where}: cannot take pre-baked experts: {why}")
+        if converted.weight_format != "mxfp4":
+            raise InstallError(f"{where}: SGLang's fp8.py MegaMoE build takes MXFP4 experts, but {converted.path} "
+                               f"holds {converted.weight_format}")
         placement, dims = converted.manifest.placement_for(layer), converted.manifest.dims
         h_rule, i_rule = SHAPE_RULES["sglang"]
         if dims.hidden_size % h_rule or dims.moe_intermediate_size % i_rule:
