@@ -7,7 +7,7 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import typer
 from rich.table import Table
@@ -16,6 +16,9 @@ from . import __version__
 from .devices import Device
 from .jsonio import one_line
 from .ui import ByteProgress, err_console, human_bytes, out_console
+
+if TYPE_CHECKING:
+    from .placement import Placement
 
 app = typer.Typer(
     name="megamoe",
@@ -142,6 +145,15 @@ def synth(
 # inspect / plan
 # --------------------------------------------------------------------------------------
 
+class Engine(str, Enum):
+    vllm = "vllm"
+    sglang = "sglang"
+
+
+#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way).
+EngineOption = Annotated[Engine, typer.Option(help="Serving engine whose expert placement the ranks follow: "
+                                                   "SGLang builds the MTP layer without redundant experts.")]
+
 #: ``--revision`` of the commands that read a source checkpoint.
 RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
                                                             "download (default: main).")]
@@ -154,8 +166,10 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     revision: RevisionOption = None,
 ) -> None:
-    """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank."""
+    """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank,
+    and which engines can serve its shapes."""
     from .checkpoint import Checkpoint
+    from .engines import describe_engines, shape_refusals
     from .placement import Placement
 
     def body() -> None:
@@ -171,6 +185,7 @@ def inspect(
             "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
             "ep_size": ep_size, "experts_per_rank": placement.experts_per_rank,
             "expert_bytes_per_rank": per_expert * placement.experts_per_rank * len(ckpt.layers),
+            "engines": shape_refusals(ckpt.dims.hidden_size, ckpt.dims.moe_intermediate_size),
         }
         if as_json:
             print_json(summary)
@@ -189,6 +204,7 @@ def inspect(
         table.add_row("non-expert bytes", human_bytes(summary["non_expert_bytes"]))
         table.add_row(f"expert bytes per rank (EP {ep_size})",
                       f"{human_bytes(summary['expert_bytes_per_rank'])} ({placement.experts_per_rank} slots/layer)")
+        table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size))
         out_console.print(table)
     run_command(body)
 
@@ -200,29 +216,44 @@ def plan(
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
                                                                              "every physical slot.")] = None,
+    engine: EngineOption = Engine.vllm,
     as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
     revision: RevisionOption = None,
 ) -> None:
-    """Print which logical experts every rank's slots hold."""
+    """Print which logical experts every rank's slots hold, per layer where the engine's rule
+    differs (SGLang's MTP layer), and which engines can serve the checkpoint's shapes."""
     from .checkpoint import Checkpoint
     from .convert import ConvertOptions, make_placement
+    from .engines import describe_engines, shape_refusals
+    from .placement import layer_placement
 
     def body() -> None:
         ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file))
+        own = {l.key: p for l in ckpt.layers if (p := layer_placement(engine.value, placement, l.is_mtp)) != placement}
+        d = ckpt.dims
         if as_json:
-            print_json(placement.to_json())
+            print_json({**placement.to_json(), "engine": engine.value,
+                        "layer_placements": {key: p.to_json() for key, p in own.items()},
+                        "engines": shape_refusals(d.hidden_size, d.moe_intermediate_size)})
             return
-        table = Table(title=f"EP {ep_size}: {placement.n_physical} physical slots for {placement.n_logical} logical "
-                            f"experts ({placement.experts_per_rank} per rank)")
-        for col in ("rank", "physical slots", "logical experts"):
-            table.add_column(col)
-        for rank in range(ep_size):
-            start = placement.experts_start(rank)
-            table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
-                          _short_list(placement.rank_logical_ids(rank)))
-        out_console.print(table)
+        out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
+        for key, p in own.items():
+            out_console.print(_placement_table(p, f"{key} ({engine.value})"))
+        out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size)}")
     run_command(body)
+
+
+def _placement_table(placement: "Placement", what: str) -> Table:
+    table = Table(title=f"{what}, EP {placement.ep_size}: {placement.n_physical} physical slots for "
+                        f"{placement.n_logical} logical experts ({placement.experts_per_rank} per rank)")
+    for col in ("rank", "physical slots", "logical experts"):
+        table.add_column(col)
+    for rank in range(placement.ep_size):
+        start = placement.experts_start(rank)
+        table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
+                      _short_list(placement.rank_logical_ids(rank)))
+    return table
 
 
 def _short_list(ids: tuple[int, ...]) -> str:
@@ -277,6 +308,7 @@ def convert(
     shard_by: Annotated[ShardBy, typer.Option(help="What --shard splits the expert shards by.")] = ShardBy.layer,
     auto_merge: Annotated[bool, typer.Option(help="With --shard: the last part to finish in a shared OUT writes "
                                                   "the manifest (merges all parts).")] = True,
+    engine: EngineOption = Engine.vllm,
 ) -> None:
     """Convert a checkpoint into per-rank MegaMoE shards, non-expert shards and manifest.json.
 
@@ -289,7 +321,7 @@ def convert(
                              placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
                              layers=layers, experts_only=experts_only, overwrite=overwrite,
                              chunk_bytes=chunk_mb << 20, fsync=not no_fsync, shard_by=shard_by.value,
-                             auto_merge=auto_merge)
+                             auto_merge=auto_merge, engine=engine.value)
 
     def body() -> None:
         options.shard = parse_shard(shard) if shard is not None else None

@@ -31,7 +31,7 @@ from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, 
                        rank_shard_specs)
 from .output_state import (MERGED_PARTS_DIR, ConvertError, OutputBusy, OutputState, PartState, SourceWatch,
                            check_output_dir, is_done, part_manifest_name, remove_named, stamp_files)
-from .placement import Placement, PlacementError, parse_ranks
+from .placement import Placement, PlacementError, layer_placement, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
 from .writer import AtomicWriter, FileRecord, write_json_atomic, write_safetensors
 
@@ -67,6 +67,7 @@ class ConvertOptions:
     shard: tuple[int, int] | None = None
     shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
     auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
+    engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
@@ -121,7 +122,11 @@ class Plan:
                 "source_tensors_sha256": source["tensors_sha256"], "source_revision": source["revision"],
                 "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
                 "ranks": self.ranks, "layers": [l.key for l in self.layers],
-                "experts_only": self.options.experts_only}
+                "experts_only": self.options.experts_only, "engine": self.options.engine}
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement the engine builds ``layer`` with (SGLang's MTP layer has its own)."""
+        return layer_placement(self.options.engine, self.placement, layer.is_mtp)
 
     def source_paths(self) -> dict[str, Path]:
         """Every source file read: shards and copied small files."""
@@ -138,7 +143,7 @@ class Plan:
         """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
-                        files=[records[u.path] for u in self.units] + list(extra))
+                        files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine)
 
 
 # --------------------------------------------------------------------------------------
@@ -325,7 +330,7 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
 def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank: int, layer: MoELayer,
                     cancelled: threading.Event) -> Unit:
     dims = plan.ckpt.dims
-    ids = plan.placement.rank_logical_ids(rank)
+    ids = plan.placement_for(layer).rank_logical_ids(rank)
     specs = rank_shard_specs(layer, len(ids), dims.hidden_size, dims.moe_intermediate_size)
     rel = rank_file(rank, plan.placement.ep_size, layer)
     metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size)

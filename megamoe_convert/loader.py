@@ -148,7 +148,7 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
 def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
     """The shard must hold exactly the tensors the manifest's dims and placement imply."""
     dims = manifest.dims
-    experts = manifest.placement.experts_per_rank
+    experts = manifest.placement_for(layer).experts_per_rank
     expected = rank_shard_specs(layer, experts, dims.hidden_size, dims.moe_intermediate_size)
     entries = {}
     for spec in expected:
@@ -380,7 +380,7 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
             raise LoadError(one_line(str(e))) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
         check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
-                          manifest.placement.rank_logical_ids(rank))
+                          manifest.placement_for(layer).rank_logical_ids(rank))
     if into is not None:
         by_prefix = {layer.prefix: layer for layer in records}
         dests = {by_prefix[prefix]: d for prefix, d in into.items()}
@@ -395,6 +395,6 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     else:
         tensors = {layer: _cpu_layer(out / rec.path, headers[layer], expert_tensor_names(layer))
                    for layer, rec in records.items()}
-    start = manifest.placement.experts_start(rank)
-    ids = manifest.placement.rank_logical_ids(rank)
-    return {layer.prefix: ExpertLayer(layer.key, l1, l2, ids, start) for layer, (l1, l2) in tensors.items()}
+    placements = {layer: manifest.placement_for(layer) for layer in tensors}
+    return {layer.prefix: ExpertLayer(layer.key, l1, l2, placements[layer].rank_logical_ids(rank),
+                                      placements[layer].experts_start(rank)) for layer, (l1, l2) in tensors.items()}

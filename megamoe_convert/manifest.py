@@ -10,7 +10,7 @@ import xxhash
 
 from . import __version__, jsonio, layout
 from .checkpoint import MAX_DIM, ModelDims, MoELayer
-from .placement import MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError
+from .placement import ENGINES, MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
 from .safetensors_io import TensorSpec, encode_header
 from .writer import CHECKSUM_ALGORITHM, FileRecord
 
@@ -123,10 +123,16 @@ class Manifest:
     complete: bool = True
     format_version: int = FORMAT_VERSION
     layout_version: int = LAYOUT_VERSION
+    #: The engine whose per-layer placement the ranks hold (:func:`placement.layer_placement`).
+    engine: str = "vllm"
 
     @property
     def ep_size(self) -> int:
         return self.placement.ep_size
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement ``layer``'s rank files were built for (the engine's rule for that layer)."""
+        return layer_placement(self.engine, self.placement, layer.is_mtp)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -141,6 +147,7 @@ class Manifest:
                      "n_routed_experts": self.dims.n_routed_experts},
             "ep_size": self.ep_size,
             "ranks": self.ranks,
+            "engine": self.engine,
             "placement": self.placement.to_json(),
             "layers": [{"key": l.key, "prefix": l.prefix, "vllm_prefix": l.vllm_prefix} for l in self.layers],
             "experts_only": self.experts_only,
@@ -232,6 +239,9 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     placement = _placement(f, data)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
+    engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's
+    if engine not in ENGINES:
+        raise f.fail(f"unknown engine {jsonio.short(engine)} (known: {', '.join(ENGINES)})")
     algorithm = f.str(data, "checksum_algorithm") if "checksum_algorithm" in data else CHECKSUM_ALGORITHM
     if algorithm != CHECKSUM_ALGORITHM:
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
@@ -240,7 +250,7 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
-                    format_version=versions[0], layout_version=versions[1])
+                    format_version=versions[0], layout_version=versions[1], engine=engine)
 
 
 def _duplicates(items: list[Any]) -> list[Any]:
@@ -272,7 +282,7 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
             record = listed.pop(path, None)
             if record is None:
                 problems.append(f"{path}: rank {rank} x {layer.key} is not listed")
-            elif record.size != (size := rank_shard_size(layer, rank, m.placement, m.dims)):
+            elif record.size != (size := rank_shard_size(layer, rank, m.placement_for(layer), m.dims)):
                 problems.append(f"{path}: listed with size {record.size}, its dims and placement give {size}")
     problems += [f"{path}: not a rank x layer of this conversion" for path in sorted(listed)]
     if m.experts_only:

@@ -23,6 +23,10 @@ class PlacementError(ValueError):
     """An impossible or inconsistent expert placement."""
 
 
+#: Engines whose placement a conversion can hold (``convert --engine``); vLLM is the default.
+ENGINES = ("vllm", "sglang")
+
+
 @dataclass(frozen=True)
 class Placement:
     """The logical expert id of every physical slot, and how slots split over ranks."""
@@ -134,6 +138,22 @@ class Placement:
             if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
                 raise f.fail(f"placement.{key} is {jsonio.short(data[key])}, its physical_to_logical gives {derived[key]}")
         return placement
+
+
+def layer_placement(engine: str, placement: Placement, is_mtp: bool) -> Placement:
+    """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``.
+
+    vLLM uses one placement for every layer. SGLang builds DeepSeek-V4's MTP (NextN) layer
+    without expert location and without redundant experts: slot ``p`` holds logical ``p``.
+    """
+    if engine not in ENGINES:
+        raise PlacementError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    if engine != "sglang" or not is_mtp:
+        return placement
+    if placement.n_logical % placement.ep_size:
+        raise PlacementError(f"SGLang builds the MTP layer with {placement.n_logical} experts and no redundant "
+                             f"ones, which do not divide over ep_size={placement.ep_size}")
+    return Placement.default(placement.n_logical, placement.ep_size)
 
 
 def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:

@@ -125,7 +125,7 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
             try:
                 entries = check_shard(read_header(path), manifest, layer, rank)
                 check_logical_ids(path, entries[f"{layer.prefix}.logical_ids"],
-                                  manifest.placement.rank_logical_ids(rank))
+                                  manifest.placement_for(layer).rank_logical_ids(rank))
                 report.count("rank shards")
             except (LoadError, SafetensorsError) as e:
                 report.problem(path.relative_to(out).as_posix(), str(e).removeprefix(f"{path}: "))
@@ -148,7 +148,8 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
 def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,
                  rng: random.Random) -> dict[tuple[int, MoELayer], list[int]]:
     """``(rank, layer) -> local slots`` to compare: all of them, or ``sample`` picked at random."""
-    every = [(r, l, s) for r in ranks for l in manifest.layers for s in range(manifest.placement.experts_per_rank)]
+    every = [(r, l, s) for r in ranks for l in manifest.layers
+             for s in range(manifest.placement_for(l).experts_per_rank)]
     chosen = every if sample is None or sample >= len(every) else rng.sample(every, sample)
     slots: dict[tuple[int, MoELayer], list[int]] = {}
     for r, l, s in sorted(chosen, key=lambda x: (x[1], x[0], x[2])):
@@ -173,7 +174,7 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         loaded = load_layer(out, rank, layer, report)
         if loaded is None:
             continue
-        ids = [manifest.placement.rank_logical_ids(rank)[s] for s in local]
+        ids = [manifest.placement_for(layer).rank_logical_ids(rank)[s] for s in local]
         want = expected_rank_layer(ckpt, files, layer, ids)
         got = (*loaded.l1, *loaded.l2)
         for i, slot in enumerate(local):
@@ -248,7 +249,8 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
              "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device}
     for rank in ranks:
         for layer in manifest.layers:
-            progress.advance(min(max_experts, manifest.placement.experts_per_rank) * manifest.dims.bytes_per_expert(),
+            experts = min(max_experts, manifest.placement_for(layer).experts_per_rank)
+            progress.advance(experts * manifest.dims.bytes_per_expert(),
                              f"numerics: rank {rank} {layer.key}", False)
             loaded = load_layer(out, rank, layer, report)
             if loaded is None:
@@ -320,7 +322,7 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         report.skipped["deep_gemm"] = reason
         return
     for (rank, layer) in slots:
-        ids = manifest.placement.rank_logical_ids(rank)
+        ids = manifest.placement_for(layer).rank_logical_ids(rank)
         progress.advance(len(ids) * manifest.dims.bytes_per_expert(), f"deep_gemm: rank {rank} {layer.key}", False)
         reader = ExpertReader(ckpt, files, DEEP_GEMM_DEVICE)
         theirs = deep_gemm_layout(reader.stacked(layer, ids, ("w1", "w3"), "weight"),
@@ -351,10 +353,10 @@ def start_source_phase(progress: Progress, manifest: Manifest, ckpt: Checkpoint,
     if not manifest.experts_only:
         steps += [e.nbytes for e in ckpt.non_expert_tensors()]
     if numerics:
-        steps += [min(NUMERICS_MAX_EXPERTS, manifest.placement.experts_per_rank) * per_expert] * (
-            len(ranks) * len(manifest.layers))
+        steps += [min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank) * per_expert
+                  for _ in ranks for layer in manifest.layers]
     if deep_gemm and deep_gemm_unavailable_reason() is None:
-        steps += [manifest.placement.experts_per_rank * per_expert] * len(slots)
+        steps += [manifest.placement_for(layer).experts_per_rank * per_expert for _, layer in slots]
     progress.start(sum(steps), len(steps), description="verify vs source", unit="steps")
 
 

@@ -35,6 +35,19 @@ VLLM_IMPORT_CHAIN = [
     "urllib3==2.8.0", "uvloop==0.23.0", "xgrammar==0.2.8", "yarl==1.25.1",
 ]
 
+#: What SGLang's loading code imports (found the same way: sglang.srt's MoE layers, fp8.py, mega_moe.py,
+#: the DeepSeek-V4 models, the model loader, plugins and server args). triton is imported at the top
+#: of sglang.srt.utils; torchvision is not installable for a CPU torch (tests/engines/sglang_harness.py).
+SGLANG_IMPORT_CHAIN = [
+    "aiohappyeyeballs==2.7.1", "aiohttp==3.14.5", "aiosignal==1.4.0", "apache-tvm-ffi==0.1.11", "attrs==26.1.0",
+    "certifi==2026.10.18", "charset-normalizer==3.5.2", "compressed-tensors==0.20.0", "dill==0.4.1",
+    "einops==0.8.2", "frozenlist==1.8.0", "gguf==0.19.0", "ipython==9.18.1", "loguru==0.7.3", "msgspec==0.22.0",
+    "multidict==7.2.1", "openai==3.54.0", "orjson==3.13.0", "partial-json-parser==0.2.1.1.post7",
+    "pillow==13.0.0", "propcache==0.5.4", "pybase64==1.5.1", "pyzmq==27.3.0", "regex==2026.11.15",
+    "requests==2.34.2", "sentencepiece==0.2.3", "sniffio==1.3.1", "starlette==1.10.0", "tokenizers==0.23.3",
+    "traitlets==5.16.1", "triton==3.9.0", "urllib3==2.8.0", "yarl==1.25.1",
+]
+
 #: transformers < 5.18 (what vLLM 0.30-0.31 pin) wants huggingface_hub 1.x, which speaks httpx.
 HUB_1X = ["huggingface-hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9"]
 
@@ -42,6 +55,7 @@ HUB_1X = ["huggingface-hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9"]
 Layer = tuple[str, list[str]]
 
 VLLM_CHAIN_LAYER: Layer = ("vllm-import-chain", VLLM_IMPORT_CHAIN)
+SGLANG_CHAIN_LAYER: Layer = ("sglang-import-chain", SGLANG_IMPORT_CHAIN)
 
 #: Each engine: its package layers, first on the path first.
 ENGINES: dict[str, list[Layer]] = {
@@ -49,6 +63,7 @@ ENGINES: dict[str, list[Layer]] = {
     "vllm==0.31.0": [("vllm-0.31.0", ["vllm==0.31.0", "transformers==5.17.0", *HUB_1X]), VLLM_CHAIN_LAYER],
     "vllm==0.32.0": [("vllm-0.32.0", ["vllm==0.32.0", "transformers==5.19.0"]), VLLM_CHAIN_LAYER],
     "vllm==0.33.0": [("vllm-0.33.0", ["vllm==0.33.0", "transformers==5.20.0"]), VLLM_CHAIN_LAYER],
+    "sglang==0.5.23": [("sglang-0.5.23", ["sglang==0.5.23", "transformers==5.19.0"]), SGLANG_CHAIN_LAYER],
 }
 
 

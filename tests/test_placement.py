@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megamoe_convert.placement import Placement, PlacementError, parse_ranks
+from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
 
 
 def vllm_default_slot(rank: int, slot: int, experts_per_rank: int, n_logical: int) -> int:
@@ -77,3 +77,47 @@ def test_rank_checks_and_rank_lists():
         parse_ranks("x", 4)
     with pytest.raises(PlacementError, match=r"'3-1' is an empty range \(write it low-high, e.g. 1-3\)"):
         parse_ranks("3-1", 4)
+
+
+def test_sglang_builds_the_mtp_layer_without_redundant_experts():
+    """SGLang's DeepSeek-V4 NextN layer has no expert location: 8 experts over 4 ranks are 2 per
+    rank, rank r holding [2r, 2r+1]; decoder layers keep the redundant placement (as in vLLM)."""
+    decoder = Placement.default(8, 4, 4)
+    mtp = layer_placement("sglang", decoder, is_mtp=True)
+    assert mtp.experts_per_rank == 2 and [mtp.rank_logical_ids(r) for r in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layer_placement("sglang", decoder, is_mtp=False) is decoder
+    assert layer_placement("vllm", decoder, is_mtp=True) is decoder
+    with pytest.raises(PlacementError, match="SGLang builds the MTP layer with 6 experts"):
+        layer_placement("sglang", Placement.default(6, 4, 2), is_mtp=True)
+    with pytest.raises(PlacementError, match="unknown engine 'trt'"):
+        layer_placement("trt", decoder, is_mtp=False)
+
+
+def test_convert_for_sglang_records_the_engine_and_writes_the_mtp_layer_its_own_way(tiny_ckpt, tmp_path):
+    from conftest import run_cli
+    from megamoe_convert.loader import load_rank
+    from megamoe_convert.manifest import read_manifest
+
+    out = tmp_path / "sglang"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang",
+            "--experts-only")
+    manifest = read_manifest(out)
+    assert manifest.engine == "sglang" and json.loads((out / "manifest.json").read_text())["engine"] == "sglang"
+    layers = load_rank(out, 3)
+    assert layers["mtp.0.ffn.experts"].logical_ids == (6, 7) and layers["mtp.0.ffn.experts"].experts_start_idx == 6
+    assert layers["layers.1.ffn.experts"].logical_ids == (1, 2, 3)
+    assert "OK" in run_cli("verify", out, "--source", tiny_ckpt).stdout
+
+
+def test_inspect_and_plan_say_which_engines_serve_the_shapes(tiny_ckpt):
+    from conftest import run_cli
+
+    info = json.loads(run_cli("inspect", tiny_ckpt, "--ep-size", 4, "--json").stdout)
+    assert info["engines"] == {"vllm": None, "sglang": "hidden_size=256 is not a multiple of 512"}
+    assert "not sglang (hidden_size=256 is not a multiple of 512)" in run_cli("inspect", tiny_ckpt).stdout
+    plan = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang",
+                              "--json").stdout)
+    assert plan["engine"] == "sglang" and plan["engines"]["vllm"] is None
+    assert plan["layer_placements"]["mtp.0"]["physical_to_logical"] == list(range(8))
+    text = run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang").stdout
+    assert "mtp.0 (sglang)" in text and "served by: vllm; not sglang" in text

@@ -50,6 +50,16 @@ def test_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(tiny_ck
     assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
 
 
+def test_a_conversion_for_sglangs_placement_is_refused(tiny_ckpt, tmp_path):
+    out = tmp_path / "sglang"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang",
+            "--experts-only")
+    model = stand_in_model(STAND_INS["kernel_layout"], 0)
+    with pytest.raises(InstallError, match="converted for sglang's expert placement, not vllm's; convert with "
+                                           "--engine vllm"):
+        install(model, out, rank=0)
+
+
 def test_a_layer_missing_from_the_conversion_is_refused(tiny_converted):
     model = stand_in_model(STAND_INS["kernel_layout"], 0, n_layers=3)
     with pytest.raises(InstallError, match=r"model.layers.3.mtp_block.ffn.experts: layer mtp.1 is not in"):

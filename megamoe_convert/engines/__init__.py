@@ -22,6 +22,37 @@ if TYPE_CHECKING:
     from ..loader import ConvertedModel, Destinations, ExpertLayer
 
 
+#: Each engine's MegaMoE shape rule: (hidden_size multiple, moe_intermediate_size multiple).
+#: vLLM checks DeepGEMM's own 128; SGLang's pre-dispatch needs 16-byte input scale rows
+#: (``mega_moe.py: check_mega_moe_shapes``, fp8 x fp4: hidden % 512).
+SHAPE_RULES = {"vllm": (128, 128), "sglang": (512, 128)}
+
+
+def shape_refusals(hidden: int, intermediate: int) -> dict[str, str | None]:
+    """Per engine: why it cannot serve these dims with MegaMoE, or None when it can."""
+    refusals: dict[str, str | None] = {}
+    for engine, (h, i) in SHAPE_RULES.items():
+        bad = [f"{name}={value} is not a multiple of {m}" for name, value, m in
+               (("hidden_size", hidden, h), ("moe_intermediate_size", intermediate, i)) if value % m]
+        refusals[engine] = ", ".join(bad) or None
+    return refusals
+
+
+def require_engine(converted: "ConvertedModel", engine: str) -> None:
+    """A conversion holds one engine's per-layer placement (``convert --engine``); another
+    engine would read the wrong experts in the layers where the rules differ."""
+    if converted.manifest.engine != engine:
+        raise InstallError(f"{converted.path}: converted for {converted.manifest.engine}'s expert placement, "
+                           f"not {engine}'s; convert with --engine {engine}")
+
+
+def describe_engines(hidden: int, intermediate: int) -> str:
+    """One line for ``inspect`` / ``plan``: which engines serve these shapes, and why not the others."""
+    refusals = shape_refusals(hidden, intermediate)
+    parts = [engine if why is None else f"not {engine} ({why})" for engine, why in refusals.items()]
+    return "; ".join(parts)
+
+
 class InstallError(ValueError):
     """A model whose MegaMoE modules do not match the converted directory (or no known contract)."""
 

@@ -7,7 +7,6 @@ with the EP numbers of its rank; it always maps physical slot ``p`` to logical `
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 from typing import Sequence
@@ -16,10 +15,9 @@ import torch
 from torch import nn
 
 from ..checkpoint import MoELayer
-from ..loader import ConvertedModel, LoadError, load_rank, open_converted
-from . import Contract, InstallError
-
-log = logging.getLogger(__name__)
+from ..loader import ConvertedModel
+from . import Contract, InstallError, driver
+from .driver import classify
 
 #: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``.
 VLLM_PREFIX = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<index>\d+)\.(?:mtp_block\.)?ffn\.experts$")
@@ -75,49 +73,37 @@ def current_ep_rank() -> int:
     return int(get_ep_group().rank_in_group)
 
 
-def classify(model: nn.Module, contracts: Sequence[Contract]) -> list[tuple[nn.Module, Contract]]:
-    """Every MegaMoE experts module with its contract; one of no known contract is refused."""
-    found = []
-    for module in model.modules():
-        if not looks_like_megamoe_experts(module):
-            continue
-        contract = next((c for c in contracts if c.detect(module)), None)
-        if contract is None:
-            closest = min(contracts, key=lambda c: len(c.missing(module)))
-            raise InstallError(f"{getattr(module, 'prefix', '?')}: {type(module).__name__} is of no MegaMoE contract "
-                               f"megamoe-convert knows; closest is {closest.name}, which needs "
-                               f"{', '.join(closest.missing(module))}")
-        found.append((module, contract))
-    if not found:
-        raise InstallError("no MegaMoE experts modules in the model (is --moe-backend deep_gemm_mega_moe set, "
-                           "with --enable-expert-parallel?)")
-    return found
+class VllmEngine:
+    """vLLM's side of :func:`driver.install_model`: modules by prefix, EP numbers checked first."""
+
+    name = "vllm"
+
+    def __init__(self, contracts: Sequence[Contract]) -> None:
+        self.contracts = contracts
+
+    def current_rank(self) -> int:
+        return current_ep_rank()
+
+    def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
+        return classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
+                        hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
+
+    def prefix(self, module: nn.Module) -> str:
+        return module.prefix
+
+    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
+        return layer_key(module.prefix, converted.num_hidden_layers)
+
+    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
+              rank: int) -> None:
+        check_ep_numbers(module, converted, rank)
+        contract.check(module, layer, converted, rank)
 
 
 def install_model(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
                   *, verify: bool = False) -> int:
     """Check every module, then put each layer's bytes straight into its module's storage."""
-    rank = current_ep_rank() if rank is None else rank
-    try:
-        converted = open_converted(out, [rank])
-    except LoadError as e:
-        raise InstallError(str(e)) from None
-    modules = classify(model, contracts)
-    layers = {l.key: l for l in converted.manifest.layers}
-    planned: list[tuple[nn.Module, Contract, MoELayer]] = []
-    for module, contract in modules:
-        key = layer_key(module.prefix, converted.num_hidden_layers)
-        if key not in layers:
-            raise InstallError(f"{module.prefix}: layer {key} is not in {converted.path} "
-                               f"(converted layers: {', '.join(sorted(layers))})")
-        check_ep_numbers(module, converted, rank)
-        contract.check(module, layers[key], converted, rank)
-        planned.append((module, contract, layers[key]))
-    for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
-        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
-        contract.finish(module, loaded[layer.prefix])
-    log.info("megamoe: installed %d MegaMoE layers for EP rank %d from %s", len(planned), rank, converted.path)
-    return len(planned)
+    return driver.install_model(model, out, rank, VllmEngine(contracts), verify=verify)
 
 
 def require(module: nn.Module, names: Sequence[str]) -> list[str]:

@@ -8,53 +8,18 @@ rank folders of a hub repo are never fetched).
 
 from __future__ import annotations
 
-import copy
 import logging
-import re
-from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from ..manifest import read_manifest
-from . import InstallError
+from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, refuse_experts_only, \
+    without_expert_tensors
+
+__all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
 
 log = logging.getLogger(__name__)
-
-LOAD_FORMAT = "megamoe"
-#: What vLLM's own weight iterator must never fetch from a hub repo: the rank folders
-#: (``install`` pulls just this rank's shards itself).
-RANK_FILES_PATTERN = "rank-*-of-*/*"
-#: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
-EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
-
-
-def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The default safetensors iterator, minus routed-expert tensors (installed separately)."""
-    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
-
-
-def as_safetensors_config(load_config: Any) -> Any:
-    """A copy of vLLM's ``LoadConfig`` for the default loader underneath: ``DefaultModelLoader``
-    knows only its own formats (``megamoe`` would be "Unknown load_format"), so the non-expert
-    shards are read as plain safetensors, and the rank folders are never downloaded."""
-    if load_config is None:
-        return None
-    config = copy.copy(load_config)
-    config.load_format = "safetensors"
-    ignore = config.ignore_patterns
-    config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN]
-    return config
-
-
-def refuse_experts_only(out: str) -> None:
-    """An ``--experts-only`` conversion has no non-expert weights for vLLM to load: say so,
-    rather than vLLM's "Cannot find any model weights"."""
-    path = Path(out)
-    if path.is_dir() and read_manifest(path).experts_only:
-        raise InstallError(f"{path}: converted with --experts-only, so it holds no non-expert weights to serve; "
-                           "convert without --experts-only for --load-format megamoe")
 
 
 def make_loader_class(default_loader: type) -> type:

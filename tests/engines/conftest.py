@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from megamoe_convert.convert import ConvertOptions, convert
 from megamoe_convert.synth import load_preset, synthesize
 
 EXPECTED = os.environ.get("MEGAMOE_ENGINE")  # e.g. "vllm==0.33.0"
@@ -28,6 +29,14 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"expected {EXPECTED}, imported {package} {module.__version__} from {module.__file__}")
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Another engine's test files are not even imported (their harness imports that engine)."""
+    name = collection_path.name
+    if name.startswith("test_") and name.endswith(".py"):
+        return not name.startswith(f"test_{EXPECTED.partition('==')[0]}_")
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test file names its engine, and a test may be for one contract only: the others are
     deselected (never skipped: a skip here is a failure)."""
@@ -42,7 +51,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 
-def convert(src: Path, out: Path, *args: object) -> Path:
+def run_convert(src: Path, out: Path, *args: object) -> Path:
     subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", src, out, *map(str, args)],
                    check=True, capture_output=True)
     return out
@@ -61,11 +70,31 @@ def engine_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine_converted(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """EP 4 with 4 redundant experts: 3 slots per rank, ranks 1-3 hold replicas."""
-    return convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "ep4", "--ep-size", 4,
+    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "ep4", "--ep-size", 4,
                    "--num-redundant-experts", 4)
 
 
 @pytest.fixture(scope="session")
 def engine_experts_only(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "experts-only", "--ep-size", 4,
+    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "experts-only", "--ep-size", 4,
                    "--num-redundant-experts", 4, "--experts-only")
+
+
+@pytest.fixture(scope="session")
+def sglang_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with hidden_size 512 (SGLang's MegaMoE needs hidden % 512 == 0). Read-only."""
+    import sglang_harness
+
+    preset = tmp_path_factory.mktemp("preset") / "tiny-h512.json"
+    preset.write_text(json.dumps(sglang_harness.CONFIG))
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-h512"
+    synthesize(path, str(preset), seed=2)
+    return path
+
+
+@pytest.fixture(scope="session")
+def sglang_converted(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``sglang_ckpt`` converted for SGLang, EP 4 with 4 redundant experts. Read-only."""
+    out = tmp_path_factory.mktemp("converted") / "sglang-ep4"
+    convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang"))
+    return out

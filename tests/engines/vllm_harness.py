@@ -31,6 +31,7 @@ from torch import nn
 
 import vllm
 from megamoe_convert import layout
+from trees import bare as _bare
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 #: vLLM >= 0.33 builds DeepGemmMegaMoEExperts (kernel layout); before, DeepseekV4MegaMoEExperts (finalize).
@@ -109,15 +110,6 @@ ATTENTION_DEFAULTS = {"num_attention_heads": 1}
 
 def hf_config(ckpt: Path) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**ATTENTION_DEFAULTS, **json.loads((ckpt / "config.json").read_text())})
-
-
-def _bare(cls: type, **attributes) -> nn.Module:
-    """An instance of vLLM's class whose heavy ``__init__`` (GPU attention, TP linears) is skipped."""
-    module = cls.__new__(cls)
-    nn.Module.__init__(module)
-    for name, value in attributes.items():
-        setattr(module, name, value)
-    return module
 
 
 def make_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:

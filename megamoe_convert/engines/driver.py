@@ -1,0 +1,87 @@
+"""The install driver every engine shares: open the conversion once, check every module, then
+put each layer's bytes straight into its module's storage.
+
+An :class:`Engine` says how to find its MegaMoE modules, which checkpoint layer each one is,
+what its own rank is and what it checks beyond the contract; the driver does the rest, so an
+error in one module never leaves another half-installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from torch import nn
+
+from ..checkpoint import MoELayer
+from ..loader import ConvertedModel, LoadError, load_rank, open_converted
+from . import Contract, InstallError, require_engine
+
+log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """One serving engine's side of installing (see the module docstring)."""
+
+    #: The manifest's ``engine``: whose per-layer placement a conversion must hold.
+    name: str
+
+    def current_rank(self) -> int: ...
+
+    def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
+        """Every MegaMoE experts module with its contract; refuses a model with none or an unknown one."""
+        ...
+
+    def prefix(self, module: nn.Module) -> str: ...
+
+    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
+        """The checkpoint layer (``layers.7`` / ``mtp.0``) a module holds."""
+        ...
+
+    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
+              rank: int) -> None: ...
+
+
+def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
+                  *, verify: bool = False) -> int:
+    """Check every module, then put each layer's bytes straight into its module's storage."""
+    rank = engine.current_rank() if rank is None else rank
+    try:
+        converted = open_converted(out, [rank])
+    except LoadError as e:
+        raise InstallError(str(e)) from None
+    require_engine(converted, engine.name)
+    layers = {l.key: l for l in converted.manifest.layers}
+    planned: list[tuple[nn.Module, Contract, MoELayer]] = []
+    for module, contract in engine.classify(model):
+        key = engine.layer_key(module, converted)
+        if key not in layers:
+            raise InstallError(f"{engine.prefix(module)}: layer {key} is not in {converted.path} "
+                               f"(converted layers: {', '.join(sorted(layers))})")
+        engine.check(module, contract, layers[key], converted, rank)
+        planned.append((module, contract, layers[key]))
+    for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
+        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
+        contract.finish(module, loaded[layer.prefix])
+    log.info("megamoe: installed %d MegaMoE layers for %s EP rank %d from %s", len(planned), engine.name, rank,
+             converted.path)
+    return len(planned)
+
+
+def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix: str = "prefix",
+             hint: str = "") -> list[tuple[nn.Module, Contract]]:
+    """Each candidate module with the first contract that detects it; one of none is refused,
+    naming the closest contract and what it lacks."""
+    found = []
+    for module in modules:
+        contract = next((c for c in contracts if c.detect(module)), None)
+        if contract is None:
+            closest = min(contracts, key=lambda c: len(c.missing(module)))
+            raise InstallError(f"{getattr(module, prefix, '?')}: {type(module).__name__} is of no MegaMoE contract "
+                               f"megamoe-convert knows; closest is {closest.name}, which needs "
+                               f"{', '.join(closest.missing(module))}")
+        found.append((module, contract))
+    if not found:
+        raise InstallError(f"no MegaMoE experts modules in the model{hint}")
+    return found

@@ -1,0 +1,49 @@
+"""What every engine's ``--load-format megamoe`` shares: the engine's default loader underneath
+reads the converted directory's non-expert shards as plain safetensors, minus the routed-expert
+tensors (installed from the rank's own shards), and never fetches the rank folders of a hub repo.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from ..manifest import read_manifest
+from . import InstallError
+
+LOAD_FORMAT = "megamoe"
+#: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
+#: (``install`` pulls just this rank's shards itself).
+RANK_FILES_PATTERN = "rank-*-of-*/*"
+#: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
+EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
+
+
+def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The default safetensors iterator, minus routed-expert tensors (installed separately)."""
+    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
+
+
+def as_safetensors_config(load_config: Any) -> Any:
+    """A copy of the engine's ``LoadConfig`` for the default loader underneath, which knows only
+    its own formats (``megamoe`` would be unknown): plain safetensors, rank folders ignored."""
+    if load_config is None:
+        return None
+    config = copy.copy(load_config)
+    config.load_format = "safetensors"  # both engines' LoadFormat values compare equal to their strings
+    ignore = config.ignore_patterns
+    config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN]
+    return config
+
+
+def refuse_experts_only(out: str) -> None:
+    """An ``--experts-only`` conversion has no non-expert weights for the engine to load: say so,
+    rather than the engine's "Cannot find any model weights"."""
+    path = Path(out)
+    if path.is_dir() and read_manifest(path).experts_only:
+        raise InstallError(f"{path}: converted with --experts-only, so it holds no non-expert weights to serve; "
+                           "convert without --experts-only for --load-format megamoe")

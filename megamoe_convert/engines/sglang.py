@@ -1,0 +1,196 @@
+"""SGLang (0.5.23): DeepSeek-V4's ``FusedMoE`` experts under ``--moe-a2a-backend megamoe``.
+
+SGLang loads the checkpoint's MXFP4 experts into ``w13_weight`` / ``w2_weight`` (int8) and FP32
+``w13_weight_scale_inv`` / ``w2_weight_scale_inv``; then ``Fp8MoEMethod`` post-processing calls
+``mega_moe.py: build_mega_moe_experts_weights``, which returns at once when
+``_mega_moe_weights_built`` is set. What it leaves, and what :func:`install` leaves:
+
+- ``w13_weight``: the gate/up-interleaved weight; ``mega_l1_weights[0]`` is its ``.data``;
+  ``w2_weight`` unchanged, ``mega_l2_weights[0]`` is its ``.data``.
+- ``mega_w13_weight_scale_utccp`` / ``mega_w2_weight_scale_utccp``: new Parameters holding the
+  UTCCP-transposed MN-major int32 scales, sharing storage with ``mega_l1_weights[1]`` /
+  ``mega_l2_weights[1]`` (SGLang's EPLB moves parameters: the mega tensors must move with them).
+- ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``: the same scales *without* the UTCCP
+  transpose (DeepEP's path reads them), ``format_ue8m0 = True``. The rank files hold only the
+  transposed ones, so these are derived on the module's device (a byte permutation).
+
+SGLang builds the MTP (NextN) layer without expert location and redundant experts; the
+conversion must hold SGLang's per-layer placement (``convert --engine sglang``), and every
+module's physical-to-logical map is compared with it before anything is changed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import layout
+from ..checkpoint import MoELayer
+from ..loader import ConvertedModel, Destinations, ExpertLayer
+from . import SHAPE_RULES, Contract, InstallError, driver
+
+#: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.
+SGLANG_PREFIX = re.compile(r"^model\.(?:layers\.(?P<index>\d+)|(?P<mtp>decoder))\.mlp\.experts$")
+MARKERS = ("layer_name", "layer_id", "moe_ep_rank", "moe_ep_size", "moe_tp_size", "num_experts",
+           "num_local_experts", "num_fused_shared_experts", "hidden_size", "intermediate_size_per_partition",
+           "uses_expert_location", "quant_method", "_mega_moe_weights_built", "w13_weight", "w2_weight",
+           "w13_weight_scale_inv", "w2_weight_scale_inv")
+SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
+
+
+def layer_key(prefix: str) -> str:
+    """SGLang module prefix -> checkpoint layer key (``layers.7`` / ``mtp.0``)."""
+    m = SGLANG_PREFIX.match(prefix)
+    if m is None:
+        raise InstallError(f"{prefix}: not a MegaMoE experts prefix (expected model.layers.N.mlp.experts or "
+                           "model.decoder.mlp.experts)")
+    return "mtp.0" if m["mtp"] else f"layers.{m['index']}"
+
+
+def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
+    """The logical expert SGLang loads into each local slot: from its expert-location table for
+    layers that use one, else slot ``p`` holds logical ``p`` (the NextN layer, drafts)."""
+    start = module.moe_ep_rank * module.num_local_experts
+    if not module.uses_expert_location:
+        return tuple(range(start, start + module.num_local_experts))
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    table = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
+    return tuple(int(x) for x in table[start:start + module.num_local_experts])
+
+
+def refusal(module: nn.Module) -> str | None:
+    """What this module's MegaMoE mode is that the conversion's layout is not, if anything."""
+    if module._mega_moe_weights_built:
+        return "its MegaMoE weights are already built; install before SGLang's process_weights_after_loading"
+    if getattr(module, "_mega_moe_w4a4", False):
+        return "W4A4 MegaMoE (--enable-w4a4-mxfp4-megamoe) interleaves gate/up by 16, the conversion by 8"
+    if getattr(module, "_mega_moe_nvfp4", False):
+        return "NVFP4 MegaMoE experts are not the conversion's MXFP4 layout"
+    if module.num_fused_shared_experts:
+        return (f"{module.num_fused_shared_experts} fused shared expert slot(s) sit beside the routed experts; "
+                "the conversion holds routed experts only (serve with shared-experts fusion disabled)")
+    if not getattr(module.quant_method, "is_fp4_expert", False):
+        return (f"{type(module.quant_method).__name__} does not take FP4 experts through fp8.py's MegaMoE build "
+                "(the only path that skips its transform when _mega_moe_weights_built is set)")
+    return None
+
+
+def expect(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = getattr(module, name)
+    if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+        raise InstallError(f"{module.layer_name}: {name} is {t.dtype}{list(t.shape)} with strides "
+                           f"{list(t.stride())}, expected a contiguous {dtype}{list(shape)}")
+
+
+class MegaMoEContract:
+    name = "SGLang FusedMoE with --moe-a2a-backend megamoe (fp8.py, build_mega_moe_experts_weights)"
+
+    def missing(self, module: nn.Module) -> list[str]:
+        return [n for n in MARKERS if not hasattr(module, n)]
+
+    def detect(self, module: nn.Module) -> bool:
+        return not self.missing(module)
+
+    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+        where = module.layer_name
+        why = refusal(module)
+        if why:
+            raise InstallError(f"{where}: cannot take pre-baked experts: {why}")
+        if converted.weight_format != "mxfp4":
+            raise InstallError(f"{where}: SGLang's fp8.py MegaMoE build takes MXFP4 experts, but {converted.path} "
+                               f"holds {converted.weight_format}")
+        placement, dims = converted.manifest.placement_for(layer), converted.manifest.dims
+        h_rule, i_rule = SHAPE_RULES["sglang"]
+        if dims.hidden_size % h_rule or dims.moe_intermediate_size % i_rule:
+            raise InstallError(f"{where}: SGLang's MegaMoE needs hidden_size % {h_rule} == 0 and "
+                               f"moe_intermediate_size % {i_rule} == 0; {converted.path} has "
+                               f"{dims.hidden_size} and {dims.moe_intermediate_size}")
+        expected = {"moe_ep_rank": rank, "moe_ep_size": placement.ep_size, "moe_tp_size": 1,
+                    "num_experts": placement.n_physical, "num_local_experts": placement.experts_per_rank,
+                    "hidden_size": dims.hidden_size, "intermediate_size_per_partition": dims.moe_intermediate_size}
+        for attribute, want in expected.items():
+            if getattr(module, attribute) != want:
+                raise InstallError(f"{where}: {attribute} is {getattr(module, attribute)} in the model but {want} in "
+                                   f"{converted.path} ({layer.key}, rank {rank}, ep_size {placement.ep_size})")
+        have, want_ids = module_logical_ids(module), placement.rank_logical_ids(rank)
+        if have != want_ids:
+            raise InstallError(f"{where}: SGLang places logical experts {list(have)} on rank {rank}, but "
+                               f"{converted.path} holds {list(want_ids)} for {layer.key} (another "
+                               "--init-expert-location or --ep-num-redundant-experts?)")
+        e, h, i = placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size
+        expect(module, "w13_weight", torch.int8, (e, 2 * i, h // 2))
+        expect(module, "w2_weight", torch.int8, (e, h, i // 2))
+        expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout.SCALE_BLOCK_K))
+        expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout.SCALE_BLOCK_K))
+
+    def destinations(self, module: nn.Module) -> Destinations:
+        """Weights into SGLang's own parameters; the UTCCP scales into new MN-major tensors on the
+        module's device (SGLang's FP32 scale parameters are replaced, as its build does)."""
+        e, n13, half_h = module.w13_weight.shape
+        _, h, half_i = module.w2_weight.shape
+        return {"l1_weight": module.w13_weight.data, "l1_sf": empty_sf_storage(e, n13, half_h * 2, module),
+                "l2_weight": module.w2_weight.data, "l2_sf": empty_sf_storage(e, h, half_i * 2, module)}
+
+    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+        for gemm, kernel, scale in (("l1", layer.l1, "w13"), ("l2", layer.l2, "w2")):
+            utccp = kernel.sf
+            getattr(module, f"{scale}_weight_scale_inv").data = layout.untranspose_sf_for_utccp(utccp)
+            getattr(module, f"{scale}_weight_scale_inv").format_ue8m0 = True
+            setattr(module, f"mega_{gemm}_weights", (getattr(module, f"{scale}_weight").data, utccp))
+            module.register_parameter(f"mega_{scale}_weight_scale_utccp", nn.Parameter(utccp, requires_grad=False))
+        module._mega_moe_weights_built = True
+
+
+def empty_sf_storage(experts: int, mn: int, k: int, module: nn.Module) -> torch.Tensor:
+    """Contiguous int32 ``[E, K/128, MN]``: the storage of MN-major packed scales."""
+    return torch.empty((experts, layout.packed_k(k), layout.tma_aligned_mn(mn)), dtype=torch.int32,
+                       device=module.w13_weight.device)
+
+
+CONTRACT = MegaMoEContract()
+
+
+class SglangEngine:
+    """SGLang's side of :func:`driver.install_model`."""
+
+    name = "sglang"
+
+    def current_rank(self) -> int:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+        except ImportError as e:
+            raise InstallError("rank=None needs SGLang's parallel context, but sglang is not importable; "
+                               "pass rank=") from e
+        return int(get_parallel().moe_ep_rank)
+
+    def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
+        candidates = [m for m in model.modules() if SGLANG_PREFIX.match(str(getattr(m, "layer_name", "")))]
+        return driver.classify(candidates, [CONTRACT], prefix="layer_name",
+                               hint=" (is --moe-a2a-backend megamoe set?)")
+
+    def prefix(self, module: nn.Module) -> str:
+        return module.layer_name
+
+    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
+        return layer_key(module.layer_name)
+
+    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
+              rank: int) -> None:
+        contract.check(module, layer, converted, rank)
+
+
+ENGINE = SglangEngine()
+
+
+def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
+    """Load rank ``rank``'s MegaMoE experts from ``out`` into every MegaMoE ``FusedMoE`` of an
+    SGLang model, leaving them as SGLang's own post-processing would (so it skips its transform).
+
+    ``rank=None`` takes SGLang's current MoE EP rank. Every module is checked (mode, EP numbers,
+    placement, shapes) before any is changed; a mismatch raises :class:`InstallError`.
+    """
+    return driver.install_model(model, out, rank, ENGINE, verify=verify)
