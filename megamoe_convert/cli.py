@@ -35,6 +35,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .convert import ConvertError
     from .devices import DeviceError
+    from .formats import FormatError
     from .hub import HubError
     from .layout import LayoutError
     from .loader import LoadError
@@ -42,7 +43,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .placement import PlacementError
     from .safetensors_io import SafetensorsError
     from .synth import SynthError
-    return (CheckpointError, ConvertError, DeviceError, HubError, LayoutError, LoadError, ManifestError,
+    return (CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
             PlacementError, SafetensorsError, SynthError, OSError)
 
 
@@ -116,8 +117,12 @@ def synth(
     experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
     mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Random seed (same seed, same bytes).")] = 0,
-    weight_dtype: Annotated[WeightDtype, typer.Option(help="Stored dtype of packed FP4 expert weights.")] = WeightDtype.int8,
-    scale_dtype: Annotated[ScaleDtype, typer.Option(help="Stored dtype of UE8M0 expert scales.")] = ScaleDtype.e8m0,
+    weight_format: Annotated[str, typer.Option(
+        "--format", help="Routed experts' MegaMoE weight format: mxfp4 (DeepSeek-V4's), mxfp8, nvfp4 or bf16.")] = "mxfp4",
+    weight_dtype: Annotated[Optional[WeightDtype], typer.Option(
+        help="Stored dtype of packed FP4 expert weights (mxfp4; default int8).")] = None,
+    scale_dtype: Annotated[Optional[ScaleDtype], typer.Option(
+        help="Stored dtype of UE8M0 expert scales (mxfp4; default e8m0).")] = None,
     shard_mb: Annotated[Optional[float], typer.Option(min=0.001, help="Shard size in MB (default: 0.4 of a layer's "
                                                            "experts, so layers span shards).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
@@ -128,7 +133,8 @@ def synth(
     def body() -> None:
         with ByteProgress(f"synth {preset.value}") as progress:
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
-                                weight_dtype=weight_dtype.value, scale_dtype=scale_dtype.value,
+                                weight_format=weight_format, weight_dtype=weight_dtype and weight_dtype.value,
+                                scale_dtype=scale_dtype and scale_dtype.value,
                                 shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
                                 progress=progress, overwrite=overwrite)
         err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"

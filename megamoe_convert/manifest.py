@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import __version__, formats
 from .checkpoint import ModelDims, MoELayer
 from .placement import Placement
 from .writer import CHECKSUM_ALGORITHM, FileRecord
@@ -41,11 +41,8 @@ def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
 
 
 def expert_tensor_names(layer: MoELayer) -> dict[str, str]:
-    """Names of the tensors in a rank shard. ``*.sf`` hold the MN-major scales' storage
-    ``[E, packed_k, MN]``; the kernel's view is ``tensor.transpose(1, 2)``."""
-    p = layer.prefix
-    return {"l1_weight": f"{p}.l1.weight", "l1_sf": f"{p}.l1.sf", "l2_weight": f"{p}.l2.weight",
-            "l2_sf": f"{p}.l2.sf", "logical_ids": f"{p}.logical_ids"}
+    """Names of the tensors a rank shard can hold (:data:`formats.FILE_NAMES`)."""
+    return formats.tensor_names(layer.prefix)
 
 
 @dataclass
@@ -75,7 +72,9 @@ class Manifest:
             "source": self.source,
             "dims": {"hidden_size": self.dims.hidden_size,
                      "moe_intermediate_size": self.dims.moe_intermediate_size,
-                     "n_routed_experts": self.dims.n_routed_experts},
+                     "n_routed_experts": self.dims.n_routed_experts,
+                     "weight_format": self.dims.weight_format,
+                     "shared_intermediate_size": self.dims.shared_intermediate_size},
             "ep_size": self.ep_size,
             "ranks": self.ranks,
             "placement": self.placement.to_json(),
@@ -109,7 +108,8 @@ class Manifest:
                                 "rerun the same `megamoe convert` command to complete it")
         try:
             dims = ModelDims(**{k: _int(data["dims"][k], f"dims.{k}") for k in
-                                ("hidden_size", "moe_intermediate_size", "n_routed_experts")})
+                                ("hidden_size", "moe_intermediate_size", "n_routed_experts")},
+                             **formats.manifest_fields(data["dims"], f"{where}: dims"))
             placement = Placement.from_json(data["placement"])
             manifest = cls(
                 source=dict(data["source"]),

@@ -7,7 +7,7 @@ knows an engine's attribute names:
 - ``check(module, layer, converted, rank)``: is it built for exactly what was converted?
   Raises :class:`InstallError` naming the module and both values. Runs for every module
   before any module is changed.
-- ``destinations(module)`` + ``finish(module, layer)``: where the file bytes go (the engine's
+- ``destinations(module, converted)`` + ``finish(module, layer)``: where the file bytes go (the engine's
   own storage, so no second copy exists), and what the engine needs set afterwards.
 """
 
@@ -39,6 +39,6 @@ class Contract(Protocol):
 
     def check(self, module: nn.Module, layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None: ...
 
-    def destinations(self, module: nn.Module) -> "Destinations": ...
+    def destinations(self, module: nn.Module, converted: "ConvertedModel") -> "Destinations": ...
 
     def finish(self, module: nn.Module, layer: "ExpertLayer") -> None: ...

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .. import formats
 from ..checkpoint import MoELayer
 from ..loader import ConvertedModel, LoadError, load_rank, open_converted
 from . import Contract, InstallError
@@ -114,7 +115,7 @@ def install_model(model: nn.Module, out: Path | str, rank: int | None, contracts
         contract.check(module, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
     for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
-        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
+        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module, converted)})
         contract.finish(module, loaded[layer.prefix])
     log.info("megamoe: installed %d MegaMoE layers for EP rank %d from %s", len(planned), rank, converted.path)
     return len(planned)
@@ -135,3 +136,22 @@ def expect_tensor(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple
     if t.dtype != dtype or tuple(t.shape) != shape or (stride is not None and tuple(t.stride()) != stride):
         raise InstallError(f"{module.prefix}: {name} is {t.dtype}{list(t.shape)} with strides {list(t.stride())}, "
                            f"expected {dtype}{list(shape)}" + (f" with strides {list(stride)}" if stride else ""))
+
+
+def expect_kernel_tensors(module: nn.Module, parameters: dict[str, str], layer: MoELayer,
+                          converted: ConvertedModel) -> None:
+    """Each ``{rank-file key: parameter}`` must be exactly the tensor the conversion wrote for it:
+    its dtype and shape, contiguous, or for scales (``*_sf``) the MN-major view of a contiguous array."""
+    from ..convert import rank_shard_specs  # the writer's own spec is the contract
+
+    dims = converted.manifest.dims
+    specs = formats.spec_keys(rank_shard_specs(layer, converted.manifest.placement.experts_per_rank, dims),
+                              layer.prefix)
+    for key, name in parameters.items():
+        shape = specs[key].shape
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * shape[d + 1]
+        if key.endswith("_sf"):  # storage [..., words, MN] -> kernel view [..., MN, words]
+            shape, stride = (*shape[:-2], shape[-1], shape[-2]), (*stride[:-2], stride[-1], stride[-2])
+        expect_tensor(module, name, formats.torch_dtype(specs[key].dtype), tuple(shape), tuple(stride))

@@ -63,7 +63,7 @@ class FinalizeContract:
             if not getattr(module, name).is_contiguous():
                 raise InstallError(f"{module.prefix}: {name} is not contiguous")
 
-    def destinations(self, module: nn.Module) -> Destinations:
+    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         h, i = module.hidden_size, module.intermediate_size
         return {"l1_weight": module.w13_weight.data.view(torch.int8),
                 "l1_sf": _as_int32_storage(module.w13_weight_scale.data, 2 * i),

@@ -30,9 +30,25 @@ RANK_FILES_PATTERN = "rank-*-of-*/*"
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 
 
-def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The default safetensors iterator, minus routed-expert tensors (installed separately)."""
-    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
+def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed_shared: tuple[str, ...] = (),
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The default safetensors iterator, minus routed-expert tensors and the shared experts of
+    ``installed_shared`` layers (``layers.7``), both installed from the rank files."""
+    shared = tuple(f"{key}.ffn.shared_experts." for key in installed_shared)
+    return ((name, t) for name, t in weights
+            if not EXPERT_TENSOR_NAME.search(name) and not (shared and name.startswith(shared)))
+
+
+def installed_shared_layers(model: nn.Module, out: str) -> tuple[str, ...]:
+    """Checkpoint keys of the layers whose pre-baked shared expert ``install`` put in place."""
+    from ..vllm_integration import CONTRACTS
+    from .vllm import takes_shared
+    from .vllm_common import classify, layer_key
+    from ..loader import open_converted
+
+    converted = open_converted(out, [])
+    return tuple(layer_key(m.prefix, converted.num_hidden_layers) for m, _ in classify(model, CONTRACTS)
+                 if takes_shared(m, converted))
 
 
 def as_safetensors_config(load_config: Any) -> Any:
@@ -67,12 +83,15 @@ def make_loader_class(default_loader: type) -> type:
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
 
+        installed_shared: tuple[str, ...] = ()
+
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-            return without_expert_tensors(super().get_all_weights(model_config, model))
+            return without_expert_tensors(super().get_all_weights(model_config, model), self.installed_shared)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             refuse_experts_only(model_config.model)
             install(model, model_config.model)  # before the model's own load_weights (0.32 finalizes there)
+            self.installed_shared = installed_shared_layers(model, model_config.model)
             super().load_weights(model, model_config)
 
     return MegaMoEModelLoader
