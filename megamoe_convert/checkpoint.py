@@ -144,9 +144,10 @@ class Checkpoint:
         headers = cls._read_headers(root, weight_map)
         ckpt = cls(root, config, dims, weight_map, headers, index_bytes)
         ckpt.tensors = ckpt._collect_tensors()
+        ckpt.dims = replace(dims, weight_format=ckpt._identify_format().name)
         ckpt._check_experts()
         shared, ckpt.shared_expert_note = ckpt._fusable_shared_expert()
-        ckpt.dims = replace(dims, shared_intermediate_size=shared)
+        ckpt.dims = replace(ckpt.dims, shared_intermediate_size=shared)
         return ckpt
 
     @classmethod
@@ -161,11 +162,11 @@ class Checkpoint:
     @staticmethod
     def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
         try:
-            fmt = formats.from_expert_dtype(config.get("expert_dtype", "fp4"), path)
+            formats.check_expert_dtype(config.get("expert_dtype", "fp4"), path)
         except FormatError as e:
             raise CheckpointError(str(e)) from None
         dims = ModelDims(_config_int(config, "hidden_size", path), _config_int(config, "moe_intermediate_size", path),
-                         _config_int(config, "n_routed_experts", path), fmt.name)
+                         _config_int(config, "n_routed_experts", path))
         try:
             check_dims(dims.hidden_size, dims.moe_intermediate_size)
         except LayoutError as e:
@@ -227,6 +228,21 @@ class Checkpoint:
         """MoE layers with expert tensors, decoder layers first, then MTP, in order."""
         keys = {m["layer"] for name in self.tensors if (m := EXPERT_TENSOR.match(name))}
         return sorted(MoELayer.parse(k) for k in keys)
+
+    def _identify_format(self) -> WeightFormat:
+        """The routed experts' format, from the first expert's ``w1`` tensors (every other expert
+        tensor is then checked against it)."""
+        if not self.layers:
+            raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
+        first = self.layers[0]
+        weight = self.tensors.get(first.tensor_name(0, "w1", "weight"))
+        if weight is None:
+            raise CheckpointError(f"{self.root}: missing expert tensor {first.tensor_name(0, 'w1', 'weight')}")
+        scale = self.tensors.get(first.tensor_name(0, "w1", "scale"))
+        try:
+            return formats.identify(weight.dtype, scale and scale.dtype, f"{weight.path}: {first.prefix}.0.w1")
+        except FormatError as e:
+            raise CheckpointError(str(e)) from None
 
     def _check_experts(self) -> None:
         self._check_no_stray_expert_tensors()

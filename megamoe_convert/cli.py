@@ -168,9 +168,12 @@ def inspect(
         placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
         per_expert = ckpt.dims.bytes_per_expert()
         first = ckpt.layers[0]
-        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
+        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in ckpt.dims.expert_byte_shapes()}
         summary = {
-            "path": str(ckpt.root), "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
+            "path": str(ckpt.root), "model_type": ckpt.config.get("model_type"),
+            "weight_format": ckpt.dims.weight_format, "shared_expert": ckpt.dims.shared_intermediate_size or None,
+            "shared_expert_note": ckpt.shared_expert_note,
+            "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
             "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
             "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
             "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
@@ -184,6 +187,9 @@ def inspect(
         table.add_column("", style="bold")
         table.add_column("")
         d = ckpt.dims
+        table.add_row("model / weight format", f"{summary['model_type']} / {d.weight_format}")
+        table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
+                      if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
         table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
         table.add_row("routed experts", str(d.n_routed_experts))
         decoder = [l for l in ckpt.layers if not l.is_mtp]

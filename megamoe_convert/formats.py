@@ -79,8 +79,10 @@ BF16 = WeightFormat("bf16", "BF16", ("BF16",), fuses_fp8_shared=False)
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (MXFP4, MXFP8, NVFP4, BF16)}
 #: The format of a fused shared expert (``shared_l1`` / ``shared_l2``).
 SHARED_FORMAT = MXFP8
-#: ``config.json`` ``expert_dtype`` -> format. DeepSeek-V4 writes ``fp4``; the others name the format.
-EXPERT_DTYPES = {"fp4": MXFP4, **FORMATS}
+#: ``config.json`` ``expert_dtype`` values whose experts MegaMoE takes: DeepSeek-V4's ``fp4`` names
+#: the checkpoint's tensor naming (``.scale`` -> ``.weight_scale``); the format itself is read off
+#: the expert tensors (:func:`identify`).
+EXPERT_DTYPES = ("fp4",)
 
 
 def by_name(name: str, where: object = "weight_format") -> WeightFormat:
@@ -91,14 +93,25 @@ def by_name(name: str, where: object = "weight_format") -> WeightFormat:
     return fmt
 
 
-def from_expert_dtype(value: Any, where: object) -> WeightFormat:
-    """A checkpoint's routed-expert format from ``config.json``'s ``expert_dtype`` (default ``fp4``)."""
-    fmt = EXPERT_DTYPES.get(value) if isinstance(value, str) else None
-    if fmt is None:
+def check_expert_dtype(value: Any, where: object) -> None:
+    """``config.json``'s ``expert_dtype`` (default ``fp4``) must be one whose experts MegaMoE takes."""
+    if value not in EXPERT_DTYPES:
         hint = " (FP8 block-scaled experts, e.g. a -Base checkpoint)" if value == "fp8" else ""
         raise FormatError(f"{where}: expert_dtype is {value!r}{hint}; MegaMoE conversion supports "
                           f"{', '.join(repr(k) for k in EXPERT_DTYPES)}")
-    return fmt
+
+
+def identify(weight_dtype: str, scale_dtype: str | None, where: object) -> WeightFormat:
+    """The format of experts whose weights are ``weight_dtype`` with ``scale_dtype`` block scales
+    (``None``: unscaled); anything else is refused naming what was found."""
+    for fmt in FORMATS.values():
+        if weight_dtype in fmt.checkpoint_weight_dtypes and (
+                scale_dtype in fmt.scale_dtypes if fmt.scaled else scale_dtype is None):
+            return fmt
+    known = "; ".join(f"{f.name}: {'/'.join(f.checkpoint_weight_dtypes)} weights"
+                      + (f" with {'/'.join(f.scale_dtypes)} scales" if f.scaled else " unscaled") for f in FORMATS.values())
+    found = f"{weight_dtype} weights " + (f"with {scale_dtype} scales" if scale_dtype else "without scales")
+    raise FormatError(f"{where}: {found} are no MegaMoE weight format ({known})")
 
 
 # --------------------------------------------------------------------------------------

@@ -123,12 +123,11 @@ def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: b
         yield from _fp8_linear(f"{key}.ffn.shared_experts.{proj}", n, k)
 
 
-def checkpoint_tensors(config: dict[str, Any], weight_dtype: str | None = None, scale_dtype: str | None = None,
-                       ) -> Iterator[SynthTensor]:
-    """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head). The experts'
-    format is ``config["expert_dtype"]``; dtypes default to the format's first (canonical) ones."""
+def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4, weight_dtype: str | None = None,
+                       scale_dtype: str | None = None) -> Iterator[SynthTensor]:
+    """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head), routed experts
+    in ``fmt``; dtypes default to the format's first (canonical) ones."""
     h = config["hidden_size"]
-    fmt = formats.from_expert_dtype(config.get("expert_dtype", "fp4"), "config")
     weight_dtype = weight_dtype or fmt.checkpoint_weight_dtypes[0]
     scale_dtype = scale_dtype or (fmt.scale_dtypes[0] if fmt.scaled else "")
     yield SynthTensor("embed.weight", "BF16", (config["vocab_size"], h))
@@ -202,11 +201,9 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
     if mtp_layers is not None:
         config["num_nextn_predict_layers"] = mtp_layers
-    if weight_format is not None:
-        fmt = formats.by_name(weight_format, "--format")
-        config["expert_dtype"] = "fp4" if fmt is formats.MXFP4 else fmt.name
+    fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
     check_dims(config["hidden_size"], config["moe_intermediate_size"])
-    tensors = list(checkpoint_tensors(config, weight_dtype and WEIGHT_DTYPES[weight_dtype],
+    tensors = list(checkpoint_tensors(config, fmt, weight_dtype and WEIGHT_DTYPES[weight_dtype],
                                       scale_dtype and SCALE_DTYPES[scale_dtype]))
     if shard_bytes is None:
         layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
