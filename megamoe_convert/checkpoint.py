@@ -261,9 +261,8 @@ class Checkpoint:
             m = EXPERT_TENSOR.match(name)
             if m is None or (m["proj"], m["kind"]) not in self.dims.expert_byte_shapes():
                 kinds = sorted({kind for _, kind in self.dims.expert_byte_shapes()})
-                raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} for "
-                                      f"{self.dims.weight_format} experts (expected experts.{{e}}.w{{1,2,3}}."
-                                      f"{'|'.join(kinds)})")
+                raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} (expected "
+                                      f"experts.{{e}}.w{{1,2,3}}.{'|'.join(kinds)} of {self.dims.weight_format} experts)")
             if int(m["expert"]) >= n:
                 raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {m['expert']}, "
                                       f"but config.json has n_routed_experts={n}")
@@ -296,8 +295,8 @@ class Checkpoint:
             bits = DTYPE_BITS[entry.dtype]
             logical = [*byte_shape[:-1], byte_shape[-1] * 8 // bits] if len(byte_shape) == 2 else "one value"
             raise CheckpointError(f"{entry.path}: {name} has shape {list(entry.shape)}, expected {logical} "
-                                  f"({fmt.name}; hidden_size={self.dims.hidden_size}, "
-                                  f"moe_intermediate_size={self.dims.moe_intermediate_size} in config.json)")
+                                  f"(hidden_size={self.dims.hidden_size}, moe_intermediate_size="
+                                  f"{self.dims.moe_intermediate_size} in config.json; {fmt.name} experts)")
 
     def _fusable_shared_expert(self) -> tuple[int, str | None]:
         """``(S, None)`` when every MoE layer has a shared expert of intermediate size ``S`` that

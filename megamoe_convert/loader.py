@@ -173,8 +173,8 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
             raise LoadError(f"{header.path}: missing tensor {spec.name}")
         if entry.dtype != spec.dtype or entry.shape != spec.shape:
             raise LoadError(f"{header.path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected "
-                            f"{spec.dtype}{list(spec.shape)} ({dims.weight_format}, hidden_size={dims.hidden_size}, "
-                            f"moe_intermediate_size={dims.moe_intermediate_size}, {experts} experts per rank)")
+                            f"{spec.dtype}{list(spec.shape)} (hidden_size={dims.hidden_size}, moe_intermediate_size="
+                            f"{dims.moe_intermediate_size}, {experts} experts per rank, {dims.weight_format})")
         entries[key] = entry
     meta = header.metadata
     if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \

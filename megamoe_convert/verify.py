@@ -246,6 +246,9 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
     Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
     (dequantised matrices are large: that bounds memory, not coverage of the layout code).
     """
+    if manifest.dims.weight_format != "mxfp4":
+        report.skipped["numerics"] = f"the numerics check dequantises MXFP4 only; these are {manifest.dims.weight_format} experts"
+        return
     limit = float(ckpt.config.get("swiglu_limit", 0.0) or 0.0)
     scale = float(ckpt.config.get("routed_scaling_factor", 1.0))
     top_k = min(int(ckpt.config.get("num_experts_per_tok", 2)), manifest.placement.experts_per_rank)
@@ -323,6 +326,8 @@ def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, 
 def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
                     slots: dict[tuple[int, MoELayer], list[int]], progress: Progress) -> None:
     reason = deep_gemm_unavailable_reason()
+    if manifest.dims.weight_format != "mxfp4":
+        reason = f"DeepGEMM's fp8_fp4 transform takes MXFP4 only; these are {manifest.dims.weight_format} experts"
     if reason:
         report.skipped["deep_gemm"] = reason
         return

@@ -55,8 +55,9 @@ def test_each_format_converts_inspects_and_verifies_through_the_cli(tmp_path, we
     assert summary["shared_expert"] == (None if weight_format == "bf16" else I)
     run_cli("convert", src, out, "--ep-size", 2)
     assert json.loads((out / "manifest.json").read_text())["dims"]["weight_format"] == weight_format
-    report = json.loads(run_cli("verify", out, "--source", src, "--json").stdout)
-    assert report["ok"], report
+    report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
+    assert report["ok"] and report["checks"]["expert slots vs source"] == 4, report
+    assert "dequantises MXFP4 only" in report["skipped"]["numerics"]  # said, not silently passed
     layer = load_rank(out, 1)["layers.0.ffn.experts"]
     want = {"mxfp8": torch.float8_e4m3fn, "nvfp4": torch.int8, "bf16": torch.bfloat16}[weight_format]
     assert layer.l1.weight.dtype == want and (layer.l1.sf is None) == (weight_format == "bf16")
