@@ -287,15 +287,6 @@ def sf_from_storage(storage: torch.Tensor) -> torch.Tensor:
     return storage.transpose(-1, -2)
 
 
-def kernel_strides(experts: int, mn: int, k: int) -> dict[str, tuple[int, ...]]:
-    """Expected ``(shape, stride)`` of the weight and scale tensors of one GEMM, for checks."""
-    pk, mn_a = packed_k(k), tma_aligned_mn(mn)
-    return {
-        "weight_shape": (experts, mn, k // 2), "weight_stride": (mn * k // 2, k // 2, 1),
-        "sf_shape": (experts, mn, pk), "sf_stride": (pk * mn_a, 1, mn_a),
-    }
-
-
 # --------------------------------------------------------------------------------------
 # Dequantisation (FP4 e2m1 x UE8M0 -> float), of both forms
 # --------------------------------------------------------------------------------------

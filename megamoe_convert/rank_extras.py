@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import layout
+from . import formats, layout
 from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .safetensors_io import FileCache
 
@@ -51,7 +51,8 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
 def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k: int) -> torch.Tensor:
     """One shared projection's block scales as 1x32 UE8M0 bytes ``[N, K/32]``."""
     weight = ckpt.shared_entry(layer, proj, "weight")
-    group = layout.SCALE_BLOCK_K
+    group = formats.SHARED_FORMAT.scale_group_k
+    assert group is not None
     return layout.expand_block_scales(files.read(ckpt.shared_entry(layer, proj, "scale")), weight.shape[0], k // group)
 
 
