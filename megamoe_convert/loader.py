@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
@@ -196,7 +197,7 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry], names: dict[str, str
     with open(path, "rb") as f:
         # Private (copy-on-write) mapping: pages load lazily on first touch; writes never reach the file.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    t = {key: _mmap_tensor(mapped, entries[name], torch.int8 if key.endswith("weight") else torch.int32)
+    t = {key: _mmap_tensor(mapped, entries[name], _file_dtype(key))
          for key, name in names.items() if key != "logical_ids"}
     return (KernelWeights(t["l1_weight"], layout.sf_from_storage(t["l1_sf"])),
             KernelWeights(t["l2_weight"], layout.sf_from_storage(t["l2_sf"])))
@@ -220,6 +221,21 @@ class PinnedRing:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
         self.events: list[torch.cuda.Event | None] = [None] * count
         self.nbytes = nbytes
+
+
+_RING: PinnedRing | None = None
+_RING_LOCK = threading.Lock()
+
+
+def shared_ring() -> PinnedRing:
+    """One pinned ring per process: pinning host memory is slow (~2.3 GB/s), and an engine
+    installs layer by layer, one ``load_rank`` call each, so a ring per call would pin again
+    for every layer. Calls that use it hold ``_RING_LOCK``."""
+    global _RING
+    with _RING_LOCK:
+        if _RING is None:
+            _RING = PinnedRing()
+        return _RING
 
 
 def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[_Piece]:
@@ -293,7 +309,7 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
                dests: dict[MoELayer, Destinations]) -> None:
     """Fill every destination (all on one CUDA device) through the pinned ring."""
     device = next(iter(dests.values()))["l1_weight"].device
-    ring = PinnedRing()
+    ring = shared_ring()
     stream = torch.cuda.Stream(device=device)
     pieces: list[_Piece] = []
     fds = []
@@ -304,7 +320,7 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
             names = expert_tensor_names(layer)
             for key in TENSOR_KEYS:
                 pieces.extend(_pieces(fd, headers[layer][names[key]], dests[layer][key], ring.nbytes))
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read") as readers:
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read") as readers, _RING_LOCK:
             copy_pieces_to_device(pieces, ring, stream, readers)
         torch.cuda.current_stream(device).wait_stream(stream)
     finally:
