@@ -45,7 +45,17 @@ REPO = Path(__file__).resolve().parent.parent
 for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
     sys.path.insert(0, str(path))
 
-METHODS = ("ours", "vllm033_all", "vllm033_ep_filter", "vllm032")
+#: method -> (vLLM release whose modules it loads into, whose code loads, EP filter, redundant experts)
+METHODS = {
+    "ours": ("0.33", "install", False, False),
+    "vllm033_all": ("0.33", "vllm", False, False),
+    "vllm033_ep_filter": ("0.33", "vllm", True, False),
+    "ours_v032": ("0.32", "install", False, False),
+    "vllm032": ("0.32", "vllm", False, False),
+    # With redundant (EPLB) experts vLLM turns its EP weight filter off: every rank reads all.
+    "ours_redundant": ("0.33", "install", False, True),
+    "vllm033_redundant": ("0.33", "vllm", False, True),
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -80,37 +90,44 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import vllm_harness as h
     from megamoe_convert.vllm_integration import install
 
+    from megamoe_convert.loader import prepare_gpu_staging
+
+    _, code, ep_filter, with_redundant = METHODS[args.child]
+    redundant = args.redundant if with_redundant else 0
     imported = time.perf_counter()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.init()
         torch.empty(1, device=device)
     cuda_ready = time.perf_counter()
+    if code == "install":
+        prepare_gpu_staging()  # what --load-format megamoe's loader does when vLLM makes it
     config = h.hf_config(Path(args.src))
     with h.patched(args.rank, args.ep_size), torch.device(device):
-        model = h.build_main_model(config, args.rank, args.ep_size, 0)
+        model = h.build_main_model(config, args.rank, args.ep_size, redundant)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        built = time.perf_counter()
+        built, built_unix = time.perf_counter(), time.time()
         read_before = io_read_bytes()
-        if args.child == "ours":
-            install(model, args.out, rank=args.rank)
+        if code == "install":
+            install(model, out_dir(args, with_redundant), rank=args.rank)
         else:
             ids = None
-            if args.child.endswith("ep_filter"):
+            if ep_filter:
                 local = config.n_routed_experts // args.ep_size
                 ids = set(range(args.rank * local, (args.rank + 1) * local))
             model.load_weights(expert_weights(Path(args.src), ids))  # 0.30-0.32 finalize in there
         if device.type == "cuda":
             torch.cuda.synchronize()
-        loaded = time.perf_counter()
+        loaded, loaded_unix = time.perf_counter(), time.time()
     experts = h.experts_of(model)
     return {
-        "method": args.child, "rank": args.rank, "vllm": h.vllm.__version__,
+        "method": args.child, "rank": args.rank, "vllm": h.vllm.__version__, "redundant": redundant,
         "import_s": imported - START, "cuda_init_s": cuda_ready - imported, "build_s": built - cuda_ready,
         "load_s": loaded - built, "process_s": loaded - START,
-        "start_unix": time.time() - (loaded - START), "end_unix": time.time(),
+        "start_unix": loaded_unix - (loaded - START), "end_unix": loaded_unix,
+        "load_start_unix": built_unix, "load_end_unix": loaded_unix,
         "read_bytes": io_read_bytes() - read_before,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
@@ -144,13 +161,23 @@ def rank_files(out: Path, rank: int) -> list[Path]:
     return sorted(out.glob(f"rank-{rank:05d}-of-*/*.safetensors"))
 
 
+def out_dir(args: argparse.Namespace, redundant: bool) -> Path:
+    return args.out.with_name(f"{args.out.name}-r{args.redundant}") if redundant else args.out
+
+
+def gpu_count() -> int:
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
 def spawn(method: str, args: argparse.Namespace, rank: int, gpu: int) -> subprocess.Popen:
-    engine = args.vllm["0.32" if method == "vllm032" else "0.33"]
+    engine = args.vllm[METHODS[method][0]]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([engine, str(REPO), str(REPO / "tests" / "engines"),
                                                          os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": str(gpu)}
     cmd = [sys.executable, __file__, "--child", method, "--src", str(args.src), "--out", str(args.out),
-           "--rank", str(rank), "--ep-size", str(args.ep_size)]
+           "--rank", str(rank), "--ep-size", str(args.ep_size), "--redundant", str(args.redundant)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -165,15 +192,22 @@ def collect(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
 
 
 def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    """One method, warm or cold, on ``ranks`` (one GPU each) started at the same moment."""
+    """One method, warm or cold, on ``ranks`` started at the same moment, one GPU each (ranks
+    share GPUs round-robin when there are more ranks than GPUs: a labelled stress)."""
     from bench_convert import drop_page_cache  # parent only: children time their own imports
 
-    everything = sorted(args.src.glob("*.safetensors")) + [f for r in ranks for f in rank_files(args.out, r)]
+    out = out_dir(args, METHODS[method][3])
+    everything = sorted(args.src.glob("*.safetensors")) + [f for r in ranks for f in rank_files(out, r)]
     dropped = drop_page_cache() if cache == "cold" else warm(everything)
-    runs = collect([spawn(method, args, rank, gpu) for gpu, rank in enumerate(ranks)])
+    gpus = gpu_count()
+    runs = collect([spawn(method, args, rank, i % gpus) for i, rank in enumerate(ranks)])
     wall = max(r["end_unix"] for r in runs) - min(r["start_unix"] for r in runs)
-    return {"method": method, "cache": cache, "ranks": ranks, "dropped": dropped, "node_wall_s": wall,
-            "node_read_bytes": sum(r["read_bytes"] for r in runs), "runs": runs}
+    load_wall = max(r["load_end_unix"] for r in runs) - min(r["load_start_unix"] for r in runs)
+    return {"method": method, "cache": cache, "ranks": ranks, "gpus": gpus,
+            "ranks_per_gpu": -(-len(ranks) // gpus), "dropped": dropped, "node_wall_s": wall,
+            "node_load_wall_s": load_wall,
+            "node_read_bytes": sum(r["read_bytes"] for r in runs), "runs": runs,
+            "tunables": {k: v for k, v in os.environ.items() if k.startswith("MEGAMOE_")}}
 
 
 def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
@@ -185,11 +219,15 @@ def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
     files = [f for r in ranks for f in rank_files(args.out, r)]
     nbytes = sum(f.stat().st_size for f in files)
     result: dict[str, Any] = {"rank_bytes": nbytes}
-    drop_page_cache()
+    for threads, piece in ((16, 16 << 20), (64, 4 << 20)):
+        drop_page_cache()
+        reader = HostRead(files, threads, piece)
+        start = time.perf_counter()
+        reader.run()
+        result[f"disk_parallel_read_gbps_t{threads}"] = nbytes / (time.perf_counter() - start) / 1e9
+    result["disk_parallel_read_gbps"] = max(v for k, v in result.items() if k.startswith("disk_parallel_read_gbps_"))
     reader = HostRead(files, 16, 16 << 20)
-    start = time.perf_counter()
     reader.run()
-    result["disk_parallel_read_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
     start = time.perf_counter()
     reader.run()
     result["pagecache_to_pinned_gbps"] = nbytes / (time.perf_counter() - start) / 1e9
@@ -208,18 +246,37 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     synth_s = ensure_checkpoint(args.src, config)
     start = time.perf_counter()
-    if not (args.out / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(args.out),
-                        "--ep-size", str(args.ep_size), "--experts-only", "--no-fsync"], check=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    outs = [(args.out, 0)] + ([(out_dir(args, True), args.redundant)] if args.redundant else [])
+    for out, redundant in outs:
+        if not (out / "manifest.json").exists():
+            subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(out),
+                            "--ep-size", str(args.ep_size), "--experts-only", "--no-fsync",
+                            "--num-redundant-experts", str(redundant)], check=True, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
     expert_bytes = sum(f.stat().st_size for f in args.out.glob("rank-*/*.safetensors"))
     return {"config": config, "synth_s": synth_s, "convert_s": time.perf_counter() - start,
             "expert_bytes": expert_bytes, "source_bytes": sum(f.stat().st_size for f in args.src.glob("*.safetensors"))}
 
 
+def machine() -> dict[str, Any]:
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def identical(rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per model shape (with or without redundant experts), whether every method's fingerprint agrees."""
+    groups: dict[str, set[str]] = {}
+    for row in rows:
+        for r in row["runs"]:
+            groups.setdefault(f"redundant={r['redundant']}", set()).add(r["fingerprint"])
+    return {shape: len(prints) == 1 for shape, prints in groups.items()}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=list(METHODS), help=argparse.SUPPRESS)
     p.add_argument("--src", type=Path)
     p.add_argument("--out", type=Path)
     p.add_argument("--work", type=Path, default=Path("/tmp/megamoe-startup"))
@@ -228,7 +285,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ep-size", type=int, default=8)
     p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--redundant", type=int, default=0, help="redundant experts for the *_redundant methods")
+    p.add_argument("--methods", default="ours,vllm033_all,vllm033_ep_filter,ours_v032,vllm032")
+    p.add_argument("--node-methods", default="ours,vllm033_all,vllm033_ep_filter")
     p.add_argument("--caches", default="warm,cold")
     p.add_argument("--node", type=int, default=0, help="also run ranks 0..N-1 at once, one per GPU")
     p.add_argument("--vllm", action="append", default=[], help="VERSION=PATH of a vLLM tree (0.33, 0.32)")
@@ -246,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = child(args)
         print(json.dumps(result))
         return result
-    summary: dict[str, Any] = {"setup": setup(args), "ep_size": args.ep_size}
+    summary: dict[str, Any] = {"setup": setup(args), "ep_size": args.ep_size, "machine": machine()}
     print(json.dumps(summary["setup"]), flush=True)
     summary["limits_rank"] = limits(args, [args.rank])
     print(json.dumps(summary["limits_rank"]), flush=True)
@@ -257,16 +316,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row = scenario(method, cache, [args.rank], args)
             summary["single"].append(row)
             r = row["runs"][0]
-            print(f"{cache:5s} {method:18s} load {r['load_s']:.3f}s import {r['import_s']:.2f}s read "
-                  f"{r['read_bytes'] / 1e9:.2f} GB rss {r['peak_rss_mb']:.0f} MB gpu {r['gpu_peak_mb']} MB "
-                  f"{r['fingerprint'][:12]}", flush=True)
+            print(f"{cache:5s} {method:18s} load {r['load_s']:.3f}s build {r['build_s']:.2f}s import "
+                  f"{r['import_s']:.2f}s read {r['read_bytes'] / 1e9:.2f} GB rss {r['peak_rss_mb']:.0f} MB gpu "
+                  f"{r['gpu_peak_mb'] or 0:.0f} MB {r['fingerprint'][:12]}", flush=True)
     if args.node > 1:
         summary["limits_node"] = limits(args, list(range(args.node)))
-        summary["node"] = [scenario(m, c, list(range(args.node)), args)
-                           for c in args.caches.split(",") for m in methods]
-    prints = {(row["runs"][0]["method"]): row["runs"][0]["fingerprint"] for row in summary["single"]}
-    summary["identical"] = len(set(prints.values())) == 1
-    print(f"identical results across methods: {summary['identical']} {prints}", flush=True)
+        print(json.dumps(summary["limits_node"]), flush=True)
+        summary["node"] = []
+        for cache in args.caches.split(","):
+            for method in args.node_methods.split(","):
+                row = scenario(method, cache, list(range(args.node)), args)
+                summary["node"].append(row)
+                print(f"node {cache:5s} {method:18s} {len(row['ranks'])} ranks on {row['gpus']} GPU(s): wall "
+                      f"{row['node_wall_s']:.2f}s (loads {row['node_load_wall_s']:.2f}s) read {row['node_read_bytes'] / 1e9:.2f} GB, slowest load "
+                      f"{max(r['load_s'] for r in row['runs']):.2f}s", flush=True)
+    summary["identical"] = identical(summary["single"])
+    print(f"identical results across methods: {summary['identical']}", flush=True)
     if args.save:
         Path(args.save).write_text(json.dumps(summary, indent=1))
     return summary

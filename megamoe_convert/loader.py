@@ -33,12 +33,27 @@ from .manifest import (MANIFEST_NAME, Manifest, ManifestError, expert_tensor_nam
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problems
 
+
+
+def _tunable(name: str, default: int, low: int, high: int) -> int:
+    """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
+    raw = os.environ.get(f"MEGAMOE_{name}")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
+    return int(raw)
+
+
 #: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
 #: memory copies done by the kernel, one core each: it takes many in flight to keep up with
 #: a PCIe 5 host-to-device copy (benchmarks/bench_load.py; docs/benchmarks.md).
-RING_BUFFERS = 24
-RING_BUFFER_BYTES = 16 << 20
-READ_THREADS = max(4, min(16, os.cpu_count() or 4))
+RING_BUFFERS = _tunable("RING_BUFFERS", 24, 2, 1024)
+RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
+#: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
+#: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
+WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
 
 
 class LoadError(ValueError):
@@ -83,11 +98,14 @@ class ConvertedModel:
 
 def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:
     """A local directory or hub repo id (just ``ranks`` pulled), opened once."""
-    from .hub import resolve_converted
-
     if isinstance(out, ConvertedModel):
         return out
-    path = resolve_converted(out, None if ranks is None else list(ranks))
+    if Path(out).is_dir():  # a local directory: no hub client to import (a first call pays imports)
+        path = Path(out)
+    else:
+        from .hub import resolve_converted
+
+        path = resolve_converted(out, None if ranks is None else list(ranks))
     try:
         return ConvertedModel(path, read_manifest(path))
     except ManifestError as e:
@@ -227,15 +245,38 @@ _RING: PinnedRing | None = None
 _RING_LOCK = threading.Lock()
 
 
+_READERS: ThreadPoolExecutor | None = None
+
+
 def shared_ring() -> PinnedRing:
-    """One pinned ring per process: pinning host memory is slow (~2.3 GB/s), and an engine
-    installs layer by layer, one ``load_rank`` call each, so a ring per call would pin again
-    for every layer. Calls that use it hold ``_RING_LOCK``."""
+    """One pinned ring per process: pinning host memory is slow (~2.3 GB/s: 24 x 16 MB take
+    ~170 ms), so it is paid once, ideally early (:func:`prepare_gpu_staging`), never per call.
+    Calls that use it hold ``_RING_LOCK``."""
     global _RING
     with _RING_LOCK:
         if _RING is None:
             _RING = PinnedRing()
         return _RING
+
+
+def shared_readers() -> ThreadPoolExecutor:
+    """The process's reader threads (idle ones cost nothing; starting them per call did)."""
+    global _READERS
+    with _RING_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read")
+        return _READERS
+
+
+def prepare_gpu_staging() -> threading.Thread | None:
+    """Pin the staging ring in the background, now. Engines call this when their loader is made,
+    so the pinning overlaps building the model instead of delaying the first load; a load that
+    starts before it is done waits for it. Does nothing without CUDA."""
+    if not torch.cuda.is_available() or _RING is not None:
+        return None
+    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
+    thread.start()
+    return thread
 
 
 def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[_Piece]:
@@ -317,10 +358,13 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
         for layer, record in files.items():
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
+            if WILLNEED:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             names = expert_tensor_names(layer)
             for key in TENSOR_KEYS:
                 pieces.extend(_pieces(fd, headers[layer][names[key]], dests[layer][key], ring.nbytes))
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read") as readers, _RING_LOCK:
+        readers = shared_readers()
+        with _RING_LOCK:
             copy_pieces_to_device(pieces, ring, stream, readers)
         torch.cuda.current_stream(device).wait_stream(stream)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -219,6 +220,31 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     c = cpu["layers.0.ffn.experts"]
     d_cpu = layout.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
     assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_loads_racing_the_background_pinning_and_each_other_are_exact(tiny_converted):
+    """The ring pinned in the background (as an engine's loader starts it) and loads from several
+    threads at once: every load waits for the ring and gets its own rank's exact bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loader.prepare_gpu_staging()
+    with ThreadPoolExecutor(4) as pool:
+        gpu = list(pool.map(lambda r: load_rank(tiny_converted, r, device="cuda"), range(4)))
+    for rank in range(4):
+        cpu = load_rank(tiny_converted, rank)
+        for prefix in cpu:
+            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[rank][prefix].l1, *gpu[rank][prefix].l2)):
+                assert torch.equal(a, b.cpu())
+
+
+def test_a_bad_gpu_tunable_is_refused_in_one_line():
+    env = {**os.environ, "MEGAMOE_READ_THREADS": "lots", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", "import megamoe_convert.loader"], env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode != 0
+    assert "MEGAMOE_READ_THREADS='lots': expected an integer in 1..256" in proc.stderr
 
 
 def test_shard_whose_experts_disagree_with_the_manifest_placement_is_refused(tiny_converted, tmp_path):

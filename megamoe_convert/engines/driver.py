@@ -61,8 +61,11 @@ def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int 
                                f"(converted layers: {', '.join(sorted(layers))})")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
-    for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
-        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
+    # Every layer in one pipelined read: the bytes go into each module's own storage, so no
+    # second copy of any layer is made, and the reads never drain between layers.
+    into = {layer.prefix: contract.destinations(module) for module, contract, layer in planned}
+    loaded = load_rank(converted, rank, verify=verify, into=into)
+    for module, contract, layer in planned:
         contract.finish(module, loaded[layer.prefix])
     log.info("megamoe: installed %d MegaMoE layers for %s EP rank %d from %s", len(planned), engine.name, rank,
              converted.path)

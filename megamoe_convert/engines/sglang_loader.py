@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..loader import prepare_gpu_staging
 from .load_format import LOAD_FORMAT, as_safetensors_config, refuse_experts_only, without_expert_tensors
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ def loader_class() -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
+            prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def _get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             refuse_experts_only(model_config.model_path)

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..loader import prepare_gpu_staging
 from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, refuse_experts_only, \
     without_expert_tensors
 
@@ -31,6 +32,7 @@ def make_loader_class(default_loader: type) -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
+            prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             return without_expert_tensors(super().get_all_weights(model_config, model))

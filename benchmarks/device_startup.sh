@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The start-up benchmark as run on a lent GPU machine (no network there). Carried in the ignored
+# folder .device/: vLLM 0.32.0 and 0.33.0's Python trees (vllm-0.3x.0.tar.xz, made from the
+# wheels without their compiled libraries, which loading does not use) and cp312 wheels of
+# their pure-Python import chain (whl/, whl2/). See docs/benchmarks.md.
+#
+#   benchmarks/device_startup.sh setup     # unpack, install, CUDA tests, a tiny smoke run
+#   benchmarks/device_startup.sh job       # the measured runs (about 15 min), results in /tmp/startup-results
+#   benchmarks/device_startup.sh wait DEST # wait for the job, copy its results to DEST
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=/tmp/startup-results
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu  # vLLM's CPU platform: no vllm._C
+BENCH="python3 benchmarks/bench_startup.py --vllm 0.33=/tmp/v33 --vllm 0.32=/tmp/v32"
+
+setup() {
+    mkdir -p /tmp/v33 /tmp/v32 /tmp/site "$RESULTS"
+    tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xJf .device/vllm-0.32.0.tar.xz -C /tmp/v32 || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .device/whl/*.whl .device/whl2/*.whl || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c 'import torch, os; print(torch.__version__, torch.cuda.get_device_name(0), os.cpu_count(), "cpus")'
+    PYTHONPATH=/tmp/site:. python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_loader.py tests/test_layout.py \
+        tests/test_convert.py 2>&1 | tail -5
+    $BENCH --work /tmp/smoke --layers 1 --experts 16 --ep-size 4 --redundant 4 --caches warm \
+        --methods ours,vllm033_all,vllm033_ep_filter,ours_v032,vllm032,ours_redundant,vllm033_redundant \
+        --save "$RESULTS/smoke.json" 2>&1 | grep -v "^convert:"
+}
+
+job() {
+    # Start-up time against checkpoint size (one rank, warm and cold), then the full 4-layer run.
+    for layers in 1 2; do
+        $BENCH --work /tmp/size$layers --layers $layers --methods ours,vllm033_all,vllm033_ep_filter,vllm032 \
+            --save "$RESULTS/size-$layers.json" > "$RESULTS/size-$layers.log" 2>&1
+        rm -rf /tmp/size$layers
+    done
+    $BENCH --work /tmp/flash4 --layers 4 --redundant 16 --node 8 \
+        --methods ours,vllm033_all,vllm033_ep_filter,ours_v032,vllm032,ours_redundant,vllm033_redundant \
+        --save "$RESULTS/flash4.json" > "$RESULTS/flash4.log" 2>&1
+    # The loader's knobs, ours only (cold and warm): a deeper read queue, kernel read-ahead.
+    for knobs in "MEGAMOE_READ_THREADS=32 MEGAMOE_RING_BUFFERS=48 MEGAMOE_RING_MB=8" "MEGAMOE_WILLNEED=1" \
+                 "MEGAMOE_READ_THREADS=8 MEGAMOE_RING_BUFFERS=12 MEGAMOE_RING_MB=32"; do
+        name=$(echo "$knobs" | tr ' =' '_-')
+        env $knobs $BENCH --work /tmp/flash4 --layers 4 --methods ours --save "$RESULTS/knobs-$name.json" \
+            > "$RESULTS/knobs-$name.log" 2>&1
+    done
+    touch "$RESULTS/done"
+}
+
+case "${1:-}" in
+    setup) setup ;;
+    job) setsid nohup bash "$0" job-fg > "$RESULTS/job.log" 2>&1 < /dev/null & ;;
+    job-fg) job ;;
+    wait)
+        for _ in $(seq 1 ${WAIT_S:-560}); do [ -e "$RESULTS/done" ] && break; sleep 1; done
+        tar czf "$2/startup-results.tgz" -C "$RESULTS" .
+        tail -n 40 "$RESULTS"/*.log ;;
+    *) echo "usage: $0 setup|job|wait DEST" >&2; exit 2 ;;
+esac
