@@ -2,7 +2,7 @@
 # The start-up benchmark as run on a lent GPU machine (no network there). Carried in the ignored
 # folder .device/: vLLM 0.32.0 and 0.33.0's Python trees (vllm-0.3x.0.tar.xz, made from the
 # wheels without their compiled libraries, which loading does not use) and cp312 wheels of
-# their pure-Python import chain (whl/, whl2/). See docs/benchmarks.md.
+# their import chain missing there (whl/, whl2/, whl3/: pydantic and friends). See docs/benchmarks.md.
 #
 #   benchmarks/device_startup.sh setup     # unpack, install, CUDA tests, a tiny smoke run
 #   benchmarks/device_startup.sh job       # the measured runs (about 15 min), results in /tmp/startup-results
@@ -17,11 +17,12 @@ setup() {
     mkdir -p /tmp/v33 /tmp/v32 /tmp/site "$RESULTS"
     tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xJf .device/vllm-0.32.0.tar.xz -C /tmp/v32 || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl .device/whl2/*.whl || exit 1
+        .device/whl/*.whl .device/whl2/*.whl .device/whl3/*.whl || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c 'import torch, os; print(torch.__version__, torch.cuda.get_device_name(0), os.cpu_count(), "cpus")'
-    PYTHONPATH=/tmp/site:. python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_loader.py tests/test_layout.py \
-        tests/test_convert.py 2>&1 | tail -5
+    [ -n "${SKIP_TESTS:-}" ] || PYTHONPATH=/tmp/site:. python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_loader.py tests/test_layout.py \
+        tests/test_convert.py > "$RESULTS/cuda-tests.log" 2>&1
+    tail -n 3 "$RESULTS/cuda-tests.log" 2>/dev/null
     $BENCH --work /tmp/smoke --layers 1 --experts 16 --ep-size 4 --redundant 4 --caches warm \
         --methods ours,vllm033_all,vllm033_ep_filter,ours_v032,vllm032,ours_redundant,vllm033_redundant \
         --save "$RESULTS/smoke.json" 2>&1 | grep -v "^convert:"

@@ -190,7 +190,7 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
 
 def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...]) -> None:
     """The shard says which logical experts it holds; it must be what the placement says."""
-    stored = torch.empty(entry.shape, dtype=torch.int32)
+    stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")  # host memory even under a torch.device(...) context
     fd = os.open(path, os.O_RDONLY)
     try:
         read_into(fd, entry.begin, stored, path)
@@ -206,7 +206,7 @@ def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...])
 # --------------------------------------------------------------------------------------
 
 def _mmap_tensor(mapped: mmap.mmap, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
-    count = entry.nbytes // torch.empty((), dtype=dtype).element_size()
+    count = entry.nbytes // dtype.itemsize
     flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry.begin)
     return flat.view(entry.shape)
 
@@ -236,7 +236,7 @@ class PinnedRing:
     """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)]
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
         self.events: list[torch.cuda.Event | None] = [None] * count
         self.nbytes = nbytes
 

@@ -204,7 +204,7 @@ class FileCache:
     def read(self, entry: TensorEntry, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor's raw bytes as ``uint8`` of :attr:`TensorEntry.byte_shape`."""
         if out is None:
-            out = torch.empty(entry.byte_shape, dtype=torch.uint8)
+            out = torch.empty(entry.byte_shape, dtype=torch.uint8, device="cpu")
         if out.numel() != entry.nbytes:
             raise SafetensorsError(f"{entry.name}: buffer of {out.numel()} bytes for {entry.nbytes}")
         read_into(self.fd(entry.path), entry.begin, out, entry.path)

@@ -239,6 +239,17 @@ def test_cuda_loads_racing_the_background_pinning_and_each_other_are_exact(tiny_
                 assert torch.equal(a, b.cpu())
 
 
+def test_loading_under_a_default_device_context_still_reads_into_host_memory(tiny_converted):
+    """Engines build models under ``with torch.device(...)``; the loader's own host buffers must
+    not follow that default (on a GPU they became CUDA tensors and the read failed)."""
+    plain = load_rank(tiny_converted, 1)
+    with torch.device("meta"):
+        under = load_rank(tiny_converted, 1)
+    for prefix in plain:
+        for a, b in zip((*plain[prefix].l1, *plain[prefix].l2), (*under[prefix].l1, *under[prefix].l2)):
+            assert b.device.type == "cpu" and torch.equal(a, b)
+
+
 def test_a_bad_gpu_tunable_is_refused_in_one_line():
     env = {**os.environ, "MEGAMOE_READ_THREADS": "lots", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-c", "import megamoe_convert.loader"], env=env, capture_output=True,
