@@ -69,6 +69,15 @@ def io_read_bytes() -> int:
     return 0
 
 
+def peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``: reset by exec, unlike ``ru_maxrss``, which a child
+    inherits from the parent that forked it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def fingerprint(tensors: list[Any]) -> str:
     """xxh3-128 of the bytes the kernel reads (scales in their storage order), after timing."""
     import xxhash
@@ -83,8 +92,6 @@ def fingerprint(tensors: list[Any]) -> str:
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    import resource
-
     import torch
 
     import vllm_harness as h
@@ -129,7 +136,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "start_unix": loaded_unix - (loaded - START), "end_unix": loaded_unix,
         "load_start_unix": built_unix, "load_end_unix": loaded_unix,
         "read_bytes": io_read_bytes() - read_before,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
         "fingerprint": fingerprint([t for m in experts.values() for t in h.kernel_view(m)]),
     }
