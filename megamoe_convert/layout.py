@@ -147,6 +147,14 @@ def to_mn_major(packed: torch.Tensor) -> torch.Tensor:
     return storage.transpose(1, 2)[:, :mn, :]
 
 
+def expand_block_scales(sf: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    """Coarse block scales ``[rows/br, blocks/bc]`` -> one byte per row and kernel group
+    ``[rows, blocks]``: each block's byte repeated over the rows and groups it covers (a 128x128
+    FP8 block scale covers 128 rows and four 1x32 groups). Bytes are copied, never converted."""
+    sf = as_bytes(sf, "scale")
+    return sf.repeat_interleave(rows // sf.shape[-2], -2).repeat_interleave(blocks // sf.shape[-1], -1)
+
+
 def sf_into_required_layout(sf: torch.Tensor) -> torch.Tensor:
     """Step 1 whole: UE8M0 bytes -> packed, MN-major int32 (``transform_sf_into_required_layout``)."""
     return to_mn_major(pack_ue8m0(sf))
@@ -268,7 +276,7 @@ def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[t
 
 def sf_storage(sf: torch.Tensor) -> torch.Tensor:
     """The contiguous ``[E, pk, MNa]`` array behind an MN-major scale tensor (a view, no copy)."""
-    storage = sf.transpose(1, 2)
+    storage = sf.transpose(-1, -2)
     if not storage.is_contiguous():
         raise LayoutError(f"scale tensor with strides {sf.stride()} is not MN-major without padding")
     return storage
@@ -276,16 +284,7 @@ def sf_storage(sf: torch.Tensor) -> torch.Tensor:
 
 def sf_from_storage(storage: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`sf_storage`: the kernel's ``[E, MN, pk]`` MN-major view of the file bytes."""
-    return storage.transpose(1, 2)
-
-
-def kernel_strides(experts: int, mn: int, k: int) -> dict[str, tuple[int, ...]]:
-    """Expected ``(shape, stride)`` of the weight and scale tensors of one GEMM, for checks."""
-    pk, mn_a = packed_k(k), tma_aligned_mn(mn)
-    return {
-        "weight_shape": (experts, mn, k // 2), "weight_stride": (mn * k // 2, k // 2, 1),
-        "sf_shape": (experts, mn, pk), "sf_stride": (pk * mn_a, 1, mn_a),
-    }
+    return storage.transpose(-1, -2)
 
 
 # --------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
                 continue  # already reported by check_files
             try:
                 entries = check_shard(read_header(path), manifest, layer, rank)
-                check_logical_ids(path, entries[f"{layer.prefix}.logical_ids"],
+                check_logical_ids(path, entries["logical_ids"],
                                   manifest.placement_for(layer).rank_logical_ids(rank))
                 report.count("rank shards")
             except (LoadError, SafetensorsError) as e:
@@ -137,12 +137,19 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
 
 def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
                         device: str = "cpu") -> tuple[KernelWeights, KernelWeights]:
-    """The layout of these experts computed directly from the source, as finalize_weights would."""
+    """The layout of these experts computed directly from the source, as finalize_weights would
+    (scales ``None`` for an unscaled format)."""
     reader = ExpertReader(ckpt, files, device)
-    return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "scale"))
+    scaled = ckpt.dims.format.scaled
+    if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
+        return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+                                        reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
+                                        reader.stacked(layer, logical_ids, ("w2",), "weight"),
+                                        reader.stacked(layer, logical_ids, ("w2",), "scale"))
+    return (KernelWeights(layout.l1_weight(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight")),
+                          layout.l1_sf(reader.stacked(layer, logical_ids, ("w1", "w3"), "scale")) if scaled else None),
+            KernelWeights(layout.l2_weight(reader.stacked(layer, logical_ids, ("w2",), "weight")),
+                          layout.l2_sf(reader.stacked(layer, logical_ids, ("w2",), "scale")) if scaled else None))
 
 
 def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,
@@ -179,7 +186,7 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         got = (*loaded.l1, *loaded.l2)
         for i, slot in enumerate(local):
             for name, g, w in zip(names, got, (*want[0], *want[1])):
-                if not torch.equal(g[slot], w[i]):
+                if g is not None and not torch.equal(g[slot].reshape(-1).view(torch.uint8), w[i].reshape(-1).view(torch.uint8)):
                     report.problem(f"rank {rank} {layer.key} slot {slot}",
                                    f"{name} differs from logical expert {ids[i]} of the source")
         report.count("expert slots vs source", len(local))
@@ -240,6 +247,9 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
     Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
     (dequantised matrices are large: that bounds memory, not coverage of the layout code).
     """
+    if manifest.dims.weight_format != "mxfp4":
+        report.skipped["numerics"] = f"the numerics check dequantises MXFP4 only; these are {manifest.dims.weight_format} experts"
+        return
     limit = float(ckpt.config.get("swiglu_limit", 0.0) or 0.0)
     scale = float(ckpt.config.get("routed_scaling_factor", 1.0))
     top_k = min(int(ckpt.config.get("num_experts_per_tok", 2)), manifest.placement.experts_per_rank)
@@ -318,6 +328,8 @@ def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, 
 def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
                     slots: dict[tuple[int, MoELayer], list[int]], progress: Progress) -> None:
     reason = deep_gemm_unavailable_reason()
+    if manifest.dims.weight_format != "mxfp4":
+        reason = f"DeepGEMM's fp8_fp4 transform takes MXFP4 only; these are {manifest.dims.weight_format} experts"
     if reason:
         report.skipped["deep_gemm"] = reason
         return

@@ -9,6 +9,7 @@ error in one module never leaves another half-installed.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -43,8 +44,18 @@ class Engine(Protocol):
               rank: int) -> None: ...
 
 
-def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
-                  *, verify: bool = False) -> int:
+@dataclass(frozen=True)
+class Installed:
+    """What :func:`install_layers` put in place, by checkpoint layer key (``layers.7`` / ``mtp.0``)."""
+
+    layers: tuple[str, ...]
+    #: Layers whose fused shared expert came from the rank files too: the engine's load format
+    #: must not load those layers' checkpoint shared-expert tensors again.
+    shared: tuple[str, ...] = ()
+
+
+def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
+                   *, verify: bool = False) -> Installed:
     """Check every module, then put each layer's bytes straight into its module's storage."""
     rank = engine.current_rank() if rank is None else rank
     try:
@@ -61,12 +72,14 @@ def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int 
                                f"(converted layers: {', '.join(sorted(layers))})")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
+    shared = tuple(layer.key for module, contract, layer in planned if contract.takes_shared(module, converted))
     for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
-        loaded = load_rank(converted, rank, verify=verify, into={layer.prefix: contract.destinations(module)})
+        loaded = load_rank(converted, rank, verify=verify,
+                           into={layer.prefix: contract.destinations(module, converted)})
         contract.finish(module, loaded[layer.prefix])
-    log.info("megamoe: installed %d MegaMoE layers for %s EP rank %d from %s", len(planned), engine.name, rank,
-             converted.path)
-    return len(planned)
+    log.info("megamoe: installed %d MegaMoE layers (%d with their shared expert) for %s EP rank %d from %s",
+             len(planned), len(shared), engine.name, rank, converted.path)
+    return Installed(tuple(layer.key for _, _, layer in planned), shared)
 
 
 def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix: str = "prefix",

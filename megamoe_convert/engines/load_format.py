@@ -1,6 +1,7 @@
 """What every engine's ``--load-format megamoe`` shares: the engine's default loader underneath
 reads the converted directory's non-expert shards as plain safetensors, minus the routed-expert
-tensors (installed from the rank's own shards), and never fetches the rank folders of a hub repo.
+tensors and the shared experts that ``install`` put in place (both from the rank's own shards),
+and never fetches the rank folders of a hub repo.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ..checkpoint import MoELayer
 from ..manifest import read_manifest
 from . import InstallError
+from .driver import Installed
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
@@ -23,9 +26,13 @@ RANK_FILES_PATTERN = "rank-*-of-*/*"
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 
 
-def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The default safetensors iterator, minus routed-expert tensors (installed separately)."""
-    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
+def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The default safetensors iterator, minus routed-expert tensors and the checkpoint's shared
+    experts of the layers whose pre-baked shared expert ``installed`` says is in place."""
+    shared = tuple(MoELayer.parse(key).shared_prefix for key in (installed.shared if installed else ()))
+    return ((name, t) for name, t in weights
+            if not EXPERT_TENSOR_NAME.search(name) and not (shared and name.startswith(shared)))
 
 
 def as_safetensors_config(load_config: Any) -> Any:

@@ -86,7 +86,11 @@ class FinalizeContract:
             if not getattr(module, name).is_contiguous():
                 raise InstallError(f"{module.prefix}: {name} is not contiguous")
 
-    def destinations(self, module: nn.Module) -> Destinations:
+    def takes_shared(self, module: nn.Module, converted: ConvertedModel) -> bool:
+        """Not yet: ``finalize_weights`` fuses the shared expert from the MLP vLLM loaded."""
+        return False
+
+    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         h, i = module.hidden_size, module.intermediate_size
         return {"l1_weight": module.w13_weight.data.view(torch.int8),
                 "l1_sf": _as_int32_storage(module.w13_weight_scale.data, 2 * i),

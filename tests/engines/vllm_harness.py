@@ -90,6 +90,9 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
             enter(mock.patch.object(module, "get_tensor_model_parallel_rank", lambda: 0, create=True))
         if KERNEL_LAYOUT:
             enter(mock.patch.object(mega_py, "check_deep_gemm_mega_moe_supported", lambda *a, **k: None))
+            # whether the installed DeepGEMM build's kernel takes shared-expert arguments
+            enter(mock.patch.object(mega_py.DeepGemmMegaMoEExperts, "_kernel_fuses_shared_experts",
+                                    lambda self, spec: True))
         else:
             if mega_py is not None:  # 0.32: a backend factory
                 backend = mega_py.DeepGemmSm100MegaMoEBackend
@@ -130,33 +133,48 @@ def make_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int
     return model_py.DeepseekV4MegaMoEExperts(VllmConfig(), num_shared_experts=config.n_shared_experts or 0, **kwargs)
 
 
+def fusable_shared_mlp(config) -> nn.Module:
+    """What ``DeepGemmMegaMoEExperts`` reads of the shared MLP it is offered (``_fusable_shared_experts``):
+    the shapes and dtypes of ``gate_up_proj`` / ``down_proj`` weights and UE8M0 128x128 block scales,
+    as vLLM's FP8 linears hold a DeepSeek-V4 checkpoint's shared expert."""
+    h, s = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+
+    def linear(n: int, k: int) -> nn.Module:
+        return _bare(nn.Module, weight=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                     weight_scale_inv=torch.zeros(n // 128, k // 128, dtype=torch.float8_e8m0fnu))
+
+    return _bare(nn.Module, gate_up_proj=linear(2 * s, h), down_proj=linear(h, s))
+
+
 def _moe(experts: nn.Module) -> nn.Module:
     return _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, use_mega_moe=True,  # 0.32+ / 0.30-0.31
                  experts=experts, shared_experts=None,
                  prefix=experts.prefix.removesuffix(".experts"))
 
 
-def build_main_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
-    """``DeepseekV4ForCausalLM`` > ``DeepseekV4Model`` > ``layers[i].ffn`` (``DeepseekV4MoE``) > experts."""
+def build_main_model(config, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:
+    """``DeepseekV4ForCausalLM`` > ``DeepseekV4Model`` > ``layers[i].ffn`` (``DeepseekV4MoE``) > experts
+    (``overrides``: more ``DeepGemmMegaMoEExperts`` arguments, e.g. ``weight_format``)."""
     n = config.num_hidden_layers
     layers = nn.ModuleList()
     for i in range(n):
         block = nn.Module()
-        block.ffn = _moe(make_experts(config, f"model.layers.{i}.ffn.experts", ep_rank, ep_size, redundant))
+        block.ffn = _moe(make_experts(config, f"model.layers.{i}.ffn.experts", ep_rank, ep_size, redundant,
+                                      **overrides))
         layers.append(block)
     model = _bare(model_py.DeepseekV4Model, config=config, quant_config=None, use_sequence_parallel=False,
                   start_layer=0, end_layer=n, layers=layers)
     return _bare(model_py.DeepseekV4ForCausalLM, config=config, model=model)
 
 
-def build_mtp_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+def build_mtp_model(config, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:
     """``DeepSeekV4MTP`` > predictor > ``layers[str(N + i)].mtp_block.ffn`` > experts."""
     n, k = config.num_hidden_layers, config.num_nextn_predict_layers
     layers = nn.ModuleDict()
     for i in range(k):
         block, layer = nn.Module(), nn.Module()
         block.ffn = _moe(make_experts(config, f"model.layers.{n + i}.mtp_block.ffn.experts", ep_rank, ep_size,
-                                      redundant))
+                                      redundant, **overrides))
         layer.mtp_block = block
         layers[str(n + i)] = layer
     predictor = _bare(nn.Module, layers=layers, mtp_start_layer_idx=n, num_mtp_layers=k)
@@ -171,21 +189,24 @@ def experts_of(model: nn.Module) -> dict[str, nn.Module]:
 # vLLM's own loading path
 # --------------------------------------------------------------------------------------
 
-def checkpoint_weights(ckpt: Path, only_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """vLLM's own safetensors iterator over the checkpoint files, in file order."""
+def checkpoint_weights(ckpt: Path, only_experts: bool = True, shared: bool = False,
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's own safetensors iterator over the checkpoint files, in file order: the routed experts
+    (and with ``shared``, the shared experts), or everything."""
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
     files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
     for name, tensor in safetensors_weights_iterator(files, False):
-        if not only_experts or ".ffn.experts." in name:
+        if not only_experts or ".ffn.experts." in name or (shared and ".ffn.shared_experts." in name):
             yield name, tensor
 
 
-def vllm_load(main: nn.Module, mtp: nn.Module, ckpt: Path) -> None:
+def vllm_load(main: nn.Module, mtp: nn.Module, ckpt: Path, shared: bool = False) -> None:
     """What vLLM does with the checkpoint: the main model's ``load_weights`` (through its own
-    ``hf_to_vllm_mapper``; 0.30-0.32 finalize there), and the MTP draft's own ``load_weights``."""
-    main.load_weights(checkpoint_weights(ckpt))
-    mtp.load_weights(checkpoint_weights(ckpt))
+    ``hf_to_vllm_mapper``; 0.30-0.32 finalize there), and the MTP draft's own ``load_weights``.
+    ``shared``: the shared experts too (the modules fuse them)."""
+    main.load_weights(checkpoint_weights(ckpt, shared=shared))
+    mtp.load_weights(checkpoint_weights(ckpt, shared=shared))
     if not KERNEL_LAYOUT:
         for moe in (m for m in mtp.modules() if isinstance(m, model_py.DeepseekV4MoE)):
             moe.finalize_mega_moe_weights()  # vLLM's MTP model finalizes in process_weights_after_loading
