@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from . import jsonio
+from . import jsonio, layout
 from .safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
@@ -50,6 +50,8 @@ class WeightFormat:
     scale_group_k: int | None = None  # K values per block scale; None: unscaled
     scale_dtypes: tuple[str, ...] = ()  # checkpoint scale dtypes (first: what synth writes)
     global_scales: bool = False  # NVFP4's per-expert FP32 scales
+    element: str = "e2m1"  # what one weight value is: "e2m1" (packed FP4), "e4m3" or "bf16"
+    scale_encoding: str | None = "ue8m0"  # what one block-scale byte is: "ue8m0", "e4m3" (None: unscaled)
     fuses_fp8_shared: bool = True  # the kernel can run an MXFP8 shared expert beside these experts
 
     @property
@@ -72,10 +74,11 @@ class WeightFormat:
 
 MXFP4 = WeightFormat("mxfp4", "I8", ("I8", "U8", "F4"), values_per_element=2, scale_group_k=32,
                      scale_dtypes=("F8_E8M0", "U8"))
-MXFP8 = WeightFormat("mxfp8", "F8_E4M3", ("F8_E4M3",), scale_group_k=32, scale_dtypes=("F8_E8M0", "U8"))
+MXFP8 = WeightFormat("mxfp8", "F8_E4M3", ("F8_E4M3",), scale_group_k=32, scale_dtypes=("F8_E8M0", "U8"),
+                     element="e4m3")
 NVFP4 = WeightFormat("nvfp4", "I8", ("U8", "I8", "F4"), values_per_element=2, scale_group_k=16,
-                     scale_dtypes=("F8_E4M3",), global_scales=True)
-BF16 = WeightFormat("bf16", "BF16", ("BF16",), fuses_fp8_shared=False)
+                     scale_dtypes=("F8_E4M3",), global_scales=True, scale_encoding="e4m3")
+BF16 = WeightFormat("bf16", "BF16", ("BF16",), fuses_fp8_shared=False, element="bf16", scale_encoding=None)
 
 FORMATS: dict[str, WeightFormat] = {f.name: f for f in (MXFP4, MXFP8, NVFP4, BF16)}
 #: The format of a fused shared expert (``shared_l1`` / ``shared_l2``).
@@ -123,6 +126,12 @@ def identify(weight_dtype: str, scale_dtype: str | None, where: object) -> Weigh
 #: (one value per expert: they must be equal), the L2 input scale for w2 only.
 GLOBAL_SCALE_TENSORS = (("w1", "weight_scale_2"), ("w3", "weight_scale_2"), ("w2", "weight_scale_2"),
                         ("w2", "input_scale"))
+#: The kind of each projection's weight global scale (the factor its dequantised values carry).
+WEIGHT_GLOBAL_SCALE = "weight_scale_2"
+#: e2m1 code -> value (bit 3 the sign); element ``2k`` of a packed row is the low nibble of byte ``k``.
+E2M1_VALUES = layout.FP4_E2M1_VALUES
+#: torch dtype of a one-element-per-value weight.
+ELEMENT_DTYPES = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
 
 def expert_matrix_shapes(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
@@ -259,3 +268,61 @@ TORCH_DTYPES = {"I8": torch.int8, "I32": torch.int32, "F32": torch.float32, "F8_
 
 def torch_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
+
+
+# --------------------------------------------------------------------------------------
+# Values: what the bytes mean (``verify --numerics`` dequantises both forms with these)
+# --------------------------------------------------------------------------------------
+
+def decode_elements(fmt: WeightFormat, raw: torch.Tensor) -> torch.Tensor:
+    """Weight bytes ``uint8 [..., N, row bytes]`` -> float32 values ``[..., N, K]``: FP4 e2m1
+    codes two to a byte (element ``2k`` the low nibble), or one e4m3 / bf16 value per element."""
+    raw = raw.contiguous().view(torch.uint8)
+    if fmt.element == "e2m1":
+        codes = torch.stack([raw & 0x0F, raw >> 4], dim=-1).reshape(*raw.shape[:-1], -1)
+        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=raw.device)[codes.long()]
+    return raw.view(ELEMENT_DTYPES[fmt.element]).float()
+
+
+def decode_scales(fmt: WeightFormat, raw: torch.Tensor) -> torch.Tensor:
+    """Block-scale bytes ``uint8 [..., N, K/group]`` -> float32: UE8M0 is ``2 ** (b - 127)``
+    (the float32 whose exponent bits are ``b``), E4M3 its FP8 value."""
+    raw = raw.contiguous().view(torch.uint8)
+    if fmt.scale_encoding == "ue8m0":
+        return (raw.to(torch.int32) << 23).view(torch.float32)
+    return raw.view(torch.float8_e4m3fn).float()
+
+
+def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | None = None,
+               global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[..., N, K]`` float32 values of a weight in checkpoint row order: its elements times
+    its block scale (each covering ``scale_group_k`` values along K) times, for NVFP4, the
+    per-expert FP32 ``global_scale`` (``[...]``, one per leading index)."""
+    values = decode_elements(fmt, weight)
+    if fmt.scaled:
+        assert scale is not None and fmt.scale_group_k is not None
+        values = values * decode_scales(fmt, scale).repeat_interleave(fmt.scale_group_k, dim=-1)
+    if fmt.global_scales:
+        assert global_scale is not None
+        values = values * global_scale.float().reshape(*global_scale.shape, 1, 1)
+    return values
+
+
+def dequantize_kernel(fmt: WeightFormat, weight: torch.Tensor, sf: torch.Tensor | None, k: int, gate_up: bool,
+                      global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same values from the kernel form (a rank file's ``l1`` / ``l2`` operand, scales
+    MN-major): the layout's permutations undone (``gate_up``: the L1 interleave), then
+    :func:`dequantize`. ``k`` is the operand's reduction size (H for L1, I for L2)."""
+    blocks = fmt.scale_row_bytes(k) if fmt.scaled else 0
+    raw, raw_sf = layout.untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
+    return dequantize(fmt, raw, raw_sf, global_scale)
+
+
+def dequantize_blocks(fmt: WeightFormat, weight: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint FP8 linear's ``[N, K]`` values from its coarse block scales ``[N/br, K/bc]``
+    (DeepSeek-V4's 128x128): each scale applies to every value of its block. Independent of
+    the conversion's expansion to 1x32 groups, which the numerics check compares against."""
+    values = decode_elements(fmt, weight)
+    scale = decode_scales(fmt, block_scale)
+    rows, cols = values.shape[-2] // scale.shape[-2], values.shape[-1] // scale.shape[-1]
+    return values * scale.repeat_interleave(rows, dim=-2).repeat_interleave(cols, dim=-1)

@@ -270,6 +270,20 @@ def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[t
     return w13, w13_sf, w2, w2_sf
 
 
+def untransform_operand(weight: torch.Tensor, sf: torch.Tensor | None, scale_blocks: int, gate_up: bool,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Undo :func:`l1_weight` / :func:`l1_sf` (``gate_up``) or :func:`l2_weight` / :func:`l2_sf`
+    for a weight of any element type (rows are moved whole, so FP4, FP8 and BF16 alike): its
+    bytes ``uint8 [E, N, row bytes]`` and scale bytes ``uint8 [E, N, scale_blocks]`` (``None``
+    for an unscaled weight), in checkpoint row order."""
+    w = deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
+    w = w.view(torch.uint8)
+    if sf is None:
+        return w, None
+    s = untranspose_sf_for_utccp(sf)
+    return w, unpack_ue8m0(deinterleave_gate_up(s) if gate_up else s, scale_blocks)
+
+
 # --------------------------------------------------------------------------------------
 # Storage form: how an MN-major scale tensor lives in a file, and comes back with a view
 # --------------------------------------------------------------------------------------

@@ -57,7 +57,10 @@ def test_each_format_converts_inspects_and_verifies_through_the_cli(tmp_path, we
     assert json.loads((out / "manifest.json").read_text())["dims"]["weight_format"] == weight_format
     report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
     assert report["ok"] and report["checks"]["expert slots vs source"] == 4, report
-    assert "dequantises MXFP4 only" in report["skipped"]["numerics"]  # said, not silently passed
+    numerics = report["numerics"]  # every format's dequantisation, from the layout and from the source
+    assert "numerics" not in report["skipped"] and numerics["weight_format"] == weight_format
+    assert numerics["max_abs_err"] == 0.0 and numerics["layers"] == 2
+    assert numerics["shared_experts"] == (0 if weight_format == "bf16" else 2)
     layer = load_rank(out, 1)["layers.0.ffn.experts"]
     want = {"mxfp8": torch.float8_e4m3fn, "nvfp4": torch.int8, "bf16": torch.bfloat16}[weight_format]
     assert layer.l1.weight.dtype == want and (layer.l1.sf is None) == (weight_format == "bf16")
@@ -94,3 +97,34 @@ def test_a_checkpoint_of_fp8_block_experts_is_refused_in_one_line(tmp_path):
     proc = run_cli("convert", src, tmp_path / "out", "--ep-size", 2, check=False)
     assert proc.returncode == 2 and "expert_dtype is 'fp8' (FP8 block-scaled experts" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("weight_format,tensor,what", [
+    ("mxfp8", "l2.sf", "MoE output"),  # an e8m0 block scale (the byte check sees it too)
+    ("nvfp4", "l1.global_scale", "MoE output"),  # an FP32 global scale: only the numerics see it
+    ("bf16", "l1.weight", "MoE output"),
+    ("mxfp4", "shared_l2.weight", "shared expert output"),  # the pre-baked shared expert: numerics only
+])
+def test_numerics_catch_a_changed_byte_of_each_format(tmp_path, weight_format, tensor, what):
+    """One byte of a rank file changed and the manifest resealed: ``--numerics`` dequantises the
+    format from both sides and reports the layer."""
+    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.synth import synthesize
+    from megamoe_convert.verify import verify
+    from test_verify import rewrite_manifest_record
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    synthesize(src, "tiny", experts=4, layers=1, mtp_layers=0, seed=3, weight_format=weight_format)
+    convert(src, out, ConvertOptions(ep_size=2, fsync=False))
+    assert verify(out, source=src, numerics=True).ok
+    rel = "rank-00001-of-00002/layers.0.safetensors"
+    entry = read_header(out / rel).tensors[f"layers.0.ffn.experts.{tensor}"]
+    data = bytearray((out / rel).read_bytes())
+    at = entry.begin + (3 if tensor.endswith("global_scale") else 1 if weight_format == "bf16" else 0)
+    data[at] = 0x38 if data[at] != 0x38 else 0x40  # a finite value of every element type, and another exponent
+    (out / rel).write_bytes(bytes(data))
+    rewrite_manifest_record(out, rel)
+    report = verify(out, source=src, numerics=True)
+    numerics = [p for p in report.problems if "pre-baked layout" in p.what]
+    assert not report.ok and len(numerics) == 1 and numerics[0].where == "rank 1 layers.0"
+    assert numerics[0].what.startswith(f"{what} from the pre-baked layout differs from the source")
