@@ -44,6 +44,10 @@ EXPERT_TENSOR = re.compile(rf"^(?P<layer>(?:layers|mtp)\.{_NUMBER})\.ffn\.expert
 UNDER_EXPERTS = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.")
 
 
+#: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
+SHARED_PROJECTIONS = ("w1", "w2", "w3")
+
+
 class CheckpointError(ValueError):
     """A source checkpoint that cannot be converted as it is."""
 

@@ -209,10 +209,14 @@ def rank_tensor_specs(fmt: WeightFormat, prefix: str, experts: int, hidden: int,
         specs += [TensorSpec(names[key], "F32", (experts,), experts * 4) for key in GLOBAL_SCALE_KEYS]
         specs.append(TensorSpec(names["l2_input_scale_all"], "F32", (n_logical,), n_logical * 4))
     specs.append(TensorSpec(names["logical_ids"], "I32", (experts,), experts * 4))
-    if shared_inter:
-        specs += [*_gemm_specs(SHARED_FORMAT, names, "shared_l1", (), 2 * shared_inter, hidden),
-                  *_gemm_specs(SHARED_FORMAT, names, "shared_l2", (), hidden, shared_inter)]
-    return specs
+    return specs + (shared_specs(prefix, hidden, shared_inter) if shared_inter else [])
+
+
+def shared_specs(prefix: str, hidden: int, shared_inter: int) -> list[TensorSpec]:
+    """The fused shared expert's tensors, laid out like one routed expert of :data:`SHARED_FORMAT`."""
+    names = tensor_names(prefix)
+    return [*_gemm_specs(SHARED_FORMAT, names, "shared_l1", (), 2 * shared_inter, hidden),
+            *_gemm_specs(SHARED_FORMAT, names, "shared_l2", (), hidden, shared_inter)]
 
 
 def spec_keys(specs: list[TensorSpec], prefix: str) -> dict[str, TensorSpec]:

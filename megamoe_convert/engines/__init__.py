@@ -9,8 +9,9 @@ knows an engine's attribute names:
   before any module is changed.
 - ``destinations(module, converted)`` + ``finish(module, layer)``: where the file bytes go (the engine's
   own storage, so no second copy exists), and what the engine needs set afterwards.
-- ``takes_shared(module, converted)``: does the module take the conversion's pre-baked fused
-  shared expert (so the engine must not load the checkpoint's shared-expert tensors for it)?
+- ``shared_kinds(module, converted)``: which of the checkpoint's shared-expert tensors
+  (``weight``, ``scale``) installing the module puts in place from the conversion's pre-baked
+  fused shared expert, so the engine must not load them; empty: it loads as usual.
 
 :mod:`.driver` runs these steps for every engine.
 """
@@ -74,7 +75,7 @@ class Contract(Protocol):
 
     def check(self, module: nn.Module, layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None: ...
 
-    def takes_shared(self, module: nn.Module, converted: "ConvertedModel") -> bool: ...
+    def shared_kinds(self, module: nn.Module, converted: "ConvertedModel") -> tuple[str, ...]: ...
 
     def destinations(self, module: nn.Module, converted: "ConvertedModel") -> "Destinations": ...
 

@@ -15,7 +15,7 @@ from typing import Protocol, Sequence
 
 from torch import nn
 
-from ..checkpoint import MoELayer
+from ..checkpoint import SHARED_PROJECTIONS, MoELayer
 from ..loader import ConvertedModel, LoadError, load_rank, open_converted
 from . import Contract, InstallError, require_engine
 
@@ -49,9 +49,10 @@ class Installed:
     """What :func:`install_layers` put in place, by checkpoint layer key (``layers.7`` / ``mtp.0``)."""
 
     layers: tuple[str, ...]
-    #: Layers whose fused shared expert came from the rank files too: the engine's load format
-    #: must not load those layers' checkpoint shared-expert tensors again.
+    #: Layers whose fused shared expert came from the rank files too.
     shared: tuple[str, ...] = ()
+    #: The checkpoint tensors those installs put in place: the engine's load format skips them.
+    skip: frozenset[str] = frozenset()
 
 
 def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
@@ -72,14 +73,17 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
                                f"(converted layers: {', '.join(sorted(layers))})")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
-    shared = tuple(layer.key for module, contract, layer in planned if contract.takes_shared(module, converted))
+    kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
+    shared = tuple(key for key, k in kinds.items() if k)
+    skip = frozenset(layer.shared_tensor_name(proj, kind) for _, _, layer in planned
+                     for kind in kinds[layer.key] for proj in SHARED_PROJECTIONS)
     for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
         loaded = load_rank(converted, rank, verify=verify,
                            into={layer.prefix: contract.destinations(module, converted)})
         contract.finish(module, loaded[layer.prefix])
     log.info("megamoe: installed %d MegaMoE layers (%d with their shared expert) for %s EP rank %d from %s",
              len(planned), len(shared), engine.name, rank, converted.path)
-    return Installed(tuple(layer.key for _, _, layer in planned), shared)
+    return Installed(tuple(layer.key for _, _, layer in planned), shared, skip)
 
 
 def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix: str = "prefix",

@@ -13,7 +13,6 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..checkpoint import MoELayer
 from ..manifest import read_manifest
 from . import InstallError
 from .driver import Installed
@@ -28,11 +27,10 @@ EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 
 def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,
                            ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The default safetensors iterator, minus routed-expert tensors and the checkpoint's shared
-    experts of the layers whose pre-baked shared expert ``installed`` says is in place."""
-    shared = tuple(MoELayer.parse(key).shared_prefix for key in (installed.shared if installed else ()))
-    return ((name, t) for name, t in weights
-            if not EXPERT_TENSOR_NAME.search(name) and not (shared and name.startswith(shared)))
+    """The default safetensors iterator, minus routed-expert tensors and the shared-expert
+    tensors ``installed`` put in place from the rank files (``Installed.skip``)."""
+    skip = installed.skip if installed else frozenset()
+    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name) and name not in skip)
 
 
 def as_safetensors_config(load_config: Any) -> Any:

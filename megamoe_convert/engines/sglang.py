@@ -127,9 +127,9 @@ class MegaMoEContract:
         expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout.SCALE_BLOCK_K))
         expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout.SCALE_BLOCK_K))
 
-    def takes_shared(self, module: nn.Module, converted: ConvertedModel) -> bool:
-        """Never: a module with fused shared-expert slots is refused (``refusal``)."""
-        return False
+    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+        """None: a module with fused shared-expert slots is refused (``refusal``)."""
+        return ()
 
     def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         """Weights into SGLang's own parameters; the UTCCP scales into new MN-major tensors on the

@@ -56,13 +56,18 @@ class KernelLayoutContract:
         fmt = converted.manifest.dims.format
         keys = ["l1_weight", "l2_weight"] + (["l1_sf", "l2_sf"] if fmt.scaled else [])
         keys += list(formats.GLOBAL_SCALE_KEYS) if fmt.global_scales else []
-        return keys + (list(formats.SHARED_KEYS) if self.takes_shared(module, converted) else [])
+        return keys + (list(formats.SHARED_KEYS) if self.shared_kinds(module, converted) else [])
 
-    def takes_shared(self, module: nn.Module, converted: ConvertedModel) -> bool:
-        """The module fuses the shared expert (vLLM decided at construction) and the conversion
-        pre-baked it; otherwise the shared expert loads through vLLM's normal path."""
-        return bool(getattr(module, "has_fused_shared_experts", False)) and \
-            converted.manifest.dims.shared_intermediate_size > 0
+    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+        """All of them when the module fuses the shared expert (vLLM decided at construction,
+        it owns ``shared_l*``) and the conversion pre-baked it; otherwise none: the shared
+        expert loads through vLLM's normal path."""
+        fused = bool(getattr(module, "has_fused_shared_experts", False))
+        return ("weight", "scale") if fused and converted.manifest.dims.shared_intermediate_size else ()
+
+    def bind(self, owner: nn.Module | None) -> "KernelLayoutContract":
+        """The module holds everything it takes: its owner changes nothing."""
+        return self
 
     def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         fmt = getattr(module.weight_format, "name", module.weight_format)

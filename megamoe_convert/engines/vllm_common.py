@@ -87,8 +87,12 @@ class VllmEngine:
         return current_ep_rank()
 
     def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
-        return classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
-                        hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
+        """Each experts module with its contract, bound to the module's owner (the MoE block
+        holding it: vLLM 0.32 fuses the owner's shared MLP in ``finalize_weights``)."""
+        found = classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
+                         hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
+        owners = {id(child): parent for parent in model.modules() for child in parent.children()}
+        return [(m, c.bind(owners.get(id(m)))) for m, c in found]  # type: ignore[attr-defined]
 
     def prefix(self, module: nn.Module) -> str:
         return module.prefix

@@ -230,3 +230,83 @@ def assert_same_tensors(got: list[torch.Tensor], want: list[torch.Tensor], where
         assert (g.dtype, tuple(g.shape), g.stride()) == (w.dtype, tuple(w.shape), w.stride()), \
             f"{where}[{i}]: {g.dtype}{tuple(g.shape)}{g.stride()} vs {w.dtype}{tuple(w.shape)}{w.stride()}"
         assert torch.equal(g, w), f"{where}[{i}]: bytes differ"
+
+
+# --------------------------------------------------------------------------------------
+# The shared expert: vLLM's own FP8 MLP, and vLLM's own fusion decision
+# --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fp8_linears(tp_size: int = 1) -> Iterator[None]:
+    """vLLM's FP8 block linears on the CPU: a TP group of ``tp_size`` (this is rank 0), the
+    model dtype ``Fp8LinearMethod`` reads, its GEMM kernel choice (needs AMX or a GPU; never run
+    here) and, 0.32, whether the DeepGEMM build's kernel takes shared experts."""
+    tp_group = types.SimpleNamespace(world_size=tp_size, rank_in_group=0)
+    model_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16, hf_config=None))
+    fp8 = "vllm.model_executor.layers.quantization.fp8"
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(mock.patch("vllm.distributed.parallel_state.get_tp_group", lambda: tp_group))
+        enter(mock.patch(f"{fp8}.get_current_vllm_config", lambda: model_config))
+        enter(mock.patch(f"{fp8}.init_fp8_linear_kernel", lambda *a, **k: None))
+        if not KERNEL_LAYOUT:
+            enter(mock.patch.object(mega_py.DeepGemmSm100MegaMoEBackend, "supports_shared_experts",
+                                    lambda self, deep_gemm: True))
+        yield
+
+
+def shared_mlp(config, layer_prefix: str) -> nn.Module:
+    """The layer's ``DeepseekV4MLP`` as vLLM builds it for a DeepSeek-V4 FP4 checkpoint: FP8 e4m3
+    linears with UE8M0 128x128 block scales (``DeepseekV4FP8Config``), TP-sharded unless TP=1."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+
+    quant = DeepseekV4FP8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+    with set_current_vllm_config(VllmConfig()):  # its activation is a CustomOp
+        return model_py.DeepseekV4MLP(hidden_size=config.hidden_size,
+                                      intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                                      hidden_act="silu", swiglu_limit=config.swiglu_limit, quant_config=quant,
+                                      reduce_results=True, is_sequence_parallel=False,
+                                      prefix=f"{layer_prefix}.shared_experts")
+
+
+def build_main_model_with_shared(config, ep_rank: int, ep_size: int, redundant: int, tp_size: int = 1) -> nn.Module:
+    """The main model whose MoE blocks hold a real shared MLP and whose experts vLLM's own
+    ``DeepseekV4MoE._init_mega_moe_experts`` builds: vLLM decides whether to fuse (TP=1 or
+    sequence parallel, ``VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION`` unset)."""
+    from vllm.config import VllmConfig
+
+    vllm_config = VllmConfig()
+    vllm_config.parallel_config.eplb_config.num_redundant_experts = redundant
+    n = config.num_hidden_layers
+    layers = nn.ModuleList()
+    ep_group = types.SimpleNamespace(rank_in_group=ep_rank, world_size=ep_size)
+    with mock.patch.object(model_py, "get_ep_group", lambda: ep_group):
+        for i in range(n):
+            prefix = f"model.layers.{i}.ffn"
+            moe = _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, use_mega_moe=True, prefix=prefix,
+                        shared_experts=shared_mlp(config, f"model.layers.{i}"), use_sequence_parallel=False,
+                        tp_size=tp_size, n_routed_experts=config.n_routed_experts,
+                        n_activated_experts=config.num_experts_per_tok, swiglu_limit=config.swiglu_limit)
+            model_py.DeepseekV4MoE._init_mega_moe_experts(moe, vllm_config, config, prefix)
+            block = nn.Module()
+            block.ffn = moe
+            layers.append(block)
+    model = _bare(model_py.DeepseekV4Model, config=config, quant_config=None, use_sequence_parallel=False,
+                  start_layer=0, end_layer=n, layers=layers)
+    return _bare(model_py.DeepseekV4ForCausalLM, config=config, model=model)
+
+
+def layer_state(moe: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Everything loading leaves in one MoE block that the kernel or EPLB reads: the experts'
+    parameters (0.33: with ``shared_l*`` when fused), 0.30-0.32 the ``_transformed_*`` tuples, and
+    the shared MLP's parameters while the block still has one."""
+    state: dict[str, torch.Tensor | None] = {f"experts.{k}": v for k, v in moe.experts.named_parameters()}
+    for name in ("l1", "l2", "shared_l1", "shared_l2"):
+        pair = getattr(moe.experts, f"_transformed_{name}_weights", None)
+        for i, t in enumerate(pair or ()):
+            state[f"experts._transformed_{name}_weights[{i}]"] = t
+    if moe.shared_experts is not None:
+        state.update({f"shared_experts.{k}": v for k, v in moe.shared_experts.named_parameters()})
+    return state
