@@ -11,17 +11,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import posixpath
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import jsonio
-from .layout import SCALE_BLOCK_K, LayoutError, check_dims
+from . import formats, jsonio
+from .formats import FormatError, WeightFormat
+from .layout import LayoutError, check_dims
 from .placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
-from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header
+from .safetensors_io import DTYPE_BITS, SafetensorsError, SafetensorsHeader, TensorEntry, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -32,18 +34,18 @@ RESERVED_NAMES = re.compile(r"manifest(?:\.part-\d+-of-\d+)?\.json")
 MAX_DIM = 1 << 20
 MAX_LAYERS = 1 << 16
 
-#: ``layers.{L}.ffn.experts.{e}.w{1,2,3}.{weight,scale}`` and the same under ``mtp.{k}.``.
-#: Numbers are canonical (``3``, never ``03``): one tensor, one name.
+#: ``layers.{L}.ffn.experts.{e}.w{1,2,3}.{weight,scale}`` and the same under ``mtp.{k}.`` (NVFP4
+#: adds ``weight_scale_2`` and ``input_scale``). Numbers are canonical (``3``, never ``03``): one
+#: tensor, one name.
 _NUMBER = r"(?:0|[1-9]\d{0,8})"
 EXPERT_TENSOR = re.compile(rf"^(?P<layer>(?:layers|mtp)\.{_NUMBER})\.ffn\.experts\.(?P<expert>{_NUMBER})"
-                           r"\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+                           r"\.(?P<proj>w[123])\.(?P<kind>weight|scale|weight_scale_2|input_scale)$")
 #: Anything under ``.ffn.experts.`` is an expert tensor, recognised or not.
 UNDER_EXPERTS = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.")
 
-WEIGHT_DTYPES = ("I8", "U8", "F4")
-SCALE_DTYPES = ("F8_E8M0", "U8")
-PROJECTIONS = ("w1", "w2", "w3")
-KINDS = ("weight", "scale")
+
+#: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
+SHARED_PROJECTIONS = ("w1", "w2", "w3")
 
 
 class CheckpointError(ValueError):
@@ -57,18 +59,20 @@ class ModelDims:
     hidden_size: int
     moe_intermediate_size: int
     n_routed_experts: int
+    weight_format: str = formats.MXFP4.name  # the routed experts' format (formats.FORMATS)
+    #: Intermediate size of the shared expert pre-baked for fusion into the MegaMoE launch; 0: none.
+    shared_intermediate_size: int = 0
 
-    def expert_byte_shapes(self) -> dict[tuple[str, str], tuple[int, int]]:
+    @property
+    def format(self) -> WeightFormat:
+        return formats.by_name(self.weight_format)
+
+    def expert_byte_shapes(self) -> dict[tuple[str, str], tuple[int, ...]]:
         """Expected uint8 shape of each ``(projection, kind)`` of one expert."""
-        h, i = self.hidden_size, self.moe_intermediate_size
-        return {
-            ("w1", "weight"): (i, h // 2), ("w1", "scale"): (i, h // SCALE_BLOCK_K),
-            ("w3", "weight"): (i, h // 2), ("w3", "scale"): (i, h // SCALE_BLOCK_K),
-            ("w2", "weight"): (h, i // 2), ("w2", "scale"): (h, i // SCALE_BLOCK_K),
-        }
+        return formats.checkpoint_byte_shapes(self.format, self.hidden_size, self.moe_intermediate_size)
 
     def bytes_per_expert(self) -> int:
-        return sum(a * b for a, b in self.expert_byte_shapes().values())
+        return sum(math.prod(shape) for shape in self.expert_byte_shapes().values())
 
 
 @dataclass(frozen=True, order=True)
@@ -102,6 +106,15 @@ class MoELayer:
     def tensor_name(self, expert: int, proj: str, kind: str) -> str:
         return f"{self.prefix}.{expert}.{proj}.{kind}"
 
+    @property
+    def shared_prefix(self) -> str:
+        """Every checkpoint tensor of the layer's shared expert starts with this: ``layers.7.ffn.shared_experts.``."""
+        return f"{self.key}.ffn.shared_experts."
+
+    def shared_tensor_name(self, proj: str, kind: str) -> str:
+        """The shared expert's checkpoint tensor, e.g. ``layers.7.ffn.shared_experts.w1.scale``."""
+        return f"{self.shared_prefix}{proj}.{kind}"
+
 
 def _config_int(config: dict[str, Any], key: str, path: Path, default: int | None = None,
                 hi: int = MAX_DIM) -> int:
@@ -130,6 +143,8 @@ class Checkpoint:
     headers: dict[str, SafetensorsHeader]
     index_bytes: bytes
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    #: Why the shared expert is not pre-baked (``None`` when it is).
+    shared_expert_note: str | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -145,7 +160,10 @@ class Checkpoint:
         headers = cls._read_headers(root, weight_map)
         ckpt = cls(root, config, dims, weight_map, headers, index_bytes)
         ckpt.tensors = ckpt._collect_tensors()
+        ckpt.dims = replace(dims, weight_format=ckpt._identify_format().name)
         ckpt._check_experts()
+        shared, ckpt.shared_expert_note = ckpt._fusable_shared_expert()
+        ckpt.dims = replace(ckpt.dims, shared_intermediate_size=shared)
         return ckpt
 
     @classmethod
@@ -159,10 +177,10 @@ class Checkpoint:
 
     @staticmethod
     def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
-        expert_dtype = config.get("expert_dtype", "fp4")
-        if expert_dtype != "fp4":
-            raise CheckpointError(f"{path}: expert_dtype is {jsonio.short(expert_dtype)}; MegaMoE needs FP4 experts "
-                                  "('fp4')")
+        try:
+            formats.check_expert_dtype(config.get("expert_dtype", "fp4"), path)
+        except FormatError as e:
+            raise CheckpointError(str(e)) from None
         dims = ModelDims(_config_int(config, "hidden_size", path), _config_int(config, "moe_intermediate_size", path),
                          _config_int(config, "n_routed_experts", path, hi=MAX_PHYSICAL_EXPERTS))
         try:
@@ -228,6 +246,21 @@ class Checkpoint:
         keys = {m["layer"] for name in self.tensors if (m := EXPERT_TENSOR.match(name))}
         return sorted(MoELayer.parse(k) for k in keys)
 
+    def _identify_format(self) -> WeightFormat:
+        """The routed experts' format, from the first expert's ``w1`` tensors (every other expert
+        tensor is then checked against it)."""
+        if not self.layers:
+            raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
+        first = self.layers[0]
+        weight = self.tensors.get(first.tensor_name(0, "w1", "weight"))
+        if weight is None:
+            raise CheckpointError(f"{self.root}: missing expert tensor {first.tensor_name(0, 'w1', 'weight')}")
+        scale = self.tensors.get(first.tensor_name(0, "w1", "scale"))
+        try:
+            return formats.identify(weight.dtype, scale and scale.dtype, f"{weight.path}: {first.prefix}.0.w1")
+        except FormatError as e:
+            raise CheckpointError(str(e)) from None
+
     def _check_experts(self) -> None:
         self._check_no_stray_expert_tensors()
         self._check_layer_set()
@@ -243,9 +276,10 @@ class Checkpoint:
             if not UNDER_EXPERTS.match(name):
                 continue
             m = EXPERT_TENSOR.match(name)
-            if m is None:
-                raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} "
-                                      "(expected experts.{e}.w{1,2,3}.weight|scale)")
+            if m is None or (m["proj"], m["kind"]) not in self.dims.expert_byte_shapes():
+                kinds = sorted({kind for _, kind in self.dims.expert_byte_shapes()})
+                raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} (expected "
+                                      f"experts.{{e}}.w{{1,2,3}}.{'|'.join(kinds)} of {self.dims.weight_format} experts)")
             if int(m["expert"]) >= n:
                 raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {m['expert']}, "
                                       f"but config.json has n_routed_experts={n}")
@@ -267,18 +301,50 @@ class Checkpoint:
             raise CheckpointError(f"{config_path}: num_nextn_predict_layers={len(want_mtp)} but the checkpoint has "
                                   f"experts for MTP layers {_ranges(found_mtp) or 'none'}")
 
-    def _check_expert_tensor(self, name: str, kind: str, byte_shape: tuple[int, int]) -> None:
+    def _check_expert_tensor(self, name: str, kind: str, byte_shape: tuple[int, ...]) -> None:
         entry = self.tensors.get(name)
+        fmt = self.dims.format
         if entry is None:
-            raise CheckpointError(f"{self.root}: missing expert tensor {name}")
-        allowed = WEIGHT_DTYPES if kind == "weight" else SCALE_DTYPES
+            raise CheckpointError(f"{self.root}: missing expert tensor {name} ({fmt.name} experts)")
+        allowed = formats.checkpoint_dtypes(fmt, kind)
         if entry.dtype not in allowed:
-            raise CheckpointError(f"{entry.path}: {name} has dtype {entry.dtype}, expected one of {', '.join(allowed)}")
+            raise CheckpointError(f"{entry.path}: {name} has dtype {entry.dtype}, expected one of {', '.join(allowed)} "
+                                  f"({fmt.name} experts)")
         if entry.byte_shape != byte_shape:
-            logical = (byte_shape[0], byte_shape[1] * 2) if entry.dtype == "F4" else byte_shape
-            raise CheckpointError(f"{entry.path}: {name} has shape {list(entry.shape)}, expected {list(logical)} "
-                                  f"(hidden_size={self.dims.hidden_size}, "
-                                  f"moe_intermediate_size={self.dims.moe_intermediate_size} in config.json)")
+            bits = DTYPE_BITS[entry.dtype]
+            logical = [*byte_shape[:-1], byte_shape[-1] * 8 // bits] if len(byte_shape) == 2 else "one value"
+            raise CheckpointError(f"{entry.path}: {name} has shape {list(entry.shape)}, expected {logical} "
+                                  f"(hidden_size={self.dims.hidden_size}, moe_intermediate_size="
+                                  f"{self.dims.moe_intermediate_size} in config.json; {fmt.name} experts)")
+
+    def _fusable_shared_expert(self) -> tuple[int, str | None]:
+        """``(S, None)`` when every MoE layer has a shared expert of intermediate size ``S`` that
+        can run inside the MegaMoE launch (:func:`formats.shared_expert_problem`), else ``(0, why)``."""
+        h, i = self.dims.hidden_size, self.dims.moe_intermediate_size
+        if not self.dims.format.fuses_fp8_shared:
+            return 0, f"{self.dims.weight_format} experts fuse no {formats.SHARED_FORMAT.name} shared expert"
+        sizes = set()
+        for layer in self.layers:
+            w1 = self.tensors.get(layer.shared_tensor_name("w1", "weight"))
+            if w1 is None or len(w1.shape) != 2:
+                return 0, f"{layer.key} has no shared expert"
+            s = w1.shape[0]
+            for proj, (n, k) in (("w1", (s, h)), ("w3", (s, h)), ("w2", (h, s))):
+                weight, scale = (self.tensors.get(layer.shared_tensor_name(proj, kind)) for kind in ("weight", "scale"))
+                if weight is None or scale is None:
+                    return 0, f"{layer.key} has no shared_experts.{proj} weight and scale"
+                problem = formats.shared_expert_problem(weight.dtype, weight.shape, scale.dtype, scale.shape, n, k)
+                if problem:
+                    return 0, f"{layer.shared_tensor_name(proj, 'weight')}: {problem}"
+            if s % i:
+                return 0, f"{layer.key}: shared intermediate {s} is not a multiple of moe_intermediate_size {i}"
+            sizes.add(s)
+        if len(sizes) != 1:
+            return 0, f"shared experts of different sizes {sorted(sizes)}"
+        return sizes.pop(), None
+
+    def shared_entry(self, layer: MoELayer, proj: str, kind: str) -> TensorEntry:
+        return self.tensors[layer.shared_tensor_name(proj, kind)]
 
     def expert_entry(self, layer: MoELayer, expert: int, proj: str, kind: str) -> TensorEntry:
         return self.tensors[layer.tensor_name(expert, proj, kind)]

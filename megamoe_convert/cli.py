@@ -39,6 +39,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .convert import ConvertError
     from .devices import DeviceError
+    from .formats import FormatError
     from .hub import HubError
     from .layout import LayoutError
     from .loader import LoadError
@@ -46,7 +47,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .placement import PlacementError
     from .safetensors_io import SafetensorsError
     from .synth import SynthError
-    return (CheckpointError, ConvertError, DeviceError, HubError, LayoutError, LoadError, ManifestError,
+    return (CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
             PlacementError, SafetensorsError, SynthError, OSError)
 
 
@@ -120,8 +121,12 @@ def synth(
     experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
     mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Random seed (same seed, same bytes).")] = 0,
-    weight_dtype: Annotated[WeightDtype, typer.Option(help="Stored dtype of packed FP4 expert weights.")] = WeightDtype.int8,
-    scale_dtype: Annotated[ScaleDtype, typer.Option(help="Stored dtype of UE8M0 expert scales.")] = ScaleDtype.e8m0,
+    weight_format: Annotated[str, typer.Option(
+        "--format", help="Routed experts' MegaMoE weight format: mxfp4 (DeepSeek-V4's), mxfp8, nvfp4 or bf16.")] = "mxfp4",
+    weight_dtype: Annotated[Optional[WeightDtype], typer.Option(
+        help="Stored dtype of packed FP4 expert weights (mxfp4; default int8).")] = None,
+    scale_dtype: Annotated[Optional[ScaleDtype], typer.Option(
+        help="Stored dtype of UE8M0 expert scales (mxfp4; default e8m0).")] = None,
     shard_mb: Annotated[Optional[float], typer.Option(min=0.001, help="Shard size in MB (default: 0.4 of a layer's "
                                                            "experts, so layers span shards).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
@@ -132,7 +137,8 @@ def synth(
     def body() -> None:
         with ByteProgress(f"synth {preset.value}") as progress:
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
-                                weight_dtype=weight_dtype.value, scale_dtype=scale_dtype.value,
+                                weight_format=weight_format, weight_dtype=weight_dtype and weight_dtype.value,
+                                scale_dtype=scale_dtype and scale_dtype.value,
                                 shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
                                 progress=progress, overwrite=overwrite)
         err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"
@@ -177,9 +183,12 @@ def inspect(
         placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
         per_expert = ckpt.dims.bytes_per_expert()
         first = ckpt.layers[0]
-        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
+        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in ckpt.dims.expert_byte_shapes()}
         summary = {
-            "path": str(ckpt.root), "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
+            "path": str(ckpt.root), "model_type": ckpt.config.get("model_type"),
+            "weight_format": ckpt.dims.weight_format, "shared_expert": ckpt.dims.shared_intermediate_size or None,
+            "shared_expert_note": ckpt.shared_expert_note,
+            "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
             "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
             "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
             "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
@@ -194,6 +203,9 @@ def inspect(
         table.add_column("", style="bold")
         table.add_column("")
         d = ckpt.dims
+        table.add_row("model / weight format", f"{summary['model_type']} / {d.weight_format}")
+        table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
+                      if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
         table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
         table.add_row("routed experts", str(d.n_routed_experts))
         decoder = [l for l in ckpt.layers if not l.is_mtp]

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import faults, layout
-from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, MoELayer, parse_layer_spec
+from . import faults, formats, layout, rank_extras
+from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, ModelDims, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, rank_file, rank_shard_metadata,
                        rank_shard_specs)
@@ -223,9 +223,9 @@ def _row_runs(rows: int, gate_up: bool, splits: tuple[int, ...]) -> tuple[tuple[
 
 def direct_path_supported(dims: Any, device: str) -> bool:
     """The direct path's assumptions: CPU, little-endian int32 words, no scale padding."""
-    h, i = dims.hidden_size, dims.moe_intermediate_size
+    h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
     return (device == "cpu" and sys.byteorder == "little"
-            and all(k // layout.SCALE_BLOCK_K % layout.SCALES_PER_WORD == 0 for k in (h, i))
+            and all(not fmt.scaled or fmt.scale_row_bytes(k) % layout.SCALES_PER_WORD == 0 for k in (h, i))
             and all(layout.tma_aligned_mn(mn) == mn and mn % layout.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
 
 
@@ -284,11 +284,12 @@ def direct_rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids:
     Every chunk is a view of this thread's buffer: valid until the next one is asked for.
     """
     dims = reader.ckpt.dims
-    h, i = dims.hidden_size, dims.moe_intermediate_size
-    per_expert = max(2 * i * h // 2, h * i // 2, 3 * 2 * i * h // layout.SCALE_BLOCK_K)
+    h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
+    per_expert = max(2 * i * fmt.weight_row_bytes(h), h * fmt.weight_row_bytes(i),
+                     3 * 2 * i * fmt.scale_row_bytes(h) if fmt.scaled else 0)
     buf = _thread_buffer(min(group, len(logical_ids)) * per_expert)
     for projs, gate_up in ((("w1", "w3"), True), (("w2",), False)):
-        for produce in (_direct_weight, _direct_sf):
+        for produce in (_direct_weight, _direct_sf) if fmt.scaled else (_direct_weight,):
             for experts in _groups(logical_ids, group):
                 if cancelled is not None and cancelled.is_set():
                     raise Cancelled("cancelled")
@@ -307,33 +308,42 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
     Each output tensor depends on one input only (see :func:`layout.transform_experts`), so
     the four tensors are produced one after another, each in expert chunks.
     """
-    per_expert = reader.ckpt.dims.bytes_per_expert()
-    group = max(1, chunk_bytes // max(1, per_expert))
-    if direct_path_supported(reader.ckpt.dims, reader.device):
+    dims = reader.ckpt.dims
+    group = max(1, chunk_bytes // max(1, dims.bytes_per_expert()))
+    if direct_path_supported(dims, reader.device):
         yield from direct_rank_shard_chunks(reader, layer, logical_ids, group, cancelled)
-        yield torch.tensor(list(logical_ids), dtype=torch.int32)
-        return
-    steps = (
+    else:
+        yield from _routed_chunks(reader, layer, logical_ids, group, cancelled)
+    if dims.format.global_scales:
+        yield from rank_extras.global_scale_chunks(reader.ckpt, reader.files, layer, logical_ids)
+    yield torch.tensor(list(logical_ids), dtype=torch.int32)
+    if dims.shared_intermediate_size:
+        yield from rank_extras.shared_expert_chunks(reader.ckpt, reader.files, layer)
+
+
+def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
+                   cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
+    """The routed L1/L2 tensors by ``layout``'s tensor operations (any device, any dims)."""
+    steps = [
         (("w1", "w3"), "weight", layout.l1_weight),
         (("w1", "w3"), "scale", lambda sf: layout.sf_storage(layout.l1_sf(sf))),
         (("w2",), "weight", layout.l2_weight),
         (("w2",), "scale", lambda sf: layout.sf_storage(layout.l2_sf(sf))),
-    )
-    for projs, kind, transform in steps:
+    ]
+    for projs, kind, transform in steps if reader.ckpt.dims.format.scaled else steps[::2]:
         for experts in _groups(logical_ids, group):
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled")
             yield transform(reader.stacked(layer, experts, projs, kind))
-    yield torch.tensor(list(logical_ids), dtype=torch.int32)
 
 
 def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank: int, layer: MoELayer,
                     cancelled: threading.Event) -> Unit:
     dims = plan.ckpt.dims
     ids = plan.placement_for(layer).rank_logical_ids(rank)
-    specs = rank_shard_specs(layer, len(ids), dims.hidden_size, dims.moe_intermediate_size)
+    specs = rank_shard_specs(layer, len(ids), dims)
     rel = rank_file(rank, plan.placement.ep_size, layer)
-    metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size)
+    metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size, dims)
 
     def run() -> FileRecord:
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)

@@ -147,6 +147,14 @@ def to_mn_major(packed: torch.Tensor) -> torch.Tensor:
     return storage.transpose(1, 2)[:, :mn, :]
 
 
+def expand_block_scales(sf: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
+    """Coarse block scales ``[rows/br, blocks/bc]`` -> one byte per row and kernel group
+    ``[rows, blocks]``: each block's byte repeated over the rows and groups it covers (a 128x128
+    FP8 block scale covers 128 rows and four 1x32 groups). Bytes are copied, never converted."""
+    sf = as_bytes(sf, "scale")
+    return sf.repeat_interleave(rows // sf.shape[-2], -2).repeat_interleave(blocks // sf.shape[-1], -1)
+
+
 def sf_into_required_layout(sf: torch.Tensor) -> torch.Tensor:
     """Step 1 whole: UE8M0 bytes -> packed, MN-major int32 (``transform_sf_into_required_layout``)."""
     return to_mn_major(pack_ue8m0(sf))
@@ -262,13 +270,27 @@ def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[t
     return w13, w13_sf, w2, w2_sf
 
 
+def untransform_operand(weight: torch.Tensor, sf: torch.Tensor | None, scale_blocks: int, gate_up: bool,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Undo :func:`l1_weight` / :func:`l1_sf` (``gate_up``) or :func:`l2_weight` / :func:`l2_sf`
+    for a weight of any element type (rows are moved whole, so FP4, FP8 and BF16 alike): its
+    bytes ``uint8 [E, N, row bytes]`` and scale bytes ``uint8 [E, N, scale_blocks]`` (``None``
+    for an unscaled weight), in checkpoint row order."""
+    w = deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
+    w = w.view(torch.uint8)
+    if sf is None:
+        return w, None
+    s = untranspose_sf_for_utccp(sf)
+    return w, unpack_ue8m0(deinterleave_gate_up(s) if gate_up else s, scale_blocks)
+
+
 # --------------------------------------------------------------------------------------
 # Storage form: how an MN-major scale tensor lives in a file, and comes back with a view
 # --------------------------------------------------------------------------------------
 
 def sf_storage(sf: torch.Tensor) -> torch.Tensor:
     """The contiguous ``[E, pk, MNa]`` array behind an MN-major scale tensor (a view, no copy)."""
-    storage = sf.transpose(1, 2)
+    storage = sf.transpose(-1, -2)
     if not storage.is_contiguous():
         raise LayoutError(f"scale tensor with strides {sf.stride()} is not MN-major without padding")
     return storage
@@ -276,16 +298,7 @@ def sf_storage(sf: torch.Tensor) -> torch.Tensor:
 
 def sf_from_storage(storage: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`sf_storage`: the kernel's ``[E, MN, pk]`` MN-major view of the file bytes."""
-    return storage.transpose(1, 2)
-
-
-def kernel_strides(experts: int, mn: int, k: int) -> dict[str, tuple[int, ...]]:
-    """Expected ``(shape, stride)`` of the weight and scale tensors of one GEMM, for checks."""
-    pk, mn_a = packed_k(k), tma_aligned_mn(mn)
-    return {
-        "weight_shape": (experts, mn, k // 2), "weight_stride": (mn * k // 2, k // 2, 1),
-        "sf_shape": (experts, mn, pk), "sf_stride": (pk * mn_a, 1, mn_a),
-    }
+    return storage.transpose(-1, -2)
 
 
 # --------------------------------------------------------------------------------------

@@ -22,14 +22,13 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from . import layout
+from . import formats, layout
 from .devices import DeviceError, usable_device
 from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
 from . import jsonio
 from .jsonio import Fields, one_line
 from .layout import KernelWeights
-from .manifest import (MANIFEST_NAME, Manifest, ManifestError, expert_tensor_names, rank_file, rank_shard_specs,
-                       read_manifest)
+from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_file, rank_shard_specs, read_manifest
 from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, read_header, read_into
 from .writer import FileRecord, file_problems
 
@@ -65,10 +64,28 @@ class ExpertLayer:
     """One MoE layer of one rank, as the fused kernel takes it."""
 
     key: str  # "layers.7" / "mtp.0"
-    l1: KernelWeights  # (int8 [E, 2I, H/2], int32 [E, 2I, H/128] MN-major)
-    l2: KernelWeights  # (int8 [E, H, I/2],  int32 [E, H, I/128] MN-major)
+    #: Every loaded tensor by its key (:data:`formats.FILE_NAMES`), scales (``*_sf``) in the kernel's
+    #: MN-major view: ``l1_weight`` (MXFP4: int8 [E, 2I, H/2]), ``l1_sf`` (int32 [E, 2I, H/128]), ...
+    tensors: dict[str, torch.Tensor]
     logical_ids: tuple[int, ...]  # logical expert of each local slot
     experts_start_idx: int  # first physical slot of this rank
+
+    def _operand(self, name: str) -> KernelWeights:
+        return KernelWeights(self.tensors[f"{name}_weight"], self.tensors.get(f"{name}_sf"))
+
+    @property
+    def l1(self) -> KernelWeights:
+        """``(weight, MN-major scales)``; the scales are ``None`` for an unscaled format (BF16)."""
+        return self._operand("l1")
+
+    @property
+    def l2(self) -> KernelWeights:
+        return self._operand("l2")
+
+    @property
+    def shared(self) -> tuple[KernelWeights, KernelWeights] | None:
+        """The pre-baked fused shared expert's ``(l1, l2)``, if converted and loaded."""
+        return (self._operand("shared_l1"), self._operand("shared_l2")) if "shared_l1_weight" in self.tensors else None
 
     @property
     def num_local_experts(self) -> int:
@@ -84,8 +101,8 @@ class ConvertedModel:
 
     @property
     def weight_format(self) -> str:
-        """The routed experts' MegaMoE weight format (one so far: MXFP4)."""
-        return "mxfp4"
+        """The routed experts' MegaMoE weight format, as the manifest records it (``formats.FORMATS``)."""
+        return self.manifest.dims.weight_format
 
     @cached_property
     def num_hidden_layers(self) -> int:
@@ -165,20 +182,21 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
 
 
 def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
-    """The shard must hold exactly the tensors the manifest's dims and placement imply."""
+    """The shard must hold exactly the tensors the manifest's dims and placement imply; they are
+    returned by key (:data:`formats.FILE_NAMES`)."""
     dims = manifest.dims
     experts = manifest.placement_for(layer).experts_per_rank
-    expected = rank_shard_specs(layer, experts, dims.hidden_size, dims.moe_intermediate_size)
+    expected = formats.spec_keys(rank_shard_specs(layer, experts, dims), layer.prefix)
     entries = {}
-    for spec in expected:
+    for key, spec in expected.items():
         entry = header.tensors.get(spec.name)
         if entry is None:
             raise LoadError(f"{header.path}: missing tensor {spec.name}")
         if entry.dtype != spec.dtype or entry.shape != spec.shape:
             raise LoadError(f"{header.path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected "
                             f"{spec.dtype}{list(spec.shape)} (hidden_size={dims.hidden_size}, moe_intermediate_size="
-                            f"{dims.moe_intermediate_size}, {experts} experts per rank)")
-        entries[spec.name] = entry
+                            f"{dims.moe_intermediate_size}, {experts} experts per rank, {dims.weight_format})")
+        entries[key] = entry
     meta = header.metadata
     if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \
             or meta.get("ep_size") != str(manifest.ep_size):
@@ -211,14 +229,11 @@ def _mmap_tensor(mapped: mmap.mmap, entry: TensorEntry, dtype: torch.dtype) -> t
     return flat.view(entry.shape)
 
 
-def _cpu_layer(path: Path, entries: dict[str, TensorEntry], names: dict[str, str]) -> tuple[KernelWeights, ...]:
+def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
     with open(path, "rb") as f:
         # Private (copy-on-write) mapping: pages load lazily on first touch; writes never reach the file.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    t = {key: _mmap_tensor(mapped, entries[name], _file_dtype(key))
-         for key, name in names.items() if key != "logical_ids"}
-    return (KernelWeights(t["l1_weight"], layout.sf_from_storage(t["l1_sf"])),
-            KernelWeights(t["l2_weight"], layout.sf_from_storage(t["l2_sf"])))
+    return {key: _mmap_tensor(mapped, entries[key], formats.torch_dtype(entries[key].dtype)) for key in _data_keys(entries)}
 
 
 # --------------------------------------------------------------------------------------
@@ -313,43 +328,43 @@ def copy_pieces_to_device(pieces: list[_Piece], ring: PinnedRing, stream: torch.
     stream.synchronize()
 
 
-#: ``{"l1_weight": t, "l1_sf": t, "l2_weight": t, "l2_sf": t}``: where a layer's file tensors go,
-#: scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
+#: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
+#: tensors go, scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
 Destinations = dict[str, torch.Tensor]
 
-TENSOR_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf")
+
+def _data_keys(entries: dict[str, TensorEntry]) -> list[str]:
+    """The keys of a shard's tensors that are loaded (all but the placement check's logical ids)."""
+    return [key for key in entries if key != "logical_ids"]
 
 
-def _file_dtype(key: str) -> torch.dtype:
-    return torch.int8 if key.endswith("weight") else torch.int32
+def _empty_destinations(entries: dict[str, TensorEntry], device: torch.device) -> Destinations:
+    return {key: torch.empty(entries[key].shape, dtype=formats.torch_dtype(entries[key].dtype), device=device)
+            for key in _data_keys(entries)}
 
 
-def _empty_destinations(entries: dict[str, TensorEntry], names: dict[str, str], device: torch.device) -> Destinations:
-    return {key: torch.empty(entries[names[key]].shape, dtype=_file_dtype(key), device=device) for key in TENSOR_KEYS}
-
-
-def check_destinations(where: str, dests: Destinations, entries: dict[str, TensorEntry], names: dict[str, str]) -> None:
+def check_destinations(where: str, dests: Destinations, entries: dict[str, TensorEntry]) -> None:
     """Caller-owned tensors must take the file bytes as they are: same bytes, shape and a
     contiguous layout (a scale's storage form is contiguous in the kernel layout)."""
-    for key in TENSOR_KEYS:
-        dest, entry = dests[key], entries[names[key]]
-        if dest.dtype.itemsize != _file_dtype(key).itemsize or tuple(dest.shape) != tuple(entry.shape) \
-                or not dest.is_contiguous():
+    for key, dest in dests.items():
+        entry = entries.get(key)
+        if entry is None:
+            raise LoadError(f"{where}: the conversion has no {key} (its tensors: {', '.join(_data_keys(entries))})")
+        want = formats.torch_dtype(entry.dtype)
+        if dest.dtype.itemsize != want.itemsize or tuple(dest.shape) != tuple(entry.shape) or not dest.is_contiguous():
             raise LoadError(f"{where}: {key} destination is {dest.dtype}{list(dest.shape)} with strides "
-                            f"{list(dest.stride())}, but {names[key]} is a contiguous {_file_dtype(key)}"
-                            f"{list(entry.shape)}")
+                            f"{list(dest.stride())}, but {entry.name} is a contiguous {want}{list(entry.shape)}")
 
 
-def _read_cpu(fd: int, path: Path, entries: dict[str, TensorEntry], names: dict[str, str],
-              dests: Destinations) -> None:
-    for key in TENSOR_KEYS:
-        read_into(fd, entries[names[key]].begin, dests[key], path)
+def _read_cpu(fd: int, path: Path, entries: dict[str, TensorEntry], dests: Destinations) -> None:
+    for key, dest in dests.items():
+        read_into(fd, entries[key].begin, dest, path)
 
 
 def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
                dests: dict[MoELayer, Destinations]) -> None:
     """Fill every destination (all on one CUDA device) through the pinned ring."""
-    device = next(iter(dests.values()))["l1_weight"].device
+    device = next(iter(next(iter(dests.values())).values())).device
     ring = shared_ring()
     stream = torch.cuda.Stream(device=device)
     pieces: list[_Piece] = []
@@ -360,9 +375,8 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
             fds.append(fd)
             if WILLNEED:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            names = expert_tensor_names(layer)
-            for key in TENSOR_KEYS:
-                pieces.extend(_pieces(fd, headers[layer][names[key]], dests[layer][key], ring.nbytes))
+            for key, dest in dests[layer].items():
+                pieces.extend(_pieces(fd, headers[layer][key], dest, ring.nbytes))
         readers = shared_readers()
         with _RING_LOCK:
             copy_pieces_to_device(pieces, ring, stream, readers)
@@ -376,26 +390,26 @@ def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer
           dests: dict[MoELayer, Destinations]) -> None:
     """Read every layer's file tensors into its destinations: CUDA ones through the pinned ring,
     CPU ones with one ``preadv`` each."""
-    on_cuda = {layer: d for layer, d in dests.items() if d["l1_weight"].device.type == "cuda"}
     by_device: dict[torch.device, dict[MoELayer, Destinations]] = {}
-    for layer, d in on_cuda.items():
-        by_device.setdefault(d["l1_weight"].device, {})[layer] = d
+    on_cpu: dict[MoELayer, Destinations] = {}
+    for layer, d in dests.items():
+        for key, t in d.items():
+            part = by_device.setdefault(t.device, {}) if t.device.type == "cuda" else on_cpu
+            part.setdefault(layer, {})[key] = t
     for group in by_device.values():
         _load_cuda(out, {layer: records[layer] for layer in group}, headers, group)
-    for layer, d in dests.items():
-        if layer in on_cuda:
-            continue
+    for layer, d in on_cpu.items():
         path = out / records[layer].path
         fd = os.open(path, os.O_RDONLY)
         try:
-            _read_cpu(fd, path, headers[layer], expert_tensor_names(layer), d)
+            _read_cpu(fd, path, headers[layer], d)
         finally:
             os.close(fd)
 
 
-def _as_kernel_weights(d: Destinations) -> tuple[KernelWeights, KernelWeights]:
-    return (KernelWeights(d["l1_weight"], layout.sf_from_storage(d["l1_sf"])),
-            KernelWeights(d["l2_weight"], layout.sf_from_storage(d["l2_sf"])))
+def _kernel_form(d: Destinations) -> dict[str, torch.Tensor]:
+    """File tensors -> the kernel's views (scales MN-major)."""
+    return {key: layout.sf_from_storage(t) if key.endswith("_sf") else t for key, t in d.items()}
 
 
 # --------------------------------------------------------------------------------------
@@ -439,22 +453,19 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
         except SafetensorsError as e:
             raise LoadError(one_line(str(e))) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
-        check_logical_ids(out / record.path, headers[layer][expert_tensor_names(layer)["logical_ids"]],
+        check_logical_ids(out / record.path, headers[layer]["logical_ids"],
                           manifest.placement_for(layer).rank_logical_ids(rank))
     if into is not None:
         by_prefix = {layer.prefix: layer for layer in records}
         dests = {by_prefix[prefix]: d for prefix, d in into.items()}
         for layer, d in dests.items():
-            check_destinations(layer.prefix, d, headers[layer], expert_tensor_names(layer))
+            check_destinations(layer.prefix, d, headers[layer])
         _fill(out, records, headers, dests)
-        tensors = {layer: _as_kernel_weights(d) for layer, d in dests.items()}
     elif device.type == "cuda":
-        dests = {layer: _empty_destinations(headers[layer], expert_tensor_names(layer), device) for layer in records}
+        dests = {layer: _empty_destinations(headers[layer], device) for layer in records}
         _fill(out, records, headers, dests)
-        tensors = {layer: _as_kernel_weights(d) for layer, d in dests.items()}
     else:
-        tensors = {layer: _cpu_layer(out / rec.path, headers[layer], expert_tensor_names(layer))
-                   for layer, rec in records.items()}
-    placements = {layer: manifest.placement_for(layer) for layer in tensors}
-    return {layer.prefix: ExpertLayer(layer.key, l1, l2, placements[layer].rank_logical_ids(rank),
-                                      placements[layer].experts_start(rank)) for layer, (l1, l2) in tensors.items()}
+        dests = {layer: _cpu_layer(out / rec.path, headers[layer]) for layer, rec in records.items()}
+    placements = {layer: manifest.placement_for(layer) for layer in dests}
+    return {layer.prefix: ExpertLayer(layer.key, _kernel_form(d), placements[layer].rank_logical_ids(rank),
+                                      placements[layer].experts_start(rank)) for layer, d in dests.items()}

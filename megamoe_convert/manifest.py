@@ -8,7 +8,7 @@ from typing import Any
 
 import xxhash
 
-from . import __version__, jsonio, layout
+from . import __version__, formats, jsonio
 from .checkpoint import MAX_DIM, ModelDims, MoELayer
 from .placement import ENGINES, MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
 from .safetensors_io import TensorSpec, encode_header
@@ -68,36 +68,32 @@ def is_own_path(rel: str) -> bool:
 
 
 def expert_tensor_names(layer: MoELayer) -> dict[str, str]:
-    """Names of the tensors in a rank shard. ``*.sf`` hold the MN-major scales' storage
-    ``[E, packed_k, MN]``; the kernel's view is ``tensor.transpose(1, 2)``."""
-    p = layer.prefix
-    return {"l1_weight": f"{p}.l1.weight", "l1_sf": f"{p}.l1.sf", "l2_weight": f"{p}.l2.weight",
-            "l2_sf": f"{p}.l2.sf", "logical_ids": f"{p}.logical_ids"}
+    """Names of the tensors a rank shard can hold (:data:`formats.FILE_NAMES`)."""
+    return formats.tensor_names(layer.prefix)
 
 
-def rank_shard_specs(layer: MoELayer, experts: int, hidden: int, inter: int) -> list[TensorSpec]:
-    """The tensors of one rank shard, in file order (the writer's and every reader's contract)."""
-    names = expert_tensor_names(layer)
-    pk_h, pk_i = layout.packed_k(hidden), layout.packed_k(inter)
-    return [
-        TensorSpec(names["l1_weight"], "I8", (experts, 2 * inter, hidden // 2), experts * inter * hidden),
-        TensorSpec(names["l1_sf"], "I32", (experts, pk_h, 2 * inter), experts * pk_h * 2 * inter * 4),
-        TensorSpec(names["l2_weight"], "I8", (experts, hidden, inter // 2), experts * hidden * inter // 2),
-        TensorSpec(names["l2_sf"], "I32", (experts, pk_i, hidden), experts * pk_i * hidden * 4),
-        TensorSpec(names["logical_ids"], "I32", (experts,), experts * 4),
-    ]
+def rank_shard_specs(layer: MoELayer, experts: int, dims: ModelDims) -> list[TensorSpec]:
+    """The tensors of one rank shard, in file order (the writer's and every reader's contract):
+    what :func:`formats.rank_tensor_specs` gives for the conversion's format and shared expert."""
+    return formats.rank_tensor_specs(dims.format, layer.prefix, experts, dims.hidden_size,
+                                     dims.moe_intermediate_size, dims.n_routed_experts, dims.shared_intermediate_size)
 
 
-def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int) -> dict[str, str]:
-    return {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
-            "rank": str(rank), "ep_size": str(ep_size),
-            "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int, dims: ModelDims) -> dict[str, str]:
+    """A rank shard's safetensors metadata. MXFP4 shards carry no ``weight_format`` entry, so the
+    files of conversions made before other formats existed keep the sizes their manifests list."""
+    metadata = {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
+                "rank": str(rank), "ep_size": str(ep_size),
+                "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+    if dims.weight_format != formats.MXFP4.name:
+        metadata["weight_format"] = dims.weight_format
+    return metadata
 
 
 def rank_shard_size(layer: MoELayer, rank: int, placement: Placement, dims: ModelDims) -> int:
     """The exact size of a rank shard: its header (aligned) plus its tensors."""
-    specs = rank_shard_specs(layer, placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size)
-    return len(encode_header(specs, rank_shard_metadata(layer, rank, placement.ep_size))) + sum(s.nbytes for s in specs)
+    specs = rank_shard_specs(layer, placement.experts_per_rank, dims)
+    return len(encode_header(specs, rank_shard_metadata(layer, rank, placement.ep_size, dims))) + sum(s.nbytes for s in specs)
 
 
 def _canonical(data: dict[str, Any]) -> bytes:
@@ -144,7 +140,9 @@ class Manifest:
             "source": self.source,
             "dims": {"hidden_size": self.dims.hidden_size,
                      "moe_intermediate_size": self.dims.moe_intermediate_size,
-                     "n_routed_experts": self.dims.n_routed_experts},
+                     "n_routed_experts": self.dims.n_routed_experts,
+                     "weight_format": self.dims.weight_format,
+                     "shared_intermediate_size": self.dims.shared_intermediate_size},
             "ep_size": self.ep_size,
             "ranks": self.ranks,
             "engine": self.engine,
@@ -235,7 +233,8 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     dims_data = f.obj(data, "dims")
     dims = ModelDims(*(f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
                        (("hidden_size", MAX_DIM), ("moe_intermediate_size", MAX_DIM),
-                        ("n_routed_experts", MAX_PHYSICAL_EXPERTS))))
+                        ("n_routed_experts", MAX_PHYSICAL_EXPERTS))),
+                     **formats.manifest_fields(dims_data, f, MAX_DIM))
     placement = _placement(f, data)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")

@@ -1,8 +1,10 @@
 """Synthetic DeepSeek-V4-format checkpoints with random bytes, for tests, demos and benchmarks.
 
 The files look like a released checkpoint where it matters to the converter: the real
-tensor names (no ``model.`` prefix, ``mtp.{k}.`` for MTP blocks), FP4 experts with
-``float8_e8m0fnu`` scales, FP8 shared experts with float scales, and shards cut by size,
+tensor names (no ``model.`` prefix, ``mtp.{k}.`` for MTP blocks), routed experts of any MegaMoE
+weight format (``formats.py``; DeepSeek-V4's is MXFP4: FP4 with ``float8_e8m0fnu`` 1x32 scales),
+FP8 e4m3 linears and shared experts with 128x128 ``float8_e8m0fnu`` block scales (what
+DeepSeek-V4's FP4 checkpoints ship: vLLM's ``is_scale_e8m0``), and shards cut by size,
 not by layer, so one layer's experts span several files. Generation streams tensor by
 tensor: a checkpoint larger than memory can be written.
 """
@@ -19,7 +21,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from .checkpoint import CONFIG_NAME, INDEX_NAME, MoELayer
-from .layout import SCALE_BLOCK_K, check_dims
+from . import formats
+from .formats import WeightFormat
+from .layout import check_dims
 from .safetensors_io import DTYPE_BITS, TensorSpec
 from .writer import write_json_atomic, write_safetensors
 
@@ -28,6 +32,10 @@ PRESETS = ("tiny", "flash", "pro")
 
 #: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
 SCALE_BYTE_RANGE = (110, 136)
+#: Positive E4M3 block scales 2**-2 .. 2**3 (NVFP4).
+E4M3_SCALE_BYTE_RANGE = (0x28, 0x58)
+#: FP8 linear block size (weights and scales of attention and shared experts).
+FP8_BLOCK = 128
 
 WEIGHT_DTYPES = {"int8": "I8", "uint8": "U8", "float4": "F4"}
 SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8"}
@@ -48,7 +56,10 @@ class SynthTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    fill: str = "random"  # "random" bytes, "scale" bytes in SCALE_BYTE_RANGE, or "ones" (bf16 1.0)
+    #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "e4m3" (finite
+    #: FP8 values), "bf16" (small finite values), "ones" (bf16 1.0), or "value" (F32 ``value``).
+    fill: str = "random"
+    value: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -61,15 +72,35 @@ class SynthTensor:
         return TensorSpec(self.name, self.dtype, self.shape, self.nbytes)
 
 
-def _expert_tensors(layer: MoELayer, config: dict[str, Any], weight_dtype: str, scale_dtype: str) -> Iterator[SynthTensor]:
-    h, i = config["hidden_size"], config["moe_intermediate_size"]
-    fp4_cols = 2 if weight_dtype == "F4" else 1  # safetensors counts F4 shapes in elements
-    shapes = {"w1": (i, h), "w3": (i, h), "w2": (h, i)}
+#: How each checkpoint weight / scale dtype is filled.
+WEIGHT_FILLS = {"F8_E4M3": "e4m3", "BF16": "bf16"}
+SCALE_FILLS = {"F8_E4M3": "e4m3_scale"}
+
+
+def _expert_tensors(layer: MoELayer, config: dict[str, Any], fmt: WeightFormat, weight_dtype: str,
+                    scale_dtype: str) -> Iterator[SynthTensor]:
+    """One layer's routed experts in ``fmt`` (NVFP4: w1 and w3 share their global scale)."""
+    shapes = formats.expert_matrix_shapes(config["hidden_size"], config["moe_intermediate_size"])
     for e in range(config["n_routed_experts"]):
         for proj in ("w1", "w2", "w3"):
             n, k = shapes[proj]
-            yield SynthTensor(layer.tensor_name(e, proj, "weight"), weight_dtype, (n, k // 2 * fp4_cols))
-            yield SynthTensor(layer.tensor_name(e, proj, "scale"), scale_dtype, (n, k // SCALE_BLOCK_K), "scale")
+            cols = k if weight_dtype == "F4" else fmt.weight_row_bytes(k) * 8 // DTYPE_BITS[weight_dtype]
+            yield SynthTensor(layer.tensor_name(e, proj, "weight"), weight_dtype, (n, cols),
+                              WEIGHT_FILLS.get(weight_dtype, "random"))
+            if fmt.scaled:
+                yield SynthTensor(layer.tensor_name(e, proj, "scale"), scale_dtype, (n, fmt.scale_row_bytes(k)),
+                                  SCALE_FILLS.get(scale_dtype, "scale"))
+            if fmt.global_scales:
+                yield SynthTensor(layer.tensor_name(e, proj, "weight_scale_2"), "F32", (), "value",
+                                  1 / (1 + e % 7) if proj != "w2" else 1 / (2 + e % 5))
+                if proj == "w2":
+                    yield SynthTensor(layer.tensor_name(e, proj, "input_scale"), "F32", (), "value", 0.5 + e % 9 / 8)
+
+
+def _fp8_linear(name: str, n: int, k: int) -> Iterator[SynthTensor]:
+    """An FP8 e4m3 ``[n, k]`` linear with 128x128 UE8M0 block scales."""
+    yield SynthTensor(f"{name}.weight", "F8_E4M3", (n, k), "e4m3")
+    yield SynthTensor(f"{name}.scale", "F8_E8M0", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), "scale")
 
 
 def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool) -> Iterator[SynthTensor]:
@@ -77,10 +108,8 @@ def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: b
     h, i = config["hidden_size"], config["moe_intermediate_size"]
     q_lora, kv = config.get("q_lora_rank", 128), config.get("head_dim", 128)
     yield SynthTensor(f"{key}.attn_norm.weight", "BF16", (h,), "ones")
-    yield SynthTensor(f"{key}.attn.wq_a.weight", "F8_E4M3", (q_lora, h))
-    yield SynthTensor(f"{key}.attn.wq_a.scale", "F32", (-(-q_lora // 128), h // 128))
-    yield SynthTensor(f"{key}.attn.wkv.weight", "F8_E4M3", (kv, h))
-    yield SynthTensor(f"{key}.attn.wkv.scale", "F32", (-(-kv // 128), h // 128))
+    yield from _fp8_linear(f"{key}.attn.wq_a", q_lora, h)
+    yield from _fp8_linear(f"{key}.attn.wkv", kv, h)
     yield SynthTensor(f"{key}.attn.wo.weight", "BF16", (h, kv))
     yield SynthTensor(f"{key}.ffn_norm.weight", "BF16", (h,), "ones")
     n_routed = config["n_routed_experts"]
@@ -91,18 +120,20 @@ def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: b
         yield SynthTensor(f"{key}.ffn.gate.bias", "F32", (n_routed,))
     shared_i = i * config.get("n_shared_experts", 1)
     for proj, (n, k) in (("w1", (shared_i, h)), ("w2", (h, shared_i)), ("w3", (shared_i, h))):
-        yield SynthTensor(f"{key}.ffn.shared_experts.{proj}.weight", "F8_E4M3", (n, k))
-        yield SynthTensor(f"{key}.ffn.shared_experts.{proj}.scale", "F32", (-(-n // 128), -(-k // 128)))
+        yield from _fp8_linear(f"{key}.ffn.shared_experts.{proj}", n, k)
 
 
-def checkpoint_tensors(config: dict[str, Any], weight_dtype: str = "I8", scale_dtype: str = "F8_E8M0",
-                       ) -> Iterator[SynthTensor]:
-    """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head)."""
+def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4, weight_dtype: str | None = None,
+                       scale_dtype: str | None = None) -> Iterator[SynthTensor]:
+    """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head), routed experts
+    in ``fmt``; dtypes default to the format's first (canonical) ones."""
     h = config["hidden_size"]
+    weight_dtype = weight_dtype or fmt.checkpoint_weight_dtypes[0]
+    scale_dtype = scale_dtype or (fmt.scale_dtypes[0] if fmt.scaled else "")
     yield SynthTensor("embed.weight", "BF16", (config["vocab_size"], h))
     for index in range(config["num_hidden_layers"]):
         yield from _block_tensors(f"layers.{index}", index, config, is_mtp=False)
-        yield from _expert_tensors(MoELayer(False, index), config, weight_dtype, scale_dtype)
+        yield from _expert_tensors(MoELayer(False, index), config, fmt, weight_dtype, scale_dtype)
     for index in range(config.get("num_nextn_predict_layers", 0)):
         key = f"mtp.{index}"
         yield SynthTensor(f"{key}.e_proj.weight", "BF16", (h, h))
@@ -110,16 +141,25 @@ def checkpoint_tensors(config: dict[str, Any], weight_dtype: str = "I8", scale_d
         yield SynthTensor(f"{key}.enorm.weight", "BF16", (h,), "ones")
         yield SynthTensor(f"{key}.hnorm.weight", "BF16", (h,), "ones")
         yield from _block_tensors(key, index, config, is_mtp=True)
-        yield from _expert_tensors(MoELayer(True, index), config, weight_dtype, scale_dtype)
+        yield from _expert_tensors(MoELayer(True, index), config, fmt, weight_dtype, scale_dtype)
     yield SynthTensor("norm.weight", "BF16", (h,), "ones")
     yield SynthTensor("head.weight", "BF16", (config["vocab_size"], h))
 
 
 def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
-    if t.fill == "scale":
-        return rng.integers(*SCALE_BYTE_RANGE, size=t.nbytes, dtype=np.uint8).tobytes()
+    if t.fill in ("scale", "e4m3_scale"):
+        low, high = SCALE_BYTE_RANGE if t.fill == "scale" else E4M3_SCALE_BYTE_RANGE
+        return rng.integers(low, high, size=t.nbytes, dtype=np.uint8).tobytes()
     if t.fill == "ones":
         return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
+    if t.fill == "e4m3":  # every byte but the two NaNs (0x7F, 0xFF)
+        values = rng.integers(0, 256, size=t.nbytes, dtype=np.uint8)
+        return np.where(values & 0x7F == 0x7F, values - 1, values).astype(np.uint8).tobytes()
+    if t.fill == "bf16":  # the high halves of small float32 values
+        values = (rng.standard_normal(t.nbytes // 2, dtype=np.float32) * 0.05).view(np.uint32)
+        return (values >> 16).astype(np.uint16).tobytes()
+    if t.fill == "value":
+        return np.full(t.nbytes // 4, t.value, dtype=np.float32).tobytes()
     return rng.bytes(t.nbytes)
 
 
@@ -137,9 +177,13 @@ def _shards(tensors: list[SynthTensor], shard_bytes: int) -> list[list[SynthTens
 
 
 def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, experts: int | None = None,
-               mtp_layers: int | None = None, seed: int = 0, weight_dtype: str = "int8", scale_dtype: str = "e8m0",
+               mtp_layers: int | None = None, seed: int = 0, weight_dtype: str | None = None,
+               scale_dtype: str | None = None, weight_format: str | None = None,
                shard_bytes: int | None = None, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
     """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config.
+
+    ``weight_format`` (``formats.FORMATS``) replaces the preset's routed-expert format;
+    ``weight_dtype`` / ``scale_dtype`` pick among the dtypes MXFP4 checkpoints may use.
 
     ``out`` must be new or empty (``overwrite``: it is replaced). The checkpoint is written
     into a hidden sibling folder and renamed into place when complete, so a crash never leaves
@@ -157,8 +201,10 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
     if mtp_layers is not None:
         config["num_nextn_predict_layers"] = mtp_layers
+    fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
     check_dims(config["hidden_size"], config["moe_intermediate_size"])
-    tensors = list(checkpoint_tensors(config, WEIGHT_DTYPES[weight_dtype], SCALE_DTYPES[scale_dtype]))
+    tensors = list(checkpoint_tensors(config, fmt, weight_dtype and WEIGHT_DTYPES[weight_dtype],
+                                      scale_dtype and SCALE_DTYPES[scale_dtype]))
     if shard_bytes is None:
         layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
         shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))

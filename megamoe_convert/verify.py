@@ -9,7 +9,8 @@ Four levels, each optional beyond the first:
 2. ``source``: every (or a random sample of) expert slot re-derived from the source
    checkpoint and compared byte for byte; non-expert tensors compared too;
 3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
-   FP4 x UE8M0 dequantisation) equals the one computed from the source's ``w1/w2/w3``;
+   the format's dequantisation, ``formats.dequantize``) equals the one computed from the
+   source's ``w1/w2/w3``, for every weight format; so does the pre-baked fused shared expert;
 4. ``deep_gemm``: DeepGEMM's own transform (SM100 only) compared with the shards.
 
 Problems are collected, not raised: a report lists everything that is wrong.
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import layout
+from . import formats, layout
 from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .convert import ExpertReader, NoProgress, Progress
 from .layout import KernelWeights
@@ -124,7 +125,7 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
                 continue  # already reported by check_files
             try:
                 entries = check_shard(read_header(path), manifest, layer, rank)
-                check_logical_ids(path, entries[f"{layer.prefix}.logical_ids"],
+                check_logical_ids(path, entries["logical_ids"],
                                   manifest.placement_for(layer).rank_logical_ids(rank))
                 report.count("rank shards")
             except (LoadError, SafetensorsError) as e:
@@ -137,12 +138,19 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
 
 def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
                         device: str = "cpu") -> tuple[KernelWeights, KernelWeights]:
-    """The layout of these experts computed directly from the source, as finalize_weights would."""
+    """The layout of these experts computed directly from the source, as finalize_weights would
+    (scales ``None`` for an unscaled format)."""
     reader = ExpertReader(ckpt, files, device)
-    return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "weight"),
-                                    reader.stacked(layer, logical_ids, ("w2",), "scale"))
+    scaled = ckpt.dims.format.scaled
+    if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
+        return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+                                        reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
+                                        reader.stacked(layer, logical_ids, ("w2",), "weight"),
+                                        reader.stacked(layer, logical_ids, ("w2",), "scale"))
+    return (KernelWeights(layout.l1_weight(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight")),
+                          layout.l1_sf(reader.stacked(layer, logical_ids, ("w1", "w3"), "scale")) if scaled else None),
+            KernelWeights(layout.l2_weight(reader.stacked(layer, logical_ids, ("w2",), "weight")),
+                          layout.l2_sf(reader.stacked(layer, logical_ids, ("w2",), "scale")) if scaled else None))
 
 
 def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,
@@ -179,7 +187,7 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         got = (*loaded.l1, *loaded.l2)
         for i, slot in enumerate(local):
             for name, g, w in zip(names, got, (*want[0], *want[1])):
-                if not torch.equal(g[slot], w[i]):
+                if g is not None and not torch.equal(g[slot].reshape(-1).view(torch.uint8), w[i].reshape(-1).view(torch.uint8)):
                     report.problem(f"rank {rank} {layer.key} slot {slot}",
                                    f"{name} differs from logical expert {ids[i]} of the source")
         report.count("expert slots vs source", len(local))
@@ -232,21 +240,72 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return y
 
 
+def _source_experts(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
+                    ) -> list[tuple[torch.Tensor, ...]]:
+    """``(w1, w3, w2)`` float32 matrices of each logical expert, dequantised from the source."""
+    fmt = ckpt.dims.format
+
+    def matrix(lid: int, proj: str) -> torch.Tensor:
+        read = lambda kind: files.read(ckpt.expert_entry(layer, lid, proj, kind))  # noqa: E731
+        scale = read("scale") if fmt.scaled else None
+        global_scale = read(formats.WEIGHT_GLOBAL_SCALE).view(torch.float32).reshape(()) if fmt.global_scales else None
+        return formats.dequantize(fmt, read("weight"), scale, global_scale)
+
+    return [tuple(matrix(lid, p) for p in ("w1", "w3", "w2")) for lid in logical_ids]
+
+
+def _layout_experts(fmt: formats.WeightFormat, loaded: Any, slots: list[int], hidden: int, inter: int,
+                    ) -> list[tuple[torch.Tensor, ...]]:
+    """``(w1, w3, w2)`` of the chosen local slots, dequantised from the pre-baked kernel form."""
+    pick = lambda t: None if t is None else t[slots]  # noqa: E731
+    d13 = formats.dequantize_kernel(fmt, loaded.l1.weight[slots], pick(loaded.l1.sf), hidden, True,
+                                    pick(loaded.tensors.get("l1_global_scale")))
+    d2 = formats.dequantize_kernel(fmt, loaded.l2.weight[slots], pick(loaded.l2.sf), inter, False,
+                                   pick(loaded.tensors.get("l2_global_scale")))
+    return [(d13[e, :inter], d13[e, inter:], d2[e]) for e in range(len(slots))]
+
+
+def _shared_from_layout(loaded: Any, hidden: int, shared: int) -> tuple[torch.Tensor, ...]:
+    (l1w, l1sf), (l2w, l2sf) = loaded.shared
+    fmt = formats.SHARED_FORMAT
+    d13 = formats.dequantize_kernel(fmt, l1w.unsqueeze(0), l1sf.unsqueeze(0), hidden, True)[0]
+    d2 = formats.dequantize_kernel(fmt, l2w.unsqueeze(0), l2sf.unsqueeze(0), shared, False)[0]
+    return d13[:shared], d13[shared:], d2
+
+
+def _shared_from_source(ckpt: Checkpoint, files: FileCache, layer: MoELayer) -> tuple[torch.Tensor, ...]:
+    read = lambda proj, kind: files.read(ckpt.shared_entry(layer, proj, kind))  # noqa: E731
+    return tuple(formats.dequantize_blocks(formats.SHARED_FORMAT, read(p, "weight"), read(p, "scale"))
+                 for p in ("w1", "w3", "w2"))
+
+
 def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
                    ranks: Sequence[int], device: str, seed: int, progress: Progress, tokens: int = 32,
                    max_experts: int = NUMERICS_MAX_EXPERTS) -> None:
     """Pre-baked layout and source checkpoint must give bit-identical MoE outputs.
 
     Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
-    (dequantised matrices are large: that bounds memory, not coverage of the layout code).
+    (dequantised matrices are large: that bounds memory, not coverage of the layout code);
+    the pre-baked shared expert, where there is one, runs on the same tokens.
     """
     limit = float(ckpt.config.get("swiglu_limit", 0.0) or 0.0)
     scale = float(ckpt.config.get("routed_scaling_factor", 1.0))
     top_k = min(int(ckpt.config.get("num_experts_per_tok", 2)), manifest.placement.experts_per_rank)
     g = torch.Generator().manual_seed(seed)
-    inter = manifest.dims.moe_intermediate_size
-    worst = {"max_abs_err": 0.0, "max_rel_err": 0.0, "layers": 0, "tokens": tokens, "top_k": top_k,
-             "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device}
+    hidden, inter = manifest.dims.hidden_size, manifest.dims.moe_intermediate_size
+    worst = {"max_abs_err": 0.0, "max_rel_err": 0.0, "layers": 0, "shared_experts": 0, "tokens": tokens,
+             "top_k": top_k, "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device,
+             "weight_format": manifest.dims.weight_format}
+    moved = lambda ws: [tuple(w.to(device).contiguous() for w in t) for t in ws]  # noqa: E731
+
+    def compare(where: str, what: str, y_layout: torch.Tensor, y_source: torch.Tensor) -> None:
+        diff = (y_layout - y_source).abs()
+        worst["max_abs_err"] = max(worst["max_abs_err"], float(diff.max()))
+        worst["max_rel_err"] = max(worst["max_rel_err"], float((diff / y_source.abs().clamp_min(1e-30)).max()))
+        if not torch.equal(y_layout, y_source):
+            report.problem(where, f"{what} from the pre-baked layout differs from the source "
+                                  f"(max abs err {float(diff.max()):.3g})")
+
     for rank in ranks:
         for layer in manifest.layers:
             experts = min(max_experts, manifest.placement_for(layer).experts_per_rank)
@@ -256,29 +315,22 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
             if loaded is None:
                 continue
             slots = sorted(torch.randperm(loaded.num_local_experts, generator=g)[:max_experts].tolist())
-            x = torch.randn(tokens, manifest.dims.hidden_size, generator=g).to(torch.bfloat16).float()
+            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).float()
             scores = torch.randn(tokens, len(slots), generator=g)
             weights, ids = scores.softmax(-1).topk(min(top_k, len(slots)), dim=-1)
-            weights = weights * scale
-            d13, d2 = layout.dequantize_transformed((loaded.l1.weight[slots], loaded.l1.sf[slots]),
-                                                    (loaded.l2.weight[slots], loaded.l2.sf[slots]))
-            from_layout = [(d13[e, :inter], d13[e, inter:], d2[e]) for e in range(len(slots))]
-            from_source = [tuple(layout.dequantize_fp4(files.read(ckpt.expert_entry(layer, lid, p, "weight")),
-                                                       files.read(ckpt.expert_entry(layer, lid, p, "scale")))
-                                 for p in ("w1", "w3", "w2"))
-                           for lid in (loaded.logical_ids[s] for s in slots)]
-            moved = lambda ws: [tuple(w.to(device).contiguous() for w in t) for t in ws]  # noqa: E731
-            args = (x.to(device), ids.to(device), weights.to(device))
-            y_layout = reference_moe(*args, moved(from_layout), limit).cpu()
-            y_source = reference_moe(*args, moved(from_source), limit).cpu()
-            diff = (y_layout - y_source).abs()
-            worst["max_abs_err"] = max(worst["max_abs_err"], float(diff.max()))
-            rel = float((diff / y_source.abs().clamp_min(1e-30)).max())
-            worst["max_rel_err"] = max(worst["max_rel_err"], rel)
+            args = (x.to(device), ids.to(device), weights.to(device) * scale)
+            from_source = _source_experts(ckpt, files, layer, [loaded.logical_ids[s] for s in slots])
+            compare(f"rank {rank} {layer.key}", "MoE output",
+                    reference_moe(*args, moved(_layout_experts(manifest.dims.format, loaded, slots, hidden, inter)), limit).cpu(),
+                    reference_moe(*args, moved(from_source), limit).cpu())
             worst["layers"] += 1
-            if not torch.equal(y_layout, y_source):
-                report.problem(f"rank {rank} {layer.key}", f"MoE output from the pre-baked layout differs from the "
-                                                           f"source (max abs err {float(diff.max()):.3g})")
+            if loaded.shared is not None:
+                shared = manifest.dims.shared_intermediate_size
+                ws_layout, ws_source = (moved([ws])[0] for ws in (_shared_from_layout(loaded, hidden, shared),
+                                                                  _shared_from_source(ckpt, files, layer)))
+                compare(f"rank {rank} {layer.key}", "shared expert output",
+                        swiglu_expert(args[0], *ws_layout, limit).cpu(), swiglu_expert(args[0], *ws_source, limit).cpu())
+                worst["shared_experts"] += 1
     report.numerics = worst
     report.count("numerics layers", worst["layers"])
 
@@ -318,6 +370,8 @@ def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, 
 def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
                     slots: dict[tuple[int, MoELayer], list[int]], progress: Progress) -> None:
     reason = deep_gemm_unavailable_reason()
+    if manifest.dims.weight_format != "mxfp4":
+        reason = f"DeepGEMM's fp8_fp4 transform takes MXFP4 only; these are {manifest.dims.weight_format} experts"
     if reason:
         report.skipped["deep_gemm"] = reason
         return

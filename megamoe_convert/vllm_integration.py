@@ -15,13 +15,15 @@ from torch import nn
 from .engines import InstallError
 from .engines import vllm as kernel_layout
 from .engines import vllm_legacy as finalize
-from .engines.vllm_common import install_model, layer_key
+from .engines.driver import Installed
+from .engines.vllm_common import install_layers as install_with, layer_key
 from .engines.vllm_loader import LOAD_FORMAT, RANK_FILES_PATTERN, register
 
 #: vLLM's contracts, newest first.
 CONTRACTS = (kernel_layout.CONTRACT, finalize.CONTRACT)
 
-__all__ = ["CONTRACTS", "InstallError", "LOAD_FORMAT", "RANK_FILES_PATTERN", "install", "layer_key", "register"]
+__all__ = ["CONTRACTS", "InstallError", "Installed", "LOAD_FORMAT", "RANK_FILES_PATTERN", "install", "install_layers",
+           "layer_key", "register"]
 
 
 def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
@@ -32,4 +34,10 @@ def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verif
     checked (contract, EP numbers, format, dtypes, shapes, strides) before any is changed; a
     mismatch raises :class:`InstallError` naming the layer and both values.
     """
-    return install_model(model, out, rank, CONTRACTS, verify=verify)
+    return len(install_layers(model, out, rank, verify=verify).layers)
+
+
+def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> Installed:
+    """:func:`install`, saying which layers (and which of their fused shared experts) were
+    installed: ``--load-format megamoe`` must not load those shared experts again."""
+    return install_with(model, out, rank, CONTRACTS, verify=verify)

@@ -95,7 +95,8 @@ def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_conv
     assert manifest["complete"] is True and manifest["format_version"] == 2 and manifest["layout_version"] == 1
     assert manifest["ep_size"] == 4 and manifest["ranks"] == [0, 1, 2, 3]
     assert manifest["placement"]["physical_to_logical"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
-    assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8}
+    assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8,
+                                "weight_format": "mxfp4", "shared_intermediate_size": 128}
     assert [l["key"] for l in manifest["layers"]] == ["layers.0", "layers.1", "mtp.0"]
     assert manifest["layers"][2]["vllm_prefix"] == "model.mtp.0.ffn.experts"
     src_sizes = {p.name: p.stat().st_size for p in tiny_ckpt.glob("*.safetensors")}

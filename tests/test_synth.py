@@ -40,7 +40,7 @@ def test_synth_cli_writes_a_release_shaped_checkpoint(tmp_path):
     assert "layers.0.ffn.gate.tid2eid" in tensors  # hash-routed first layer
     assert {"layers.2.ffn.gate.weight", "layers.2.ffn.gate.bias"} <= set(tensors)
     assert tensors["layers.1.ffn.shared_experts.w1.weight"].dtype == torch.float8_e4m3fn
-    assert tensors["layers.1.ffn.shared_experts.w1.scale"].dtype == torch.float32
+    assert tensors["layers.1.ffn.shared_experts.w1.scale"].dtype == torch.float8_e8m0fnu  # vLLM: is_scale_e8m0
     w1 = tensors["layers.2.ffn.experts.3.w1.weight"]
     assert w1.dtype == torch.int8 and tuple(w1.shape) == (i, h // 2)
     s2 = tensors["mtp.0.ffn.experts.1.w2.scale"]

@@ -7,8 +7,13 @@ knows an engine's attribute names:
 - ``check(module, layer, converted, rank)``: is it built for exactly what was converted?
   Raises :class:`InstallError` naming the module and both values. Runs for every module
   before any module is changed.
-- ``destinations(module)`` + ``finish(module, layer)``: where the file bytes go (the engine's
+- ``destinations(module, converted)`` + ``finish(module, layer)``: where the file bytes go (the engine's
   own storage, so no second copy exists), and what the engine needs set afterwards.
+- ``shared_kinds(module, converted)``: which of the checkpoint's shared-expert tensors
+  (``weight``, ``scale``) installing the module puts in place from the conversion's pre-baked
+  fused shared expert, so the engine must not load them; empty: it loads as usual.
+
+:mod:`.driver` runs these steps for every engine.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class Contract(Protocol):
 
     def check(self, module: nn.Module, layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None: ...
 
-    def destinations(self, module: nn.Module) -> "Destinations": ...
+    def shared_kinds(self, module: nn.Module, converted: "ConvertedModel") -> tuple[str, ...]: ...
+
+    def destinations(self, module: nn.Module, converted: "ConvertedModel") -> "Destinations": ...
 
     def finish(self, module: nn.Module, layer: "ExpertLayer") -> None: ...

@@ -9,12 +9,13 @@ error in one module never leaves another half-installed.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
 from torch import nn
 
-from ..checkpoint import MoELayer
+from ..checkpoint import SHARED_PROJECTIONS, MoELayer
 from ..loader import ConvertedModel, LoadError, load_rank, open_converted
 from . import Contract, InstallError, require_engine
 
@@ -43,8 +44,19 @@ class Engine(Protocol):
               rank: int) -> None: ...
 
 
-def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
-                  *, verify: bool = False) -> int:
+@dataclass(frozen=True)
+class Installed:
+    """What :func:`install_layers` put in place, by checkpoint layer key (``layers.7`` / ``mtp.0``)."""
+
+    layers: tuple[str, ...]
+    #: Layers whose fused shared expert came from the rank files too.
+    shared: tuple[str, ...] = ()
+    #: The checkpoint tensors those installs put in place: the engine's load format skips them.
+    skip: frozenset[str] = frozenset()
+
+
+def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
+                   *, verify: bool = False) -> Installed:
     """Check every module, then put each layer's bytes straight into its module's storage."""
     rank = engine.current_rank() if rank is None else rank
     try:
@@ -61,15 +73,19 @@ def install_model(model: nn.Module, out: Path | str | ConvertedModel, rank: int 
                                f"(converted layers: {', '.join(sorted(layers))})")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
+    kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
+    shared = tuple(key for key, k in kinds.items() if k)
+    skip = frozenset(layer.shared_tensor_name(proj, kind) for _, _, layer in planned
+                     for kind in kinds[layer.key] for proj in SHARED_PROJECTIONS)
     # Every layer in one pipelined read: the bytes go into each module's own storage, so no
     # second copy of any layer is made, and the reads never drain between layers.
-    into = {layer.prefix: contract.destinations(module) for module, contract, layer in planned}
+    into = {layer.prefix: contract.destinations(module, converted) for module, contract, layer in planned}
     loaded = load_rank(converted, rank, verify=verify, into=into)
     for module, contract, layer in planned:
         contract.finish(module, loaded[layer.prefix])
-    log.info("megamoe: installed %d MegaMoE layers for %s EP rank %d from %s", len(planned), engine.name, rank,
-             converted.path)
-    return len(planned)
+    log.info("megamoe: installed %d MegaMoE layers (%d with their shared expert) for %s EP rank %d from %s",
+             len(planned), len(shared), engine.name, rank, converted.path)
+    return Installed(tuple(layer.key for _, _, layer in planned), shared, skip)
 
 
 def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix: str = "prefix",

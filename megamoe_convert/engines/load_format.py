@@ -1,6 +1,7 @@
 """What every engine's ``--load-format megamoe`` shares: the engine's default loader underneath
 reads the converted directory's non-expert shards as plain safetensors, minus the routed-expert
-tensors (installed from the rank's own shards), and never fetches the rank folders of a hub repo.
+tensors and the shared experts that ``install`` put in place (both from the rank's own shards),
+and never fetches the rank folders of a hub repo.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from ..manifest import read_manifest
 from . import InstallError
+from .driver import Installed
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
@@ -23,9 +25,12 @@ RANK_FILES_PATTERN = "rank-*-of-*/*"
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 
 
-def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The default safetensors iterator, minus routed-expert tensors (installed separately)."""
-    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name))
+def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The default safetensors iterator, minus routed-expert tensors and the shared-expert
+    tensors ``installed`` put in place from the rank files (``Installed.skip``)."""
+    skip = installed.skip if installed else frozenset()
+    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name) and name not in skip)
 
 
 def as_safetensors_config(load_config: Any) -> Any:

@@ -127,7 +127,11 @@ class MegaMoEContract:
         expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout.SCALE_BLOCK_K))
         expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout.SCALE_BLOCK_K))
 
-    def destinations(self, module: nn.Module) -> Destinations:
+    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+        """None: a module with fused shared-expert slots is refused (``refusal``)."""
+        return ()
+
+    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         """Weights into SGLang's own parameters; the UTCCP scales into new MN-major tensors on the
         module's device (SGLang's FP32 scale parameters are replaced, as its build does)."""
         e, n13, half_h = module.w13_weight.shape
@@ -155,7 +159,7 @@ CONTRACT = MegaMoEContract()
 
 
 class SglangEngine:
-    """SGLang's side of :func:`driver.install_model`."""
+    """SGLang's side of :func:`driver.install_layers`."""
 
     name = "sglang"
 
@@ -186,6 +190,12 @@ class SglangEngine:
 ENGINE = SglangEngine()
 
 
+def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *,
+                   verify: bool = False) -> driver.Installed:
+    """:func:`install`, saying which layers were installed (``--load-format megamoe`` reads it)."""
+    return driver.install_layers(model, out, rank, ENGINE, verify=verify)
+
+
 def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
     """Load rank ``rank``'s MegaMoE experts from ``out`` into every MegaMoE ``FusedMoE`` of an
     SGLang model, leaving them as SGLang's own post-processing would (so it skips its transform).
@@ -193,4 +203,4 @@ def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verif
     ``rank=None`` takes SGLang's current MoE EP rank. Every module is checked (mode, EP numbers,
     placement, shapes) before any is changed; a mismatch raises :class:`InstallError`.
     """
-    return driver.install_model(model, out, rank, ENGINE, verify=verify)
+    return len(install_layers(model, out, rank, verify=verify).layers)

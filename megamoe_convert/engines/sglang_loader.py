@@ -34,7 +34,7 @@ def loader_class() -> type:
     """SGLang's ``DefaultModelLoader``, installing the experts before the other weights load."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    from .sglang import install
+    from .sglang import install_layers
 
     class MegaMoEModelLoader(DefaultModelLoader):
         """``--load-format megamoe``: experts from the rank's shards, everything else as usual."""
@@ -45,8 +45,9 @@ def loader_class() -> type:
 
         def _get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             refuse_experts_only(model_config.model_path)
-            install(model, model_config.model_path)  # runs at the first weight asked for: before any is loaded
-            yield from without_expert_tensors(super()._get_all_weights(model_config, model))
+            # runs at the first weight asked for: before any is loaded
+            installed = install_layers(model, model_config.model_path)
+            yield from without_expert_tensors(super()._get_all_weights(model_config, model), installed)
 
     return MegaMoEModelLoader
 

@@ -8,8 +8,11 @@ parameters through ``l1_weights`` / ``l2_weights`` and EPLB through ``named_para
 
 So installing is writing the rank file's bytes into those very Parameters' storage: the
 Parameter objects, their ``weight_loader`` / ``quant_method``, dtype, shape and strides stay
-exactly as vLLM made them. The fused shared expert (``shared_l*``) is not touched: it still
-loads through vLLM's normal path.
+exactly as vLLM made them. Per format (``formats.py``) that is the routed weights, their block
+scales where the format has them, and NVFP4's per-expert FP32 scales (plus the module's record
+of every logical expert's L2 input scale, whose maximum the kernel takes). A module that fuses
+the shared expert (``has_fused_shared_experts``) also takes the pre-baked ``shared_l*`` tensors
+when the conversion has them; otherwise its shared expert loads through vLLM's normal path.
 """
 
 from __future__ import annotations
@@ -17,15 +20,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import layout
+from .. import formats
 from ..checkpoint import MoELayer
 from ..loader import ConvertedModel, Destinations, ExpertLayer
 from . import InstallError
-from .vllm_common import EP_ATTRIBUTES, expect_tensor, require
+from .vllm_common import EP_ATTRIBUTES, expect_kernel_tensors, require
 
 #: Registered by every weight format; the scales only by the scaled ones (checked per format).
 ROUTED_WEIGHTS = ("w13_weight", "w2_weight")
 MARKERS = (*EP_ATTRIBUTES, "weight_format", "weight_loader", "l1_weights", "l2_weights", *ROUTED_WEIGHTS)
+#: Rank-file key -> the module's parameter holding it.
+PARAMETERS = {
+    "l1_weight": "w13_weight", "l1_sf": "w13_weight_scale", "l2_weight": "w2_weight", "l2_sf": "w2_weight_scale",
+    "l1_global_scale": "w13_weight_scale_2", "l2_global_scale": "w2_weight_scale_2",
+    "l2_input_scale": "w2_input_scale",
+    "shared_l1_weight": "shared_l1_weight", "shared_l1_sf": "shared_l1_weight_scale",
+    "shared_l2_weight": "shared_l2_weight", "shared_l2_sf": "shared_l2_weight_scale",
+}
 
 
 class KernelLayoutContract:
@@ -40,23 +51,46 @@ class KernelLayoutContract:
     def detect(self, module: nn.Module) -> bool:
         return not self.missing(module) and all(n in module._parameters for n in ROUTED_WEIGHTS)
 
+    def _keys(self, module: nn.Module, converted: ConvertedModel) -> list[str]:
+        """The rank-file keys this module takes."""
+        fmt = converted.manifest.dims.format
+        keys = ["l1_weight", "l2_weight"] + (["l1_sf", "l2_sf"] if fmt.scaled else [])
+        keys += list(formats.GLOBAL_SCALE_KEYS) if fmt.global_scales else []
+        return keys + (list(formats.SHARED_KEYS) if self.shared_kinds(module, converted) else [])
+
+    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+        """All of them when the module fuses the shared expert (vLLM decided at construction,
+        it owns ``shared_l*``) and the conversion pre-baked it; otherwise none: the shared
+        expert loads through vLLM's normal path."""
+        fused = bool(getattr(module, "has_fused_shared_experts", False))
+        return ("weight", "scale") if fused and converted.manifest.dims.shared_intermediate_size else ()
+
+    def bind(self, owner: nn.Module | None) -> "KernelLayoutContract":
+        """The module holds everything it takes: its owner changes nothing."""
+        return self
+
     def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         fmt = getattr(module.weight_format, "name", module.weight_format)
         if fmt != converted.weight_format:
             raise InstallError(f"{module.prefix}: weight_format is {fmt} in the model but {converted.weight_format} "
                                f"in {converted.path}")
-        e, h, i = module.num_local_experts, module.hidden_size, module.intermediate_size
-        for name, mn, k in (("w13", 2 * i, h), ("w2", h, i)):
-            want = layout.kernel_strides(e, mn, k)
-            expect_tensor(module, f"{name}_weight", torch.int8, want["weight_shape"], want["weight_stride"])
-            expect_tensor(module, f"{name}_weight_scale", torch.int32, want["sf_shape"], want["sf_stride"])
+        expect_kernel_tensors(module, {k: PARAMETERS[k] for k in self._keys(module, converted)}, layer, converted)
 
-    def destinations(self, module: nn.Module) -> Destinations:
-        return {"l1_weight": module.w13_weight.data, "l1_sf": layout.sf_storage(module.w13_weight_scale.data),
-                "l2_weight": module.w2_weight.data, "l2_sf": layout.sf_storage(module.w2_weight_scale.data)}
+    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
+        dests = {key: _storage(getattr(module, PARAMETERS[key]).data, key) for key in self._keys(module, converted)}
+        if converted.manifest.dims.format.global_scales:  # every logical expert's, as _record_global_scale keeps
+            dests["l2_input_scale_all"] = module._w2_input_scales
+        return dests
 
     def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
-        """Nothing to set: the bytes are already in the Parameters vLLM reads."""
+        """NVFP4: the L2 activation scale vLLM derives while loading (the max over all experts)."""
+        if "l2_input_scale_all" in layer.tensors:
+            module.l2_activation_scale = float(module._w2_input_scales.max()) or 1.0
+
+
+def _storage(t: torch.Tensor, key: str) -> torch.Tensor:
+    """A parameter's bytes in the rank file's form (scales: the contiguous array behind the MN-major view)."""
+    return t.transpose(-1, -2) if key.endswith("_sf") else t
 
 
 CONTRACT = KernelLayoutContract()

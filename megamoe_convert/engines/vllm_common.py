@@ -14,8 +14,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .. import formats
 from ..checkpoint import MoELayer
 from ..loader import ConvertedModel
+from ..manifest import rank_shard_specs
 from . import Contract, InstallError, driver
 from .driver import classify
 
@@ -74,7 +76,7 @@ def current_ep_rank() -> int:
 
 
 class VllmEngine:
-    """vLLM's side of :func:`driver.install_model`: modules by prefix, EP numbers checked first."""
+    """vLLM's side of :func:`driver.install_layers`: modules by prefix, EP numbers checked first."""
 
     name = "vllm"
 
@@ -85,8 +87,12 @@ class VllmEngine:
         return current_ep_rank()
 
     def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
-        return classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
-                        hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
+        """Each experts module with its contract, bound to the module's owner (the MoE block
+        holding it: vLLM 0.32 fuses the owner's shared MLP in ``finalize_weights``)."""
+        found = classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
+                         hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
+        owners = {id(child): parent for parent in model.modules() for child in parent.children()}
+        return [(m, c.bind(owners.get(id(m)))) for m, c in found]  # type: ignore[attr-defined]
 
     def prefix(self, module: nn.Module) -> str:
         return module.prefix
@@ -100,10 +106,10 @@ class VllmEngine:
         contract.check(module, layer, converted, rank)
 
 
-def install_model(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
-                  *, verify: bool = False) -> int:
+def install_layers(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
+                   *, verify: bool = False) -> driver.Installed:
     """Check every module, then put each layer's bytes straight into its module's storage."""
-    return driver.install_model(model, out, rank, VllmEngine(contracts), verify=verify)
+    return driver.install_layers(model, out, rank, VllmEngine(contracts), verify=verify)
 
 
 def require(module: nn.Module, names: Sequence[str]) -> list[str]:
@@ -121,3 +127,20 @@ def expect_tensor(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple
     if t.dtype != dtype or tuple(t.shape) != shape or (stride is not None and tuple(t.stride()) != stride):
         raise InstallError(f"{module.prefix}: {name} is {t.dtype}{list(t.shape)} with strides {list(t.stride())}, "
                            f"expected {dtype}{list(shape)}" + (f" with strides {list(stride)}" if stride else ""))
+
+
+def expect_kernel_tensors(module: nn.Module, parameters: dict[str, str], layer: MoELayer,
+                          converted: ConvertedModel) -> None:
+    """Each ``{rank-file key: parameter}`` must be exactly the tensor the conversion wrote for it:
+    its dtype and shape, contiguous, or for scales (``*_sf``) the MN-major view of a contiguous array."""
+    dims = converted.manifest.dims
+    specs = formats.spec_keys(rank_shard_specs(layer, converted.manifest.placement_for(layer).experts_per_rank, dims),
+                              layer.prefix)
+    for key, name in parameters.items():
+        shape = specs[key].shape
+        stride = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            stride[d] = stride[d + 1] * shape[d + 1]
+        if key.endswith("_sf"):  # storage [..., words, MN] -> kernel view [..., MN, words]
+            shape, stride = (*shape[:-2], shape[-1], shape[-2]), (*stride[:-2], stride[-1], stride[-2])
+        expect_tensor(module, name, formats.torch_dtype(specs[key].dtype), tuple(shape), tuple(stride))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..loader import prepare_gpu_staging
+from .driver import Installed
 from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, refuse_experts_only, \
     without_expert_tensors
 
@@ -25,21 +26,25 @@ log = logging.getLogger(__name__)
 
 def make_loader_class(default_loader: type) -> type:
     """A ``DefaultModelLoader`` subclass: experts from the shards, everything else as usual."""
-    from ..vllm_integration import install
+    from ..vllm_integration import install_layers
 
     class MegaMoEModelLoader(default_loader):  # type: ignore[misc, valid-type]
         """``--load-format megamoe``: ``vllm serve OUT`` where OUT is a ``megamoe convert`` output."""
+
+        #: What ``install`` put in place: its shared experts are not loaded again.
+        installed: Installed | None = None
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
             prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-            return without_expert_tensors(super().get_all_weights(model_config, model))
+            return without_expert_tensors(super().get_all_weights(model_config, model), self.installed)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             refuse_experts_only(model_config.model)
-            install(model, model_config.model)  # before the model's own load_weights (0.32 finalizes there)
+            # before the model's own load_weights (0.32 finalizes there)
+            self.installed = install_layers(model, model_config.model)
             super().load_weights(model, model_config)
 
     return MegaMoEModelLoader

@@ -19,7 +19,8 @@ EXPECTED = os.environ.get("MEGAMOE_ENGINE")  # e.g. "vllm==0.33.0"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for marker in ("only_kernel_layout: vLLM >= 0.33 only", "only_finalize: vLLM 0.30-0.32 only"):
+    for marker in ("only_kernel_layout: vLLM >= 0.33 only", "only_finalize: vLLM 0.30-0.32 only",
+                   "since_032: vLLM >= 0.32 only (its shared-expert fusion is what install pre-bakes)"):
         config.addinivalue_line("markers", marker)
     if not EXPECTED:
         raise pytest.UsageError("tests/engines runs inside an engine environment: use tests/test_engines_real.py")
@@ -44,8 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep = [item for item in items if item.path.name.startswith(f"test_{package}_")]
     if package == "vllm":
         import vllm_harness
-        drop = "only_finalize" if vllm_harness.KERNEL_LAYOUT else "only_kernel_layout"
-        keep = [item for item in keep if item.get_closest_marker(drop) is None]
+        drop = ["only_finalize" if vllm_harness.KERNEL_LAYOUT else "only_kernel_layout"]
+        drop += ["since_032"] if vllm_harness.VERSION < (0, 32) else []
+        keep = [item for item in keep if not any(item.get_closest_marker(d) for d in drop)]
     config.hook.pytest_deselected(items=[item for item in items if item not in keep])
     items[:] = keep
 

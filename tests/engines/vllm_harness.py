@@ -90,6 +90,9 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
             enter(mock.patch.object(module, "get_tensor_model_parallel_rank", lambda: 0, create=True))
         if KERNEL_LAYOUT:
             enter(mock.patch.object(mega_py, "check_deep_gemm_mega_moe_supported", lambda *a, **k: None))
+            # whether the installed DeepGEMM build's kernel takes shared-expert arguments
+            enter(mock.patch.object(mega_py.DeepGemmMegaMoEExperts, "_kernel_fuses_shared_experts",
+                                    lambda self, spec: True))
         else:
             if mega_py is not None:  # 0.32: a backend factory
                 backend = mega_py.DeepGemmSm100MegaMoEBackend
@@ -130,33 +133,48 @@ def make_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int
     return model_py.DeepseekV4MegaMoEExperts(VllmConfig(), num_shared_experts=config.n_shared_experts or 0, **kwargs)
 
 
+def fusable_shared_mlp(config) -> nn.Module:
+    """What ``DeepGemmMegaMoEExperts`` reads of the shared MLP it is offered (``_fusable_shared_experts``):
+    the shapes and dtypes of ``gate_up_proj`` / ``down_proj`` weights and UE8M0 128x128 block scales,
+    as vLLM's FP8 linears hold a DeepSeek-V4 checkpoint's shared expert."""
+    h, s = config.hidden_size, config.moe_intermediate_size * config.n_shared_experts
+
+    def linear(n: int, k: int) -> nn.Module:
+        return _bare(nn.Module, weight=torch.zeros(n, k, dtype=torch.float8_e4m3fn),
+                     weight_scale_inv=torch.zeros(n // 128, k // 128, dtype=torch.float8_e8m0fnu))
+
+    return _bare(nn.Module, gate_up_proj=linear(2 * s, h), down_proj=linear(h, s))
+
+
 def _moe(experts: nn.Module) -> nn.Module:
     return _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, use_mega_moe=True,  # 0.32+ / 0.30-0.31
                  experts=experts, shared_experts=None,
                  prefix=experts.prefix.removesuffix(".experts"))
 
 
-def build_main_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
-    """``DeepseekV4ForCausalLM`` > ``DeepseekV4Model`` > ``layers[i].ffn`` (``DeepseekV4MoE``) > experts."""
+def build_main_model(config, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:
+    """``DeepseekV4ForCausalLM`` > ``DeepseekV4Model`` > ``layers[i].ffn`` (``DeepseekV4MoE``) > experts
+    (``overrides``: more ``DeepGemmMegaMoEExperts`` arguments, e.g. ``weight_format``)."""
     n = config.num_hidden_layers
     layers = nn.ModuleList()
     for i in range(n):
         block = nn.Module()
-        block.ffn = _moe(make_experts(config, f"model.layers.{i}.ffn.experts", ep_rank, ep_size, redundant))
+        block.ffn = _moe(make_experts(config, f"model.layers.{i}.ffn.experts", ep_rank, ep_size, redundant,
+                                      **overrides))
         layers.append(block)
     model = _bare(model_py.DeepseekV4Model, config=config, quant_config=None, use_sequence_parallel=False,
                   start_layer=0, end_layer=n, layers=layers)
     return _bare(model_py.DeepseekV4ForCausalLM, config=config, model=model)
 
 
-def build_mtp_model(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+def build_mtp_model(config, ep_rank: int, ep_size: int, redundant: int, **overrides) -> nn.Module:
     """``DeepSeekV4MTP`` > predictor > ``layers[str(N + i)].mtp_block.ffn`` > experts."""
     n, k = config.num_hidden_layers, config.num_nextn_predict_layers
     layers = nn.ModuleDict()
     for i in range(k):
         block, layer = nn.Module(), nn.Module()
         block.ffn = _moe(make_experts(config, f"model.layers.{n + i}.mtp_block.ffn.experts", ep_rank, ep_size,
-                                      redundant))
+                                      redundant, **overrides))
         layer.mtp_block = block
         layers[str(n + i)] = layer
     predictor = _bare(nn.Module, layers=layers, mtp_start_layer_idx=n, num_mtp_layers=k)
@@ -171,21 +189,24 @@ def experts_of(model: nn.Module) -> dict[str, nn.Module]:
 # vLLM's own loading path
 # --------------------------------------------------------------------------------------
 
-def checkpoint_weights(ckpt: Path, only_experts: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """vLLM's own safetensors iterator over the checkpoint files, in file order."""
+def checkpoint_weights(ckpt: Path, only_experts: bool = True, shared: bool = False,
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's own safetensors iterator over the checkpoint files, in file order: the routed experts
+    (and with ``shared``, the shared experts), or everything."""
     from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
 
     files = sorted(str(p) for p in ckpt.glob("*.safetensors"))
     for name, tensor in safetensors_weights_iterator(files, False):
-        if not only_experts or ".ffn.experts." in name:
+        if not only_experts or ".ffn.experts." in name or (shared and ".ffn.shared_experts." in name):
             yield name, tensor
 
 
-def vllm_load(main: nn.Module, mtp: nn.Module, ckpt: Path) -> None:
+def vllm_load(main: nn.Module, mtp: nn.Module, ckpt: Path, shared: bool = False) -> None:
     """What vLLM does with the checkpoint: the main model's ``load_weights`` (through its own
-    ``hf_to_vllm_mapper``; 0.30-0.32 finalize there), and the MTP draft's own ``load_weights``."""
-    main.load_weights(checkpoint_weights(ckpt))
-    mtp.load_weights(checkpoint_weights(ckpt))
+    ``hf_to_vllm_mapper``; 0.30-0.32 finalize there), and the MTP draft's own ``load_weights``.
+    ``shared``: the shared experts too (the modules fuse them)."""
+    main.load_weights(checkpoint_weights(ckpt, shared=shared))
+    mtp.load_weights(checkpoint_weights(ckpt, shared=shared))
     if not KERNEL_LAYOUT:
         for moe in (m for m in mtp.modules() if isinstance(m, model_py.DeepseekV4MoE)):
             moe.finalize_mega_moe_weights()  # vLLM's MTP model finalizes in process_weights_after_loading
@@ -209,3 +230,83 @@ def assert_same_tensors(got: list[torch.Tensor], want: list[torch.Tensor], where
         assert (g.dtype, tuple(g.shape), g.stride()) == (w.dtype, tuple(w.shape), w.stride()), \
             f"{where}[{i}]: {g.dtype}{tuple(g.shape)}{g.stride()} vs {w.dtype}{tuple(w.shape)}{w.stride()}"
         assert torch.equal(g, w), f"{where}[{i}]: bytes differ"
+
+
+# --------------------------------------------------------------------------------------
+# The shared expert: vLLM's own FP8 MLP, and vLLM's own fusion decision
+# --------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def fp8_linears(tp_size: int = 1) -> Iterator[None]:
+    """vLLM's FP8 block linears on the CPU: a TP group of ``tp_size`` (this is rank 0), the
+    model dtype ``Fp8LinearMethod`` reads, its GEMM kernel choice (needs AMX or a GPU; never run
+    here) and, 0.32, whether the DeepGEMM build's kernel takes shared experts."""
+    tp_group = types.SimpleNamespace(world_size=tp_size, rank_in_group=0)
+    model_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.bfloat16, hf_config=None))
+    fp8 = "vllm.model_executor.layers.quantization.fp8"
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(mock.patch("vllm.distributed.parallel_state.get_tp_group", lambda: tp_group))
+        enter(mock.patch(f"{fp8}.get_current_vllm_config", lambda: model_config))
+        enter(mock.patch(f"{fp8}.init_fp8_linear_kernel", lambda *a, **k: None))
+        if not KERNEL_LAYOUT:
+            enter(mock.patch.object(mega_py.DeepGemmSm100MegaMoEBackend, "supports_shared_experts",
+                                    lambda self, deep_gemm: True))
+        yield
+
+
+def shared_mlp(config, layer_prefix: str) -> nn.Module:
+    """The layer's ``DeepseekV4MLP`` as vLLM builds it for a DeepSeek-V4 FP4 checkpoint: FP8 e4m3
+    linears with UE8M0 128x128 block scales (``DeepseekV4FP8Config``), TP-sharded unless TP=1."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.models.deepseek_v4.quant_config import DeepseekV4FP8Config
+
+    quant = DeepseekV4FP8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "scale_fmt": "ue8m0", "weight_block_size": [128, 128]})
+    with set_current_vllm_config(VllmConfig()):  # its activation is a CustomOp
+        return model_py.DeepseekV4MLP(hidden_size=config.hidden_size,
+                                      intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                                      hidden_act="silu", swiglu_limit=config.swiglu_limit, quant_config=quant,
+                                      reduce_results=True, is_sequence_parallel=False,
+                                      prefix=f"{layer_prefix}.shared_experts")
+
+
+def build_main_model_with_shared(config, ep_rank: int, ep_size: int, redundant: int, tp_size: int = 1) -> nn.Module:
+    """The main model whose MoE blocks hold a real shared MLP and whose experts vLLM's own
+    ``DeepseekV4MoE._init_mega_moe_experts`` builds: vLLM decides whether to fuse (TP=1 or
+    sequence parallel, ``VLLM_DISABLE_DSV4_MEGAMOE_SHARED_EXPERT_FUSION`` unset)."""
+    from vllm.config import VllmConfig
+
+    vllm_config = VllmConfig()
+    vllm_config.parallel_config.eplb_config.num_redundant_experts = redundant
+    n = config.num_hidden_layers
+    layers = nn.ModuleList()
+    ep_group = types.SimpleNamespace(rank_in_group=ep_rank, world_size=ep_size)
+    with mock.patch.object(model_py, "get_ep_group", lambda: ep_group):
+        for i in range(n):
+            prefix = f"model.layers.{i}.ffn"
+            moe = _bare(model_py.DeepseekV4MoE, use_native_mega_moe=True, use_mega_moe=True, prefix=prefix,
+                        shared_experts=shared_mlp(config, f"model.layers.{i}"), use_sequence_parallel=False,
+                        tp_size=tp_size, n_routed_experts=config.n_routed_experts,
+                        n_activated_experts=config.num_experts_per_tok, swiglu_limit=config.swiglu_limit)
+            model_py.DeepseekV4MoE._init_mega_moe_experts(moe, vllm_config, config, prefix)
+            block = nn.Module()
+            block.ffn = moe
+            layers.append(block)
+    model = _bare(model_py.DeepseekV4Model, config=config, quant_config=None, use_sequence_parallel=False,
+                  start_layer=0, end_layer=n, layers=layers)
+    return _bare(model_py.DeepseekV4ForCausalLM, config=config, model=model)
+
+
+def layer_state(moe: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Everything loading leaves in one MoE block that the kernel or EPLB reads: the experts'
+    parameters (0.33: with ``shared_l*`` when fused), 0.30-0.32 the ``_transformed_*`` tuples, and
+    the shared MLP's parameters while the block still has one."""
+    state: dict[str, torch.Tensor | None] = {f"experts.{k}": v for k, v in moe.experts.named_parameters()}
+    for name in ("l1", "l2", "shared_l1", "shared_l2"):
+        pair = getattr(moe.experts, f"_transformed_{name}_weights", None)
+        for i, t in enumerate(pair or ()):
+            state[f"experts._transformed_{name}_weights[{i}]"] = t
+    if moe.shared_experts is not None:
+        state.update({f"shared_experts.{k}": v for k, v in moe.shared_experts.named_parameters()})
+    return state
