@@ -75,7 +75,7 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         planned.append((module, contract, layers[key]))
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
-    skip = frozenset(layer.shared_tensor_name(proj, kind) for _, _, layer in planned
+    skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned
                      for kind in kinds[layer.key] for proj in SHARED_PROJECTIONS)
     for module, contract, layer in planned:  # layer by layer: never a second copy of a layer
         loaded = load_rank(converted, rank, verify=verify,
