@@ -74,6 +74,8 @@ class ModelFamily:
     #: ``None``: every decoder layer is MoE).
     first_dense_key: str | None = None
     freq_key: str | None = None
+    #: Why the family's MTP blocks are not pre-baked (``mtp_block == ""``), for install's refusal.
+    mtp_note: str = ""
 
     # ---------------------------------------------------------------- config.json
     def text(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -192,7 +194,9 @@ DEEPSEEK_V4 = ModelFamily(
 #: vLLM's main model drops: they are copied as ordinary tensors, not pre-baked.
 DEEPSEEK_V41 = ModelFamily(
     name="deepseek_v41", title="DeepSeek-V4.1", model_types=("deepseek_v41",), text_key="text_config",
-    keys=DEEPSEEK_V4.keys, block="layers.{index}.ffn", mtp_block="")
+    keys=DEEPSEEK_V4.keys, block="layers.{index}.ffn", mtp_block="",
+    mtp_note="DeepSeek-V4.1's MTP blocks are DSpark's draft with its own expert count (dspark_n_routed_experts), "
+             "which megamoe-convert does not pre-bake: --load-format megamoe serves the target model only")
 
 #: Kimi-K3: a latent MoE (the routed experts run at ``routed_expert_hidden_size``), compressed-tensors
 #: MXFP4 names, the first ``first_k_dense_replace`` layers dense. vLLM's ``KimiMoE`` builds its

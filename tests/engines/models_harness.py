@@ -170,3 +170,41 @@ def weights(ckpt: Path, shared: bool = False) -> Iterator:
 
 def experts_of(model: nn.Module) -> dict[str, nn.Module]:
     return {m.prefix: m for m in model.modules() if isinstance(m, mega_py.DeepGemmMegaMoEExperts)}
+
+
+def build_v41_dspark(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+    """V4.1's DSpark draft (``DSparkDeepseekV4ForCausalLM`` > ``DSparkDeepseekV4Model`` >
+    ``layers[i].ffn``), its blocks numbered after the target's layers, with
+    ``dspark_n_routed_experts`` experts (``DeepseekV4MoE.__init__``)."""
+    dspark_py = importlib.import_module("vllm.models.deepseek_v41.nvidia.dspark")
+    n, experts = config.num_hidden_layers, config.dspark_n_routed_experts
+    draft = types.SimpleNamespace(**{**vars(config), "n_routed_experts": experts,
+                                     "num_experts_per_tok": config.dspark_num_experts_per_tok})
+    layers = nn.ModuleList()
+    for i in range(config.num_nextn_predict_layers):
+        block = nn.Module()
+        block.ffn = bare(v41_py.DeepseekV4MoE, use_native_mega_moe=True, shared_experts=None,
+                         experts=v41_experts(draft, f"model.layers.{n + i}.ffn.experts", ep_rank, ep_size, redundant,
+                                             False))
+        layers.append(block)
+    model = bare(dspark_py.DSparkDeepseekV4Model, layers=layers, num_hidden_layers=n)
+    return bare(dspark_py.DSparkDeepseekV4ForCausalLM, config=config, model=model)
+
+
+def build_kimi_mtp(config, ep_rank: int, ep_size: int) -> nn.Module:
+    """``KimiK3MTP`` > ``KimiK3MultiTokenPredictor`` > ``layers[str(N + i)]``
+    (``KimiK3MultiTokenPredictorLayer``) > ``mtp_block`` (a ``KimiDecoderLayer`` prefixed
+    ``model.layers.{N + i}``) > ``block_sparse_moe`` > experts."""
+    mtp_py = importlib.import_module("vllm.models.kimi_k3.nvidia.mtp")
+    text = config.text_config
+    n = text.num_hidden_layers
+    layers = nn.ModuleDict()
+    for i in range(text.num_nextn_predict_layers):
+        block = nn.Module()
+        block.block_sparse_moe = bare(kimi_py.KimiMoE, use_mega_moe=True, experts=kimi_experts(
+            text, f"model.layers.{n + i}.block_sparse_moe.experts", ep_rank, ep_size))
+        block.mlp = block.block_sparse_moe
+        layers[str(n + i)] = bare(mtp_py.KimiK3MultiTokenPredictorLayer, config=text, mtp_block=block)
+    predictor = bare(mtp_py.KimiK3MultiTokenPredictor, config=text, layers=layers, mtp_start_layer_idx=n,
+                     num_mtp_layers=text.num_nextn_predict_layers)
+    return bare(mtp_py.KimiK3MTP, config=text, model=predictor)

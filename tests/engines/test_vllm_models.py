@@ -114,6 +114,25 @@ def test_a_kimi_k3_model_built_for_another_ep_size_is_refused_before_any_change(
         assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
 
 
+def test_kimi_k3_mtp_blocks_numbered_after_the_decoder_layers_install_into_kimi_k3_mtp(tmp_path):
+    """Kimi-K3 ships no MTP block, but vLLM has its draft (``KimiK3MTP``): a checkpoint with one
+    (``language_model.model.layers.{N}``) converts to ``mtp.0`` and installs what its own loading gives."""
+    synthesize(tmp_path / "ckpt", "kimi-k3-tiny", mtp_layers=1, seed=13)
+    convert(tmp_path / "ckpt", tmp_path / "ep4", ConvertOptions(ep_size=EP_SIZE, fsync=False))
+    config = mh.kimi_config(tmp_path / "ckpt")
+    with mh.patched(3, EP_SIZE):
+        reference = mh.build_kimi_mtp(config, 3, EP_SIZE)
+        reference.load_weights(mh.weights(tmp_path / "ckpt"))
+        mtp = mh.build_kimi_mtp(config, 3, EP_SIZE)
+        assert install(mtp, tmp_path / "ep4", rank=3) == 1
+        main = mh.build_kimi(config, 3, EP_SIZE)
+        assert install(main, tmp_path / "ep4", rank=3) == 2  # the main model skips the MTP block's experts
+    (prefix, module), = mh.experts_of(mtp).items()
+    assert prefix == "model.layers.3.block_sparse_moe.experts"
+    assert torch.count_nonzero(module.w2_weight) > 0
+    assert_same_module(module, mh.experts_of(reference)[prefix], prefix)
+
+
 # --------------------------------------------------------------------------------------
 # DeepSeek-V4.1
 # --------------------------------------------------------------------------------------
@@ -154,3 +173,15 @@ def test_deepseek_v41_load_format_leaves_vllm_only_what_was_not_installed(v41):
         assert_same_module(module, mh.experts_of(reference)[prefix], prefix)
     assert not [n for n in seen if n.startswith("layers.") and ".experts." in n]  # routed and fused shared: installed
     assert "layers.0.attn.wq_a.weight" in seen and "mtp.0.ffn.shared_experts.w1.weight" in seen
+
+
+def test_the_deepseek_v41_dspark_draft_is_refused_naming_why(v41):
+    """V4.1's MTP blocks are DSpark's draft with its own expert count: not pre-baked, and said so."""
+    ckpt, out = v41
+    config = mh.v41_config(ckpt)
+    with mh.patched(1, EP_SIZE):
+        draft = mh.build_v41_dspark(config, 1, EP_SIZE, 4)
+        with pytest.raises(InstallError, match=r"model\.layers\.2\.ffn\.experts: layer mtp\.0 is not in .*"
+                                               r"DSpark's draft with its own expert count"):
+            install(draft, out, rank=1)
+        assert all(torch.count_nonzero(p) == 0 for p in draft.parameters())
