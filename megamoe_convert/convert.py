@@ -85,8 +85,8 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
     family = ckpt.family
     assert family is not None
     if options.engine not in family.engines:
-        raise ConvertError(f"{ckpt.root}: {family.title} is served with MegaMoE by {', '.join(family.engines)} "
-                           f"only, not {options.engine}; drop --engine {options.engine}")
+        raise ConvertError(f"{ckpt.root}: {family.title} conversions are for {', '.join(family.engines)} only, "
+                           f"not {options.engine} ({family.engine_note}); drop --engine {options.engine}")
     if not family.redundant_experts and (options.num_redundant_experts or options.placement_file is not None):
         raise ConvertError(f"{ckpt.root}: vLLM builds {family.title}'s MegaMoE layers with its "
                            f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "

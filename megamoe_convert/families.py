@@ -66,8 +66,10 @@ class ModelFamily:
     fuses_shared_expert: bool = True
     #: vLLM builds the family's MegaMoE layers with EPLB's redundant experts.
     redundant_experts: bool = True
-    #: Engines whose MegaMoE modules serve the family (``convert --engine``).
+    #: Engines whose MegaMoE modules take the family's pre-baked experts (``convert --engine``),
+    #: and why not the others.
     engines: tuple[str, ...] = ("vllm", "sglang")
+    engine_note: str = ""
     #: The routed experts' gated activation: ``swiglu`` (``swiglu_limit`` clamp) or ``situ``.
     activation: str = "swiglu"
     #: Decoder layers before ``first_dense`` are dense, then every ``freq``-th is MoE (config keys;
@@ -195,6 +197,8 @@ DEEPSEEK_V4 = ModelFamily(
 DEEPSEEK_V41 = ModelFamily(
     name="deepseek_v41", title="DeepSeek-V4.1", model_types=("deepseek_v41",), text_key="text_config",
     keys=DEEPSEEK_V4.keys, block="layers.{index}.ffn", mtp_block="",
+    engines=("vllm",), engine_note="SGLang's DeepSeek-V4.1 model is not one megamoe-convert's SGLang contract "
+                                   "is proven against (DeepSeek-V4 only)",
     mtp_note="DeepSeek-V4.1's MTP blocks are DSpark's draft with its own expert count (dspark_n_routed_experts), "
              "which megamoe-convert does not pre-bake: --load-format megamoe serves the target model only")
 
@@ -209,7 +213,8 @@ KIMI_K3 = ModelFamily(
     block="language_model.model.layers.{index}.block_sparse_moe", mtp_block=None,
     kinds={"weight": "weight_packed", "scale": "weight_scale", "weight_scale_2": "weight_global_scale",
            "input_scale": "input_global_scale"},
-    fuses_shared_expert=False, redundant_experts=False, engines=("vllm",), activation="situ",
+    fuses_shared_expert=False, redundant_experts=False, activation="situ", engines=("vllm",),
+    engine_note="SGLang's Kimi-K3 MegaMoE path (mxfp4.py) rebuilds the experts whatever is installed",
     first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq")
 
 FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V4, DEEPSEEK_V41, KIMI_K3)

@@ -72,7 +72,7 @@ def test_inspect_names_the_family_and_the_weight_format(request, fixture, family
     assert summary["dims"]["hidden_size"] == 256  # Kimi-K3: routed_expert_hidden_size, not hidden_size (512)
     if family == "kimi_k3":
         assert summary["expert_dtypes"] == {f"{p}.{k}": "U8" for p in ("w1", "w3", "w2") for k in ("weight", "scale")}
-        assert "does not take pre-baked Kimi-K3 experts" in summary["engines"]["sglang"]
+        assert "mxfp4.py) rebuilds the experts" in summary["engines"]["sglang"]
         assert "outside the MegaMoE launch" in summary["shared_expert_note"]
 
 
@@ -95,7 +95,8 @@ def test_each_family_converts_and_verifies_with_numerics(request, tmp_path, fixt
 
 def test_kimi_k3_conversions_vllm_cannot_serve_are_refused_in_one_line(kimi_ckpt, tmp_path):
     for args, message in ((("--num-redundant-experts", 4), "no redundant or re-placed ones"),
-                          (("--engine", "sglang"), "served with MegaMoE by vllm only, not sglang")):
+                          (("--engine", "sglang"), "conversions are for vllm only, not sglang (SGLang's Kimi-K3 "
+                                                   "MegaMoE path (mxfp4.py) rebuilds the experts")):
         proc = run_cli("convert", kimi_ckpt, tmp_path / "out", "--ep-size", 4, *args, check=False)
         assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 

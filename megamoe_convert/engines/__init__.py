@@ -41,7 +41,7 @@ def shape_refusals(hidden: int, intermediate: int, family: "ModelFamily | None" 
         bad = [f"{name}={value} is not a multiple of {m}" for name, value, m in
                (("hidden_size", hidden, h), ("moe_intermediate_size", intermediate, i)) if value % m]
         if family is not None and engine not in family.engines:
-            bad.insert(0, f"its MegaMoE path does not take pre-baked {family.title} experts")
+            bad.insert(0, family.engine_note or f"no pre-baked {family.title} experts")
         refusals[engine] = ", ".join(bad) or None
     return refusals
 
