@@ -304,8 +304,8 @@ class Checkpoint:
 
     def _no_experts(self) -> CheckpointError:
         assert self.names is not None and self.family is not None
-        example = self.expert_name(MoELayer(False, 0), 0, "w1", "weight").replace(".0.", ".E.").replace("layers.0", "layers.N")
-        return CheckpointError(f"{self.root}: no routed-expert tensors ({example}) found ({self.family.title} naming)")
+        return CheckpointError(f"{self.root}: no routed-expert tensors ({self.names.example()}) found "
+                               f"({self.family.title} naming)")
 
     def _check_layer_set(self) -> None:
         """The layers with experts must be exactly the family's MoE layers for config.json's counts."""
@@ -325,11 +325,11 @@ class Checkpoint:
         if not self.layers:
             raise self._no_experts()
         if found_decoder != want_decoder:
-            rule = f" ({', '.join(family.where(k) for k in (family.first_dense_key, family.freq_key) if k)})" \
-                if family.first_dense_key else ""
-            raise CheckpointError(f"{config_path}: {family.where(family.keys['layers'])}={n_layers}{rule} gives MoE "
-                                  f"layers {_ranges(want_decoder) or 'none'} but the checkpoint has experts for decoder "
-                                  f"layers {_ranges(found_decoder)}")
+            rule = "".join(f", {family.where(k)}={v}" for k, v in zip((family.first_dense_key, family.freq_key),
+                                                                      dense_rule) if k)
+            gives = f" (MoE layers {_ranges(want_decoder) or 'none'})" if rule else ""
+            raise CheckpointError(f"{config_path}: {family.where(family.keys['layers'])}={n_layers}{rule}{gives} but the "
+                                  f"checkpoint has experts for decoder layers {_ranges(found_decoder)}")
         if found_mtp != want_mtp:
             raise CheckpointError(f"{config_path}: {family.where(mtp_key)}={len(want_mtp)} but the checkpoint has "
                                   f"experts for MTP layers {_ranges(found_mtp) or 'none'}")

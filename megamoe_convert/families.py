@@ -180,6 +180,10 @@ class TensorNames:
         kinds = {suffix: kind for kind, suffix in self.family.kinds.items()}
         return layer, int(m["expert"]), m["proj"], kinds.get(m["suffix"])
 
+    def example(self) -> str:
+        """A routed-expert weight's name pattern, for errors: ``layers.N.ffn.experts.E.w1.weight``."""
+        return f"{self.family.block.format(index='N')}.experts.E.wK.{self.family.kinds['weight']}"
+
     def expected_pattern(self, kinds: Any) -> str:
         """How an error names the expected expert tensors: ``experts.{e}.w{1,2,3}.weight|scale``."""
         return f"experts.{{e}}.w{{1,2,3}}.{'|'.join(sorted(self.family.kinds[k] for k in kinds))}"

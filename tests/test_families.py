@@ -141,3 +141,18 @@ def test_family_names_round_trip():
     assert families.KIMI_K3.names(4).expert(MoELayer(True, 1), 0, "w1", "weight") == \
         "language_model.model.layers.5.block_sparse_moe.experts.0.w1.weight_packed"
     assert families.DEEPSEEK_V41.names(4).parse_expert("mtp.0.ffn.experts.0.w1.weight") is None
+
+
+def test_kimi_k3_dense_layers_come_from_first_k_dense_replace(kimi_ckpt, tmp_path):
+    """The MoE layers are the family's rule on config.json's counts; a config that disagrees with
+    the tensors is refused naming the rule and both layer sets."""
+    config = json.loads((kimi_ckpt / "config.json").read_text())
+    config["text_config"]["first_k_dense_replace"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for f in kimi_ckpt.iterdir():
+        if f.name != "config.json":
+            (tmp_path / f.name).symlink_to(f)
+    with pytest.raises(CheckpointError, match=r"text_config.num_hidden_layers=3, text_config.first_k_dense_replace=0, "
+                                              r"text_config.moe_layer_freq=1 \(MoE layers 0-2\) but the checkpoint has "
+                                              r"experts for decoder layers 1-2"):
+        Checkpoint.open(tmp_path)
