@@ -180,7 +180,7 @@ class Checkpoint:
         except FormatError as e:
             raise CheckpointError(str(e)) from None
         text, keys = family.text(config), family.keys
-        if keys["hidden"] not in text:  # Kimi-K3's latent width: vLLM's MegaMoE needs the latent MoE
+        if keys["hidden"] != "hidden_size" and keys["hidden"] not in text:  # Kimi-K3's latent width
             raise CheckpointError(f"{path}: no {family.where(keys['hidden'])}: {family.title}'s MegaMoE experts run at "
                                   "that hidden size")
         sizes = [_config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
