@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="megamoe",
-    help="Pre-bake DeepSeek-V4 MoE experts into DeepGEMM's MegaMoE per-rank layout, offline, "
+    help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
+         "offline, "
          "so that vLLM ranks load them with no transform work.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
@@ -303,7 +304,8 @@ class ShardBy(str, Enum):
 
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index), "
+    src: Annotated[str, typer.Argument(help="DeepSeek-V4, V4.1 or Kimi-K3 checkpoint directory (config.json + "
+                                            "safetensors index), "
                                             "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
     ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size the model will be served with.")],
