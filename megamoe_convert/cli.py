@@ -149,7 +149,9 @@ def synth(
         text, keys = family.text(config), family.keys
         err_console.print(f"wrote {out} ({family.title}: {text[keys['layers']]} layers + "
                           f"{text.get(keys['mtp_layers'], 0)} MTP, {text[keys['experts']]} experts, "
-                          f"H={text[keys['hidden']]}, I={text[keys['intermediate']]})")
+                          f"H={text[keys['hidden']]}"
+                          f"{'' if keys['hidden'] == 'hidden_size' else ' (' + keys['hidden'] + ')'}, "
+                          f"I={text[keys['intermediate']]})")
     run_command(body)
 
 
