@@ -1,4 +1,7 @@
-"""Reading a DeepSeek-V4 checkpoint: config, index, shard headers, and the expert tensors.
+"""Reading a checkpoint of a supported model family: config, index, shard headers, and the expert tensors.
+
+The family (``families.py``, from ``config.json``'s ``model_type``) says where the sizes are and
+what every expert tensor is called; everything here works on the project's own layer names.
 
 Only headers are read up front (a few MB for a TB checkpoint); tensor bytes are read later,
 one expert at a time, by whoever needs them. Everything that can be checked without the
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from . import formats, jsonio
+from .families import FamilyError, ModelFamily, TensorNames, detect
 from .formats import FormatError, WeightFormat
 from .layout import LayoutError, check_dims
 from .placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
@@ -34,14 +38,8 @@ RESERVED_NAMES = re.compile(r"manifest(?:\.part-\d+-of-\d+)?\.json")
 MAX_DIM = 1 << 20
 MAX_LAYERS = 1 << 16
 
-#: ``layers.{L}.ffn.experts.{e}.w{1,2,3}.{weight,scale}`` and the same under ``mtp.{k}.`` (NVFP4
-#: adds ``weight_scale_2`` and ``input_scale``). Numbers are canonical (``3``, never ``03``): one
-#: tensor, one name.
+#: Layer numbers are canonical (``3``, never ``03``): one tensor, one name.
 _NUMBER = r"(?:0|[1-9]\d{0,8})"
-EXPERT_TENSOR = re.compile(rf"^(?P<layer>(?:layers|mtp)\.{_NUMBER})\.ffn\.experts\.(?P<expert>{_NUMBER})"
-                           r"\.(?P<proj>w[123])\.(?P<kind>weight|scale|weight_scale_2|input_scale)$")
-#: Anything under ``.ffn.experts.`` is an expert tensor, recognised or not.
-UNDER_EXPERTS = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.")
 
 
 #: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
@@ -95,31 +93,21 @@ class MoELayer:
 
     @property
     def prefix(self) -> str:
-        """The checkpoint's module prefix, e.g. ``layers.7.ffn.experts`` (the loader's dict key)."""
+        """The layer's tensors in the rank files and the loader's dict key, e.g.
+        ``layers.7.ffn.experts`` (DeepSeek-V4's module name, kept for every family)."""
         return f"{self.key}.ffn.experts"
 
     @property
     def vllm_prefix(self) -> str:
-        """vLLM's module prefix: ``model.layers.7.ffn.experts`` / ``model.mtp.0.ffn.experts``."""
+        """What manifests before model families recorded: ``model.layers.7.ffn.experts`` (checked when read)."""
         return f"model.{self.prefix}"
 
-    def tensor_name(self, expert: int, proj: str, kind: str) -> str:
-        return f"{self.prefix}.{expert}.{proj}.{kind}"
 
-    @property
-    def shared_prefix(self) -> str:
-        """Every checkpoint tensor of the layer's shared expert starts with this: ``layers.7.ffn.shared_experts.``."""
-        return f"{self.key}.ffn.shared_experts."
-
-    def shared_tensor_name(self, proj: str, kind: str) -> str:
-        """The shared expert's checkpoint tensor, e.g. ``layers.7.ffn.shared_experts.w1.scale``."""
-        return f"{self.shared_prefix}{proj}.{kind}"
-
-
-def _config_int(config: dict[str, Any], key: str, path: Path, default: int | None = None,
-                hi: int = MAX_DIM) -> int:
+def _config_int(config: Any, key: str, path: Path, default: int | None = None, hi: int = MAX_DIM,
+                name: str | None = None) -> int:
+    """An integer field of config.json (``name``: how errors call it, e.g. ``text_config.num_experts``)."""
     f = jsonio.Fields(path, CheckpointError)
-    return f.int({key: config.get(key, default)}, key, lo=0, hi=hi, name=f"config field {key!r}")
+    return f.int({key: config.get(key, default)}, key, lo=0, hi=hi, name=f"config field {name or key!r}")
 
 
 def _index_file(name: Any, index_path: Path) -> str:
@@ -134,7 +122,7 @@ def _index_file(name: Any, index_path: Path) -> str:
 
 @dataclass
 class Checkpoint:
-    """A DeepSeek-V4 checkpoint directory, validated from its config and shard headers."""
+    """A checkpoint directory of a supported family, validated from its config and shard headers."""
 
     root: Path
     config: dict[str, Any]
@@ -145,6 +133,9 @@ class Checkpoint:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     #: Why the shared expert is not pre-baked (``None`` when it is).
     shared_expert_note: str | None = None
+    #: The model family (``families.py``) and its tensor names for this model.
+    family: ModelFamily | None = None
+    names: TensorNames | None = None
 
     # ---------------------------------------------------------------- opening
     @classmethod
@@ -155,10 +146,17 @@ class Checkpoint:
         config_path = root / CONFIG_NAME
         config = jsonio.Fields(config_path, CheckpointError).obj(
             jsonio.read(config_path, CheckpointError, "config.json"), name="config.json")
-        dims = cls._dims_from_config(config, config_path)
+        try:
+            family = detect(config, config_path)
+            text = family.text(config)
+        except FamilyError as e:
+            raise CheckpointError(str(e)) from None
+        dims = cls._dims_from_config(family, config, config_path)
+        names = family.names(_config_int(text, family.keys["layers"], config_path, 0, hi=MAX_LAYERS,
+                                         name=family.where(family.keys["layers"])))
         weight_map, index_bytes = cls._read_index(root)
         headers = cls._read_headers(root, weight_map)
-        ckpt = cls(root, config, dims, weight_map, headers, index_bytes)
+        ckpt = cls(root, config, dims, weight_map, headers, index_bytes, family=family, names=names)
         ckpt.tensors = ckpt._collect_tensors()
         ckpt.dims = replace(dims, weight_format=ckpt._identify_format().name)
         ckpt._check_experts()
@@ -176,20 +174,37 @@ class Checkpoint:
         return ckpt._collect_tensors()
 
     @staticmethod
-    def _dims_from_config(config: dict[str, Any], path: Path) -> ModelDims:
+    def _dims_from_config(family: ModelFamily, config: dict[str, Any], path: Path) -> ModelDims:
         try:
-            formats.check_expert_dtype(config.get("expert_dtype", "fp4"), path)
+            formats.check_expert_dtype(family.expert_dtype(config), path)
         except FormatError as e:
             raise CheckpointError(str(e)) from None
-        dims = ModelDims(_config_int(config, "hidden_size", path), _config_int(config, "moe_intermediate_size", path),
-                         _config_int(config, "n_routed_experts", path, hi=MAX_PHYSICAL_EXPERTS))
+        text, keys = family.text(config), family.keys
+        if keys["hidden"] != "hidden_size" and keys["hidden"] not in text:  # Kimi-K3's latent width
+            raise CheckpointError(f"{path}: no {family.where(keys['hidden'])}: {family.title}'s MegaMoE experts run at "
+                                  "that hidden size")
+        sizes = [_config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
+                 for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS))]
+        dims = ModelDims(*sizes)
         try:
             check_dims(dims.hidden_size, dims.moe_intermediate_size)
         except LayoutError as e:
             raise CheckpointError(f"{path}: {e}") from None
         if dims.n_routed_experts <= 0:
-            raise CheckpointError(f"{path}: n_routed_experts must be positive, got {dims.n_routed_experts}")
+            raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, got {dims.n_routed_experts}")
         return dims
+
+    @property
+    def text_config(self) -> Any:
+        """The config.json object holding the text model's fields (the family says which)."""
+        assert self.family is not None
+        return self.family.text(self.config)
+
+    def top_k(self) -> int:
+        """Experts per token, from the family's config key (2 when absent)."""
+        assert self.family is not None
+        value = self.text_config.get(self.family.keys["top_k"], 2)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 2
 
     @staticmethod
     def _read_index(root: Path) -> tuple[dict[str, str], bytes]:
@@ -243,21 +258,23 @@ class Checkpoint:
     @cached_property
     def layers(self) -> list[MoELayer]:
         """MoE layers with expert tensors, decoder layers first, then MTP, in order."""
-        keys = {m["layer"] for name in self.tensors if (m := EXPERT_TENSOR.match(name))}
-        return sorted(MoELayer.parse(k) for k in keys)
+        assert self.names is not None
+        return sorted({found[0] for name in self.tensors if (found := self.names.parse_expert(name))})
 
     def _identify_format(self) -> WeightFormat:
         """The routed experts' format, from the first expert's ``w1`` tensors (every other expert
         tensor is then checked against it)."""
+        assert self.names is not None
         if not self.layers:
-            raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
+            raise self._no_experts()
         first = self.layers[0]
-        weight = self.tensors.get(first.tensor_name(0, "w1", "weight"))
+        weight = self.tensors.get(self.expert_name(first, 0, "w1", "weight"))
         if weight is None:
-            raise CheckpointError(f"{self.root}: missing expert tensor {first.tensor_name(0, 'w1', 'weight')}")
-        scale = self.tensors.get(first.tensor_name(0, "w1", "scale"))
+            raise CheckpointError(f"{self.root}: missing expert tensor {self.expert_name(first, 0, 'w1', 'weight')}")
+        scale = self.tensors.get(self.expert_name(first, 0, "w1", "scale"))
         try:
-            return formats.identify(weight.dtype, scale and scale.dtype, f"{weight.path}: {first.prefix}.0.w1")
+            return formats.identify(weight.dtype, scale and scale.dtype,
+                                    f"{weight.path}: {self.names.block(first)}.experts.0.w1")
         except FormatError as e:
             raise CheckpointError(str(e)) from None
 
@@ -268,37 +285,53 @@ class Checkpoint:
         for layer in self.layers:
             for expert in range(self.dims.n_routed_experts):
                 for (proj, kind), shape in shapes.items():
-                    self._check_expert_tensor(layer.tensor_name(expert, proj, kind), kind, shape)
+                    self._check_expert_tensor(self.expert_name(layer, expert, proj, kind), kind, shape)
 
     def _check_no_stray_expert_tensors(self) -> None:
         n = self.dims.n_routed_experts
+        assert self.names is not None and self.family is not None
         for name in self.tensors:
-            if not UNDER_EXPERTS.match(name):
+            if not self.names.under_experts(name):
                 continue
-            m = EXPERT_TENSOR.match(name)
-            if m is None or (m["proj"], m["kind"]) not in self.dims.expert_byte_shapes():
-                kinds = sorted({kind for _, kind in self.dims.expert_byte_shapes()})
+            found = self.names.parse_expert(name)
+            if found is None or (found[2], found[3]) not in self.dims.expert_byte_shapes():
+                pattern = self.names.expected_pattern({kind for _, kind in self.dims.expert_byte_shapes()})
                 raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} (expected "
-                                      f"experts.{{e}}.w{{1,2,3}}.{'|'.join(kinds)} of {self.dims.weight_format} experts)")
-            if int(m["expert"]) >= n:
-                raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {m['expert']}, "
-                                      f"but config.json has n_routed_experts={n}")
+                                      f"{pattern} of {self.dims.weight_format} experts)")
+            if found[1] >= n:
+                raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {found[1]}, "
+                                      f"but config.json has {self.family.where(self.family.keys['experts'])}={n}")
+
+    def _no_experts(self) -> CheckpointError:
+        assert self.names is not None and self.family is not None
+        return CheckpointError(f"{self.root}: no routed-expert tensors ({self.names.example()}) found "
+                               f"({self.family.title} naming)")
 
     def _check_layer_set(self) -> None:
-        config_path = self.root / CONFIG_NAME
+        """The layers with experts must be exactly the family's MoE layers for config.json's counts."""
+        assert self.family is not None and self.names is not None
+        config_path, family, text = self.root / CONFIG_NAME, self.family, self.text_config
         found_decoder = sorted(l.index for l in self.layers if not l.is_mtp)
         found_mtp = sorted(l.index for l in self.layers if l.is_mtp)
-        want_decoder = list(range(_config_int(self.config, "num_hidden_layers", config_path, len(found_decoder),
-                                              hi=MAX_LAYERS)))
-        want_mtp = list(range(_config_int(self.config, "num_nextn_predict_layers", config_path, len(found_mtp),
-                                          hi=MAX_LAYERS)))
+        n_layers = _config_int(text, family.keys["layers"], config_path, len(found_decoder), hi=MAX_LAYERS,
+                               name=family.where(family.keys["layers"]))
+        dense_rule = [_config_int(text, key, config_path, default, hi=MAX_LAYERS, name=family.where(key))
+                      if key else default for key, default in ((family.first_dense_key, 0), (family.freq_key, 1))]
+        want_decoder = family.moe_layer_indices(n_layers, *dense_rule)
+        mtp_key = family.keys["mtp_layers"]
+        want_mtp = (list(range(_config_int(text, mtp_key, config_path, len(found_mtp), hi=MAX_LAYERS,
+                                           name=family.where(mtp_key))))
+                    if family.prebakes_mtp else [])
         if not self.layers:
-            raise CheckpointError(f"{self.root}: no routed-expert tensors (layers.N.ffn.experts.E.wK.weight) found")
+            raise self._no_experts()
         if found_decoder != want_decoder:
-            raise CheckpointError(f"{config_path}: num_hidden_layers={len(want_decoder)} but the checkpoint has "
-                                  f"experts for decoder layers {_ranges(found_decoder)}")
+            rule = "".join(f", {family.where(k)}={v}" for k, v in zip((family.first_dense_key, family.freq_key),
+                                                                      dense_rule) if k)
+            gives = f" (MoE layers {_ranges(want_decoder) or 'none'})" if rule else ""
+            raise CheckpointError(f"{config_path}: {family.where(family.keys['layers'])}={n_layers}{rule}{gives} but the "
+                                  f"checkpoint has experts for decoder layers {_ranges(found_decoder)}")
         if found_mtp != want_mtp:
-            raise CheckpointError(f"{config_path}: num_nextn_predict_layers={len(want_mtp)} but the checkpoint has "
+            raise CheckpointError(f"{config_path}: {family.where(mtp_key)}={len(want_mtp)} but the checkpoint has "
                                   f"experts for MTP layers {_ranges(found_mtp) or 'none'}")
 
     def _check_expert_tensor(self, name: str, kind: str, byte_shape: tuple[int, ...]) -> None:
@@ -321,21 +354,24 @@ class Checkpoint:
         """``(S, None)`` when every MoE layer has a shared expert of intermediate size ``S`` that
         can run inside the MegaMoE launch (:func:`formats.shared_expert_problem`), else ``(0, why)``."""
         h, i = self.dims.hidden_size, self.dims.moe_intermediate_size
+        assert self.family is not None
+        if not self.family.fuses_shared_expert:
+            return 0, f"{self.family.title} runs its shared expert outside the MegaMoE launch"
         if not self.dims.format.fuses_fp8_shared:
             return 0, f"{self.dims.weight_format} experts fuse no {formats.SHARED_FORMAT.name} shared expert"
         sizes = set()
         for layer in self.layers:
-            w1 = self.tensors.get(layer.shared_tensor_name("w1", "weight"))
+            w1 = self.tensors.get(self.shared_name(layer, "w1", "weight"))
             if w1 is None or len(w1.shape) != 2:
                 return 0, f"{layer.key} has no shared expert"
             s = w1.shape[0]
             for proj, (n, k) in (("w1", (s, h)), ("w3", (s, h)), ("w2", (h, s))):
-                weight, scale = (self.tensors.get(layer.shared_tensor_name(proj, kind)) for kind in ("weight", "scale"))
+                weight, scale = (self.tensors.get(self.shared_name(layer, proj, kind)) for kind in ("weight", "scale"))
                 if weight is None or scale is None:
                     return 0, f"{layer.key} has no shared_experts.{proj} weight and scale"
                 problem = formats.shared_expert_problem(weight.dtype, weight.shape, scale.dtype, scale.shape, n, k)
                 if problem:
-                    return 0, f"{layer.shared_tensor_name(proj, 'weight')}: {problem}"
+                    return 0, f"{self.shared_name(layer, proj, 'weight')}: {problem}"
             if s % i:
                 return 0, f"{layer.key}: shared intermediate {s} is not a multiple of moe_intermediate_size {i}"
             sizes.add(s)
@@ -343,11 +379,20 @@ class Checkpoint:
             return 0, f"shared experts of different sizes {sorted(sizes)}"
         return sizes.pop(), None
 
+    def expert_name(self, layer: MoELayer, expert: int, proj: str, kind: str) -> str:
+        """The checkpoint's name of one expert tensor (the family's naming)."""
+        assert self.names is not None
+        return self.names.expert(layer, expert, proj, kind)
+
+    def shared_name(self, layer: MoELayer, proj: str, kind: str) -> str:
+        assert self.names is not None
+        return self.names.shared(layer, proj, kind)
+
     def shared_entry(self, layer: MoELayer, proj: str, kind: str) -> TensorEntry:
-        return self.tensors[layer.shared_tensor_name(proj, kind)]
+        return self.tensors[self.shared_name(layer, proj, kind)]
 
     def expert_entry(self, layer: MoELayer, expert: int, proj: str, kind: str) -> TensorEntry:
-        return self.tensors[layer.tensor_name(expert, proj, kind)]
+        return self.tensors[self.expert_name(layer, expert, proj, kind)]
 
     def file_of(self, name: str) -> Path:
         return self.root / self.weight_map[name]
@@ -355,7 +400,8 @@ class Checkpoint:
     # ---------------------------------------------------------------- everything else
     def non_expert_tensors(self) -> list[TensorEntry]:
         """Tensors that are not routed experts, in file then offset order (sequential reads)."""
-        rest = [e for name, e in self.tensors.items() if not UNDER_EXPERTS.match(name)]
+        assert self.names is not None
+        rest = [e for name, e in self.tensors.items() if not self.names.under_experts(name)]
         return sorted(rest, key=lambda e: (e.path.name, e.begin))
 
     def small_files(self) -> list[Path]:

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 app = typer.Typer(
     name="megamoe",
-    help="Pre-bake DeepSeek-V4 MoE experts into DeepGEMM's MegaMoE per-rank layout, offline, "
+    help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
+         "offline, "
          "so that vLLM ranks load them with no transform work.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
@@ -39,6 +40,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .checkpoint import CheckpointError
     from .convert import ConvertError
     from .devices import DeviceError
+    from .families import FamilyError
     from .formats import FormatError
     from .hub import HubError
     from .layout import LayoutError
@@ -48,7 +50,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from .safetensors_io import SafetensorsError
     from .synth import SynthError
     return (CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
-            PlacementError, SafetensorsError, SynthError, OSError)
+            PlacementError, SafetensorsError, SynthError, FamilyError, OSError)
 
 
 def run_command(body: Callable[[], Any]) -> Any:
@@ -95,10 +97,9 @@ def main_options(
 # synth
 # --------------------------------------------------------------------------------------
 
-class Preset(str, Enum):
-    tiny = "tiny"
-    flash = "flash"
-    pro = "pro"
+#: ``synth`` presets (``configs/``): DeepSeek-V4 tiny / Flash / Pro, DeepSeek-V4.1 tiny / Flash, Kimi-K3 tiny / full.
+Preset = Enum("Preset", {name.replace("-", "_").replace(".", "_"): name for name in
+                         ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3")}, type=str)
 
 
 class WeightDtype(str, Enum):
@@ -115,8 +116,10 @@ class ScaleDtype(str, Enum):
 @app.command()
 def synth(
     out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
-    preset: Annotated[Preset, typer.Option(help="Model dimensions: tiny (tests), flash/pro (real DeepSeek-V4 "
-                                                "dims, cut down with --layers/--experts).")] = Preset.tiny,
+    preset: Annotated[Preset, typer.Option(help="Model family and dimensions: tiny (DeepSeek-V4, tests), flash/pro "
+                                                "(real DeepSeek-V4 dims), v4.1-flash (DeepSeek-V4.1), kimi-k3 (Kimi-K3), "
+                                                "*-tiny for tests; cut real ones down with --layers/--experts.")
+                      ] = Preset.tiny,  # type: ignore[attr-defined]
     layers: Annotated[Optional[int], typer.Option(min=1, help="Decoder layers (default: the preset's).")] = None,
     experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
     mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
@@ -131,7 +134,8 @@ def synth(
                                                            "experts, so layers span shards).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
 ) -> None:
-    """Write a random DeepSeek-V4-format checkpoint (real tensor names, FP4 experts, size-cut shards)."""
+    """Write a random checkpoint of a supported model family (real tensor names, FP4 experts, size-cut shards)."""
+    from .families import detect
     from .synth import synthesize
 
     def body() -> None:
@@ -141,9 +145,13 @@ def synth(
                                 scale_dtype=scale_dtype and scale_dtype.value,
                                 shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
                                 progress=progress, overwrite=overwrite)
-        err_console.print(f"wrote {out} ({config['num_hidden_layers']} layers + {config.get('num_nextn_predict_layers', 0)}"
-                          f" MTP, {config['n_routed_experts']} experts, H={config['hidden_size']}, "
-                          f"I={config['moe_intermediate_size']})")
+        family = detect(config, preset.value)
+        text, keys = family.text(config), family.keys
+        err_console.print(f"wrote {out} ({family.title}: {text[keys['layers']]} layers + "
+                          f"{text.get(keys['mtp_layers'], 0)} MTP, {text[keys['experts']]} experts, "
+                          f"H={text[keys['hidden']]}"
+                          f"{'' if keys['hidden'] == 'hidden_size' else ' (' + keys['hidden'] + ')'}, "
+                          f"I={text[keys['intermediate']]})")
     run_command(body)
 
 
@@ -186,6 +194,7 @@ def inspect(
         dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in ckpt.dims.expert_byte_shapes()}
         summary = {
             "path": str(ckpt.root), "model_type": ckpt.config.get("model_type"),
+            "family": ckpt.family.name, "model_family": ckpt.family.title,
             "weight_format": ckpt.dims.weight_format, "shared_expert": ckpt.dims.shared_intermediate_size or None,
             "shared_expert_note": ckpt.shared_expert_note,
             "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
@@ -194,7 +203,7 @@ def inspect(
             "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
             "ep_size": ep_size, "experts_per_rank": placement.experts_per_rank,
             "expert_bytes_per_rank": per_expert * placement.experts_per_rank * len(ckpt.layers),
-            "engines": shape_refusals(ckpt.dims.hidden_size, ckpt.dims.moe_intermediate_size),
+            "engines": shape_refusals(ckpt.dims.hidden_size, ckpt.dims.moe_intermediate_size, ckpt.family),
         }
         if as_json:
             print_json(summary)
@@ -203,7 +212,7 @@ def inspect(
         table.add_column("", style="bold")
         table.add_column("")
         d = ckpt.dims
-        table.add_row("model / weight format", f"{summary['model_type']} / {d.weight_format}")
+        table.add_row("model family / weight format", f"{ckpt.family.title} ({summary['model_type']}) / {d.weight_format}")
         table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
                       if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
         table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
@@ -216,7 +225,7 @@ def inspect(
         table.add_row("non-expert bytes", human_bytes(summary["non_expert_bytes"]))
         table.add_row(f"expert bytes per rank (EP {ep_size})",
                       f"{human_bytes(summary['expert_bytes_per_rank'])} ({placement.experts_per_rank} slots/layer)")
-        table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size))
+        table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family))
         out_console.print(table)
     run_command(body)
 
@@ -241,18 +250,19 @@ def plan(
 
     def body() -> None:
         ckpt = Checkpoint.open(resolve_source(src, revision))
-        placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file))
+        placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file,
+                                                        engine=engine.value))
         own = {l.key: p for l in ckpt.layers if (p := layer_placement(engine.value, placement, l.is_mtp)) != placement}
         d = ckpt.dims
         if as_json:
             print_json({**placement.to_json(), "engine": engine.value,
                         "layer_placements": {key: p.to_json() for key, p in own.items()},
-                        "engines": shape_refusals(d.hidden_size, d.moe_intermediate_size)})
+                        "engines": shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)})
             return
         out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
         for key, p in own.items():
             out_console.print(_placement_table(p, f"{key} ({engine.value})"))
-        out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size)}")
+        out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
     run_command(body)
 
 
@@ -296,7 +306,8 @@ class ShardBy(str, Enum):
 
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(help="DeepSeek-V4 checkpoint directory (config.json + safetensors index), "
+    src: Annotated[str, typer.Argument(help="DeepSeek-V4, V4.1 or Kimi-K3 checkpoint directory (config.json + "
+                                            "safetensors index), "
                                             "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
     ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size the model will be served with.")],

@@ -82,6 +82,15 @@ def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
 
 
 def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
+    family = ckpt.family
+    assert family is not None
+    if options.engine not in family.engines:
+        raise ConvertError(f"{ckpt.root}: {family.title} conversions are for {', '.join(family.engines)} only, "
+                           f"not {options.engine} ({family.engine_note}); drop --engine {options.engine}")
+    if not family.redundant_experts and (options.num_redundant_experts or options.placement_file is not None):
+        raise ConvertError(f"{ckpt.root}: vLLM builds {family.title}'s MegaMoE layers with its "
+                           f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "
+                           "drop --num-redundant-experts / --placement")
     n = ckpt.dims.n_routed_experts
     if options.placement_file is not None:
         if options.num_redundant_experts:
@@ -143,7 +152,13 @@ class Plan:
         """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
-                        files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine)
+                        files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine,
+                        family=self.family)
+
+    @property
+    def family(self) -> str:
+        assert self.ckpt.family is not None
+        return self.ckpt.family.name
 
 
 # --------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import huggingface_hub.errors
 import huggingface_hub.file_download
 import huggingface_hub.utils
 
-from . import __version__
+from . import __version__, families
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
 from .output_state import ConvertError, hold_whole_output, owned_path
@@ -366,7 +366,8 @@ def model_card(out: Path, manifest: Manifest, repo_id: str, revision: str | None
     lines = [
         f"# {repo_id}",
         "",
-        f"DeepSeek-V4 routed experts pre-laid-out for DeepGEMM's **MegaMoE** kernel, expert-parallel size "
+        f"{families.by_name(manifest.family).title} routed experts pre-laid-out for DeepGEMM's **MegaMoE** kernel, "
+        f"expert-parallel size "
         f"**{manifest.ep_size}**: one file per (rank, MoE layer), so that every vLLM rank loads its experts with "
         f"no transform. Made by megamoe-convert {__version__}.",
         "",

@@ -22,9 +22,10 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from . import formats, layout
+from . import families, formats, layout
 from .devices import DeviceError, usable_device
 from .checkpoint import CheckpointError, MoELayer, parse_layer_spec
+from .families import FamilyError, ModelFamily, TensorNames
 from . import jsonio
 from .jsonio import Fields, one_line
 from .layout import KernelWeights
@@ -105,12 +106,25 @@ class ConvertedModel:
         return self.manifest.dims.weight_format
 
     @cached_property
+    def family(self) -> ModelFamily:
+        """The model family the manifest records (``families.py``)."""
+        return families.by_name(self.manifest.family)
+
+    @cached_property
     def num_hidden_layers(self) -> int:
         """Decoder layers of the model, from the copied ``config.json`` (engines number MTP
         blocks after them)."""
         where = self.path / "config.json"
-        return Fields(where, LoadError).int(jsonio.read(where, LoadError, "config.json"), "num_hidden_layers",
-                                            0, 1 << 20)
+        try:
+            text = self.family.text(jsonio.read(where, LoadError, "config.json"))
+        except FamilyError as e:
+            raise LoadError(f"{where}: {e}") from None
+        return Fields(where, LoadError).int(text, self.family.keys["layers"], 0, 1 << 20)
+
+    @cached_property
+    def names(self) -> TensorNames:
+        """The source checkpoint's tensor names (its family's naming)."""
+        return self.family.names(self.num_hidden_layers)
 
 
 def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:

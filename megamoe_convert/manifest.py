@@ -8,7 +8,7 @@ from typing import Any
 
 import xxhash
 
-from . import __version__, formats, jsonio
+from . import __version__, families, formats, jsonio
 from .checkpoint import MAX_DIM, ModelDims, MoELayer
 from .placement import ENGINES, MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
 from .safetensors_io import TensorSpec, encode_header
@@ -121,6 +121,8 @@ class Manifest:
     layout_version: int = LAYOUT_VERSION
     #: The engine whose per-layer placement the ranks hold (:func:`placement.layer_placement`).
     engine: str = "vllm"
+    #: The source's model family (``families.py``): how its checkpoint names its tensors.
+    family: str = "deepseek_v4"
 
     @property
     def ep_size(self) -> int:
@@ -146,8 +148,9 @@ class Manifest:
             "ep_size": self.ep_size,
             "ranks": self.ranks,
             "engine": self.engine,
+            "family": self.family,
             "placement": self.placement.to_json(),
-            "layers": [{"key": l.key, "prefix": l.prefix, "vllm_prefix": l.vllm_prefix} for l in self.layers],
+            "layers": [{"key": l.key, "prefix": l.prefix} for l in self.layers],
             "experts_only": self.experts_only,
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "files": [f.to_json() for f in self.files],
@@ -241,6 +244,11 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's
     if engine not in ENGINES:
         raise f.fail(f"unknown engine {jsonio.short(engine)} (known: {', '.join(ENGINES)})")
+    family = f.str(data, "family") if "family" in data else "deepseek_v4"  # before model families
+    try:
+        families.by_name(family, f"{f.where}: family")
+    except families.FamilyError as e:
+        raise ManifestError(str(e)) from None
     algorithm = f.str(data, "checksum_algorithm") if "checksum_algorithm" in data else CHECKSUM_ALGORITHM
     if algorithm != CHECKSUM_ALGORITHM:
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
@@ -249,7 +257,7 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
-                    format_version=versions[0], layout_version=versions[1], engine=engine)
+                    format_version=versions[0], layout_version=versions[1], engine=engine, family=family)
 
 
 def _duplicates(items: list[Any]) -> list[Any]:

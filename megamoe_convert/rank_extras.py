@@ -37,8 +37,8 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
         w1, w3 = (_scalar_bytes(ckpt, files, layer, expert, p, "weight_scale_2") for p in ("w1", "w3"))
         if not torch.equal(w1, w3):
             values = [float(t.view(torch.float32)) for t in (w1, w3)]
-            raise CheckpointError(f"{ckpt.file_of(layer.tensor_name(expert, 'w3', 'weight_scale_2'))}: "
-                                  f"{layer.tensor_name(expert, 'w3', 'weight_scale_2')} is {values[1]} but w1's is "
+            raise CheckpointError(f"{ckpt.file_of(ckpt.expert_name(layer, expert, 'w3', 'weight_scale_2'))}: "
+                                  f"{ckpt.expert_name(layer, expert, 'w3', 'weight_scale_2')} is {values[1]} but w1's is "
                                   f"{values[0]}; the MegaMoE kernel takes one L1 scale per expert")
         l1.append(w1)
     yield torch.cat(l1)

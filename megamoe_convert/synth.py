@@ -1,10 +1,11 @@
-"""Synthetic DeepSeek-V4-format checkpoints with random bytes, for tests, demos and benchmarks.
+"""Synthetic checkpoints of every supported model family with random bytes, for tests, demos and benchmarks.
 
-The files look like a released checkpoint where it matters to the converter: the real
-tensor names (no ``model.`` prefix, ``mtp.{k}.`` for MTP blocks), routed experts of any MegaMoE
+The files look like a released checkpoint where it matters to the converter: the family's real
+tensor names (``families.py``; DeepSeek-V4's have no ``model.`` prefix and ``mtp.{k}.`` for MTP
+blocks; Kimi-K3's are ``synth_kimi.py``'s), routed experts of any MegaMoE
 weight format (``formats.py``; DeepSeek-V4's is MXFP4: FP4 with ``float8_e8m0fnu`` 1x32 scales),
 FP8 e4m3 linears and shared experts with 128x128 ``float8_e8m0fnu`` block scales (what
-DeepSeek-V4's FP4 checkpoints ship: vLLM's ``is_scale_e8m0``), and shards cut by size,
+DeepSeek-V4's FP4 checkpoints ship: vLLM's ``is_scale_e8m0``; V4.1's are 32x32), and shards cut by size,
 not by layer, so one layer's experts span several files. Generation streams tensor by
 tensor: a checkpoint larger than memory can be written.
 """
@@ -20,15 +21,18 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from . import families, formats
 from .checkpoint import CONFIG_NAME, INDEX_NAME, MoELayer
-from . import formats
+from .families import ModelFamily, TensorNames
 from .formats import WeightFormat
 from .layout import check_dims
 from .safetensors_io import DTYPE_BITS, TensorSpec
 from .writer import write_json_atomic, write_safetensors
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-PRESETS = ("tiny", "flash", "pro")
+#: DeepSeek-V4 (tiny, and the published Flash / Pro dims), DeepSeek-V4.1 (v4.1-flash: the published
+#: V4.1-Flash dims), Kimi-K3 (the published dims): see README "Presets".
+PRESETS = ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3")
 
 #: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
 SCALE_BYTE_RANGE = (110, 136)
@@ -77,42 +81,46 @@ WEIGHT_FILLS = {"F8_E4M3": "e4m3", "BF16": "bf16"}
 SCALE_FILLS = {"F8_E4M3": "e4m3_scale"}
 
 
-def _expert_tensors(layer: MoELayer, config: dict[str, Any], fmt: WeightFormat, weight_dtype: str,
-                    scale_dtype: str) -> Iterator[SynthTensor]:
-    """One layer's routed experts in ``fmt`` (NVFP4: w1 and w3 share their global scale)."""
-    shapes = formats.expert_matrix_shapes(config["hidden_size"], config["moe_intermediate_size"])
-    for e in range(config["n_routed_experts"]):
+def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: int, inter: int, fmt: WeightFormat,
+                   weight_dtype: str, scale_dtype: str) -> Iterator[SynthTensor]:
+    """One layer's routed experts in ``fmt`` with the family's names (NVFP4: w1 and w3 share their
+    global scale)."""
+    shapes = formats.expert_matrix_shapes(hidden, inter)
+    for e in range(experts):
         for proj in ("w1", "w2", "w3"):
             n, k = shapes[proj]
             cols = k if weight_dtype == "F4" else fmt.weight_row_bytes(k) * 8 // DTYPE_BITS[weight_dtype]
-            yield SynthTensor(layer.tensor_name(e, proj, "weight"), weight_dtype, (n, cols),
+            yield SynthTensor(names.expert(layer, e, proj, "weight"), weight_dtype, (n, cols),
                               WEIGHT_FILLS.get(weight_dtype, "random"))
             if fmt.scaled:
-                yield SynthTensor(layer.tensor_name(e, proj, "scale"), scale_dtype, (n, fmt.scale_row_bytes(k)),
+                yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (n, fmt.scale_row_bytes(k)),
                                   SCALE_FILLS.get(scale_dtype, "scale"))
             if fmt.global_scales:
-                yield SynthTensor(layer.tensor_name(e, proj, "weight_scale_2"), "F32", (), "value",
+                yield SynthTensor(names.expert(layer, e, proj, "weight_scale_2"), "F32", (), "value",
                                   1 / (1 + e % 7) if proj != "w2" else 1 / (2 + e % 5))
                 if proj == "w2":
-                    yield SynthTensor(layer.tensor_name(e, proj, "input_scale"), "F32", (), "value", 0.5 + e % 9 / 8)
+                    yield SynthTensor(names.expert(layer, e, proj, "input_scale"), "F32", (), "value", 0.5 + e % 9 / 8)
 
 
-def _fp8_linear(name: str, n: int, k: int) -> Iterator[SynthTensor]:
-    """An FP8 e4m3 ``[n, k]`` linear with 128x128 UE8M0 block scales."""
+def _fp8_linear(name: str, n: int, k: int, block: int = FP8_BLOCK) -> Iterator[SynthTensor]:
+    """An FP8 e4m3 ``[n, k]`` linear with ``block`` x ``block`` UE8M0 block scales."""
     yield SynthTensor(f"{name}.weight", "F8_E4M3", (n, k), "e4m3")
-    yield SynthTensor(f"{name}.scale", "F8_E8M0", (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), "scale")
+    yield SynthTensor(f"{name}.scale", "F8_E8M0", (-(-n // block), -(-k // block)), "scale")
 
 
-def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool) -> Iterator[SynthTensor]:
-    """Non-expert tensors of one block: norms, attention, router, FP8 shared experts."""
+def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool,
+                   block: int = FP8_BLOCK) -> Iterator[SynthTensor]:
+    """Non-expert tensors of one DeepSeek block: norms, attention, router, FP8 shared experts
+    (``config``: the text model's fields)."""
     h, i = config["hidden_size"], config["moe_intermediate_size"]
     q_lora, kv = config.get("q_lora_rank", 128), config.get("head_dim", 128)
     yield SynthTensor(f"{key}.attn_norm.weight", "BF16", (h,), "ones")
-    yield from _fp8_linear(f"{key}.attn.wq_a", q_lora, h)
-    yield from _fp8_linear(f"{key}.attn.wkv", kv, h)
+    yield from _fp8_linear(f"{key}.attn.wq_a", q_lora, h, block)
+    yield from _fp8_linear(f"{key}.attn.wkv", kv, h, block)
     yield SynthTensor(f"{key}.attn.wo.weight", "BF16", (h, kv))
     yield SynthTensor(f"{key}.ffn_norm.weight", "BF16", (h,), "ones")
-    n_routed = config["n_routed_experts"]
+    n_routed = config["dspark_n_routed_experts"] if is_mtp and config.get("dspark_n_routed_experts") \
+        else config["n_routed_experts"]
     if not is_mtp and layer_index < config.get("num_hash_layers", 0):
         yield SynthTensor(f"{key}.ffn.gate.tid2eid", "I32", (config["vocab_size"], config["num_experts_per_tok"]))
     else:
@@ -120,30 +128,55 @@ def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: b
         yield SynthTensor(f"{key}.ffn.gate.bias", "F32", (n_routed,))
     shared_i = i * config.get("n_shared_experts", 1)
     for proj, (n, k) in (("w1", (shared_i, h)), ("w2", (h, shared_i)), ("w3", (shared_i, h))):
-        yield from _fp8_linear(f"{key}.ffn.shared_experts.{proj}", n, k)
+        yield from _fp8_linear(f"{key}.ffn.shared_experts.{proj}", n, k, block)
 
 
 def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4, weight_dtype: str | None = None,
                        scale_dtype: str | None = None) -> Iterator[SynthTensor]:
     """Every tensor of the checkpoint, in release order (embedding, blocks, MTP, head), routed experts
-    in ``fmt``; dtypes default to the format's first (canonical) ones."""
-    h = config["hidden_size"]
-    weight_dtype = weight_dtype or fmt.checkpoint_weight_dtypes[0]
-    scale_dtype = scale_dtype or (fmt.scale_dtypes[0] if fmt.scaled else "")
-    yield SynthTensor("embed.weight", "BF16", (config["vocab_size"], h))
-    for index in range(config["num_hidden_layers"]):
-        yield from _block_tensors(f"layers.{index}", index, config, is_mtp=False)
-        yield from _expert_tensors(MoELayer(False, index), config, fmt, weight_dtype, scale_dtype)
-    for index in range(config.get("num_nextn_predict_layers", 0)):
+    in ``fmt`` with the family's names; dtypes default to the family's (Kimi-K3: compressed-tensors'
+    uint8) or the format's first (canonical) ones."""
+    family = families.detect(config, "synth preset")
+    weight_dtype = weight_dtype or FAMILY_DTYPES.get(family.name, {}).get("weight") or fmt.checkpoint_weight_dtypes[0]
+    scale_dtype = scale_dtype or (FAMILY_DTYPES.get(family.name, {}).get("scale") or fmt.scale_dtypes[0]
+                                  if fmt.scaled else "")
+    if family is families.KIMI_K3:
+        from .synth_kimi import kimi_k3_tensors
+
+        yield from kimi_k3_tensors(config, fmt, weight_dtype, scale_dtype)
+        return
+    yield from _deepseek_tensors(family, config, fmt, weight_dtype, scale_dtype)
+
+
+#: Expert dtypes a family's releases store (the default for ``synth``).
+FAMILY_DTYPES = {"kimi_k3": {"weight": "U8", "scale": "U8"}}
+
+
+def _deepseek_tensors(family: ModelFamily, config: dict[str, Any], fmt: WeightFormat, weight_dtype: str,
+                      scale_dtype: str) -> Iterator[SynthTensor]:
+    """DeepSeek-V4 and V4.1: the same names; V4.1's sizes under ``text_config``, 32x32 FP8 blocks
+    (``quantization_config.weight_block_size``) and DSpark MTP blocks with their own expert count."""
+    text = family.text(config)
+    h, n_layers = text["hidden_size"], text["num_hidden_layers"]
+    block = ((config.get("quantization_config") or {}).get("weight_block_size") or [FP8_BLOCK])[0]
+    names = family.names(n_layers)
+    mtp_names = names if family.prebakes_mtp else families.DEEPSEEK_V4.names(n_layers)  # V4.1: DSpark's, V4's names
+    expert_args = (text["hidden_size"], text["moe_intermediate_size"], fmt, weight_dtype, scale_dtype)
+    yield SynthTensor("embed.weight", "BF16", (text["vocab_size"], h))
+    for index in range(n_layers):
+        yield from _block_tensors(f"layers.{index}", index, text, False, block)
+        yield from expert_tensors(names, MoELayer(False, index), text["n_routed_experts"], *expert_args)
+    for index in range(text.get("num_nextn_predict_layers", 0)):
         key = f"mtp.{index}"
         yield SynthTensor(f"{key}.e_proj.weight", "BF16", (h, h))
         yield SynthTensor(f"{key}.h_proj.weight", "BF16", (h, h))
         yield SynthTensor(f"{key}.enorm.weight", "BF16", (h,), "ones")
         yield SynthTensor(f"{key}.hnorm.weight", "BF16", (h,), "ones")
-        yield from _block_tensors(key, index, config, is_mtp=True)
-        yield from _expert_tensors(MoELayer(True, index), config, fmt, weight_dtype, scale_dtype)
+        yield from _block_tensors(key, index, text, True, block)
+        experts = text.get("dspark_n_routed_experts") or text["n_routed_experts"]
+        yield from expert_tensors(mtp_names, MoELayer(True, index), experts, *expert_args)
     yield SynthTensor("norm.weight", "BF16", (h,), "ones")
-    yield SynthTensor("head.weight", "BF16", (config["vocab_size"], h))
+    yield SynthTensor("head.weight", "BF16", (text["vocab_size"], h))
 
 
 def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
@@ -180,7 +213,10 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
                mtp_layers: int | None = None, seed: int = 0, weight_dtype: str | None = None,
                scale_dtype: str | None = None, weight_format: str | None = None,
                shard_bytes: int | None = None, progress: Any = None, overwrite: bool = False) -> dict[str, Any]:
-    """Write a random DeepSeek-V4-format checkpoint into ``out``; return its config.
+    """Write a random checkpoint of the preset's model family into ``out``; return its config.
+
+    ``layers`` / ``experts`` / ``mtp_layers`` replace the preset's counts (in ``text_config`` for
+    the families that nest them).
 
     ``weight_format`` (``formats.FORMATS``) replaces the preset's routed-expert format;
     ``weight_dtype`` / ``scale_dtype`` pick among the dtypes MXFP4 checkpoints may use.
@@ -192,21 +228,27 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     ``progress`` (optional) gets ``start(total_bytes, total_files)`` once, then ``advance`` with
     ``files=0`` per chunk written and ``advance(0, filename, False)`` as each shard is finished.
     """
-    config = dict(load_preset(preset))
+    config = json.loads(json.dumps(load_preset(preset)))  # a deep copy: overrides go into text_config
+    family = families.detect(config, preset)
+    text, keys = family.text(config), family.keys
+    assert isinstance(text, dict)
     if layers is not None:
-        config["num_hidden_layers"] = layers
-        config["num_hash_layers"] = min(config.get("num_hash_layers", 0), layers)
+        text[keys["layers"]] = layers
+        text["num_hash_layers"] = min(text.get("num_hash_layers", 0), layers)
     if experts is not None:
-        config["n_routed_experts"] = experts
-        config["num_experts_per_tok"] = min(config["num_experts_per_tok"], experts)
+        text[keys["experts"]] = experts
+        text[keys["top_k"]] = min(text[keys["top_k"]], experts)
     if mtp_layers is not None:
-        config["num_nextn_predict_layers"] = mtp_layers
+        text[keys["mtp_layers"]] = mtp_layers
     fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
-    check_dims(config["hidden_size"], config["moe_intermediate_size"])
+    check_dims(text[keys["hidden"]], text[keys["intermediate"]])
     tensors = list(checkpoint_tensors(config, fmt, weight_dtype and WEIGHT_DTYPES[weight_dtype],
                                       scale_dtype and SCALE_DTYPES[scale_dtype]))
     if shard_bytes is None:
-        layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith("layers.0.ffn.experts."))
+        names = family.names(text[keys["layers"]])
+        first = next((found[0] for t in tensors if (found := names.parse_expert(t.name))), None)
+        head = f"{names.block(first)}.experts." if first else "-"
+        layer_expert_bytes = sum(t.nbytes for t in tensors if t.name.startswith(head))
         shard_bytes = max(64 << 10, int(layer_expert_bytes * 0.4))
     shards = _shards(tensors, shard_bytes)
     final = Path(os.path.abspath(out))

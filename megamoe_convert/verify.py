@@ -23,7 +23,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -217,26 +217,56 @@ def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: Ve
 # 3. numerics
 # --------------------------------------------------------------------------------------
 
-def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """DeepSeek-V4's routed expert: SwiGLU with the ``swiglu_limit`` clamp.
+#: ``activation(gate, up)``: the routed experts' gated activation, before the down projection.
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-    As in vLLM's ``SiluAndMulWithClamp`` / DeepGEMM's ``activation_clamp``: the gate is clamped
-    from above, the up projection on both sides, before ``silu(gate) * up``.
+
+def expert_activation(ckpt: Checkpoint) -> tuple[Activation, dict[str, Any]]:
+    """The family's routed-expert activation with its config.json parameters (and those, for the report).
+
+    - ``swiglu`` (DeepSeek): as vLLM's ``SiluAndMulWithClamp`` / DeepGEMM's ``activation_clamp``,
+      the gate clamped from above and the up projection on both sides by ``swiglu_limit``, then
+      ``silu(gate) * up``.
+    - ``situ`` (Kimi-K3): as vLLM's ``SituAndMul``, ``beta * tanh(gate / beta) * sigmoid(gate)``
+      times ``up``, softly clipped to ``linear_beta * tanh(up / linear_beta)`` when that is set.
     """
-    gate, up = x @ w1.T, x @ w3.T
-    if limit > 0:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (torch.nn.functional.silu(gate) * up) @ w2.T
+    assert ckpt.family is not None
+    text = ckpt.text_config
+    if ckpt.family.activation == "situ":
+        beta = float(text.get("activation_situ_beta") or 1.0)
+        linear = float(text.get("activation_situ_linear_beta") or 0.0)
+
+        def situ(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            up = linear * torch.tanh(up / linear) if linear else up
+            return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
+
+        return situ, {"activation": "situ", "situ_beta": beta, "situ_linear_beta": linear}
+    limit = float(text.get("swiglu_limit", 0.0) or 0.0)
+
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if limit > 0:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return torch.nn.functional.silu(gate) * up
+
+    return swiglu, {"activation": "swiglu", "swiglu_limit": limit}
+
+
+def gated_mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, activation: Activation,
+              ) -> torch.Tensor:
+    """One expert (routed or shared): ``activation(x @ w1.T, x @ w3.T) @ w2.T``."""
+    return activation(x @ w1.T, x @ w3.T) @ w2.T
 
 
 def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], limit: float) -> torch.Tensor:
-    """``y = sum_k weight_k * expert_{id_k}(x)`` over the routed experts, token by token group."""
+                  experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                  activation: Activation) -> torch.Tensor:
+    """``y = sum_k weight_k * expert_{id_k}(x)`` over the routed experts, token by token group,
+    each expert ``activation(x @ w1.T, x @ w3.T) @ w2.T``."""
     y = torch.zeros_like(x)
     for e, (w1, w3, w2) in enumerate(experts):
         rows, k = (topk_ids == e).nonzero(as_tuple=True)
         if rows.numel():
-            y.index_add_(0, rows, topk_weights[rows, k, None] * swiglu_expert(x[rows], w1, w3, w2, limit))
+            y.index_add_(0, rows, topk_weights[rows, k, None] * gated_mlp(x[rows], w1, w3, w2, activation))
     return y
 
 
@@ -288,13 +318,13 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
     (dequantised matrices are large: that bounds memory, not coverage of the layout code);
     the pre-baked shared expert, where there is one, runs on the same tokens.
     """
-    limit = float(ckpt.config.get("swiglu_limit", 0.0) or 0.0)
-    scale = float(ckpt.config.get("routed_scaling_factor", 1.0))
-    top_k = min(int(ckpt.config.get("num_experts_per_tok", 2)), manifest.placement.experts_per_rank)
+    activation, activation_report = expert_activation(ckpt)
+    scale = float(ckpt.text_config.get("routed_scaling_factor", 1.0) or 1.0)
+    top_k = min(ckpt.top_k(), manifest.placement.experts_per_rank)
     g = torch.Generator().manual_seed(seed)
     hidden, inter = manifest.dims.hidden_size, manifest.dims.moe_intermediate_size
     worst = {"max_abs_err": 0.0, "max_rel_err": 0.0, "layers": 0, "shared_experts": 0, "tokens": tokens,
-             "top_k": top_k, "swiglu_limit": limit, "routed_scaling_factor": scale, "device": device,
+             "top_k": top_k, **activation_report, "routed_scaling_factor": scale, "device": device,
              "weight_format": manifest.dims.weight_format}
     moved = lambda ws: [tuple(w.to(device).contiguous() for w in t) for t in ws]  # noqa: E731
 
@@ -321,15 +351,16 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
             args = (x.to(device), ids.to(device), weights.to(device) * scale)
             from_source = _source_experts(ckpt, files, layer, [loaded.logical_ids[s] for s in slots])
             compare(f"rank {rank} {layer.key}", "MoE output",
-                    reference_moe(*args, moved(_layout_experts(manifest.dims.format, loaded, slots, hidden, inter)), limit).cpu(),
-                    reference_moe(*args, moved(from_source), limit).cpu())
+                    reference_moe(*args, moved(_layout_experts(manifest.dims.format, loaded, slots, hidden, inter)),
+                                  activation).cpu(),
+                    reference_moe(*args, moved(from_source), activation).cpu())
             worst["layers"] += 1
             if loaded.shared is not None:
                 shared = manifest.dims.shared_intermediate_size
                 ws_layout, ws_source = (moved([ws])[0] for ws in (_shared_from_layout(loaded, hidden, shared),
                                                                   _shared_from_source(ckpt, files, layer)))
                 compare(f"rank {rank} {layer.key}", "shared expert output",
-                        swiglu_expert(args[0], *ws_layout, limit).cpu(), swiglu_expert(args[0], *ws_source, limit).cpu())
+                        gated_mlp(args[0], *ws_layout, activation).cpu(), gated_mlp(args[0], *ws_source, activation).cpu())
                 worst["shared_experts"] += 1
     report.numerics = worst
     report.count("numerics layers", worst["layers"])

@@ -48,6 +48,10 @@ SGLANG_IMPORT_CHAIN = [
     "traitlets==5.16.1", "triton==3.9.0", "urllib3==2.8.0", "yarl==1.25.1",
 ]
 
+#: vLLM 0.33's Kimi-K3 model imports compressed-tensors (its checkpoint's quantization format) and
+#: that imports loguru: the pins SGLang's chain uses, in a small layer of their own.
+VLLM_KIMI_K3_LAYER: tuple[str, list[str]] = ("vllm-kimi-k3", ["compressed-tensors==0.20.0", "loguru==0.7.3"])
+
 #: transformers < 5.18 (what vLLM 0.30-0.31 pin) wants huggingface_hub 1.x, which speaks httpx.
 HUB_1X = ["huggingface-hub==1.33.0", "httpx==0.28.1", "httpcore==1.0.9"]
 
@@ -62,7 +66,8 @@ ENGINES: dict[str, list[Layer]] = {
     "vllm==0.30.0": [("vllm-0.30.0", ["vllm==0.30.0", "transformers==5.17.0", *HUB_1X]), VLLM_CHAIN_LAYER],
     "vllm==0.31.0": [("vllm-0.31.0", ["vllm==0.31.0", "transformers==5.17.0", *HUB_1X]), VLLM_CHAIN_LAYER],
     "vllm==0.32.0": [("vllm-0.32.0", ["vllm==0.32.0", "transformers==5.19.0"]), VLLM_CHAIN_LAYER],
-    "vllm==0.33.0": [("vllm-0.33.0", ["vllm==0.33.0", "transformers==5.20.0"]), VLLM_CHAIN_LAYER],
+    "vllm==0.33.0": [("vllm-0.33.0", ["vllm==0.33.0", "transformers==5.20.0"]), VLLM_CHAIN_LAYER,
+                     VLLM_KIMI_K3_LAYER],
     "sglang==0.5.23": [("sglang-0.5.23", ["sglang==0.5.23", "transformers==5.19.0"]), SGLANG_CHAIN_LAYER],
 }
 

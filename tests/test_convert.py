@@ -98,7 +98,7 @@ def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_conv
     assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8,
                                 "weight_format": "mxfp4", "shared_intermediate_size": 128}
     assert [l["key"] for l in manifest["layers"]] == ["layers.0", "layers.1", "mtp.0"]
-    assert manifest["layers"][2]["vllm_prefix"] == "model.mtp.0.ffn.experts"
+    assert manifest["layers"][2] == {"key": "mtp.0", "prefix": "mtp.0.ffn.experts"} and manifest["family"] == "deepseek_v4"
     src_sizes = {p.name: p.stat().st_size for p in tiny_ckpt.glob("*.safetensors")}
     assert manifest["source"]["files"] == src_sizes and len(manifest["source"]["index_sha256"]) == 64
     listed = {f["path"]: f for f in manifest["files"]}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import nn
 
 if TYPE_CHECKING:
+    from ..families import ModelFamily
     from ..checkpoint import MoELayer
     from ..loader import ConvertedModel, Destinations, ExpertLayer
 
@@ -33,12 +34,14 @@ if TYPE_CHECKING:
 SHAPE_RULES = {"vllm": (128, 128), "sglang": (512, 128)}
 
 
-def shape_refusals(hidden: int, intermediate: int) -> dict[str, str | None]:
-    """Per engine: why it cannot serve these dims with MegaMoE, or None when it can."""
+def shape_refusals(hidden: int, intermediate: int, family: "ModelFamily | None" = None) -> dict[str, str | None]:
+    """Per engine: why it cannot serve these dims (and this model family) with MegaMoE, or None when it can."""
     refusals: dict[str, str | None] = {}
     for engine, (h, i) in SHAPE_RULES.items():
         bad = [f"{name}={value} is not a multiple of {m}" for name, value, m in
                (("hidden_size", hidden, h), ("moe_intermediate_size", intermediate, i)) if value % m]
+        if family is not None and engine not in family.engines:
+            bad.insert(0, family.engine_note or f"no pre-baked {family.title} experts")
         refusals[engine] = ", ".join(bad) or None
     return refusals
 
@@ -51,9 +54,9 @@ def require_engine(converted: "ConvertedModel", engine: str) -> None:
                            f"not {engine}'s; convert with --engine {engine}")
 
 
-def describe_engines(hidden: int, intermediate: int) -> str:
+def describe_engines(hidden: int, intermediate: int, family: "ModelFamily | None" = None) -> str:
     """One line for ``inspect`` / ``plan``: which engines serve these shapes, and why not the others."""
-    refusals = shape_refusals(hidden, intermediate)
+    refusals = shape_refusals(hidden, intermediate, family)
     parts = [engine if why is None else f"not {engine} ({why})" for engine, why in refusals.items()]
     return "; ".join(parts)
 

@@ -69,13 +69,15 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
     for module, contract in engine.classify(model):
         key = engine.layer_key(module, converted)
         if key not in layers:
+            family = converted.family
+            why = f"; {family.mtp_note}" if key.startswith("mtp.") and not family.prebakes_mtp else ""
             raise InstallError(f"{engine.prefix(module)}: layer {key} is not in {converted.path} "
-                               f"(converted layers: {', '.join(sorted(layers))})")
+                               f"(converted layers: {', '.join(sorted(layers))}){why}")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
-    skip = frozenset(layer.shared_tensor_name(proj, kind) for _, _, layer in planned
+    skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned
                      for kind in kinds[layer.key] for proj in SHARED_PROJECTIONS)
     # Every layer in one pipelined read: the bytes go into each module's own storage, so no
     # second copy of any layer is made, and the reads never drain between layers.

@@ -1,8 +1,10 @@
 """What vLLM's two MegaMoE contracts share: module names, the EP numbers, the install driver.
 
 vLLM names a MegaMoE module by its prefix (``model.layers.7.ffn.experts``; MTP blocks are
-numbered after the decoder layers, ``model.layers.{N+i}.mtp_block.ffn.experts``) and builds it
-with the EP numbers of its rank; it always maps physical slot ``p`` to logical ``p % n``.
+numbered after the decoder layers, ``model.layers.{N+i}.mtp_block.ffn.experts``; multimodal
+wrappers put ``language_model.`` in front, DeepSeek-V4.1's and Kimi-K3's; Kimi-K3's MoE block is
+``block_sparse_moe``) and builds it with the EP numbers of its rank; it always maps physical slot
+``p`` to logical ``p % n``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from ..manifest import rank_shard_specs
 from . import Contract, InstallError, driver
 from .driver import classify
 
-#: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``.
-VLLM_PREFIX = re.compile(r"^(?:model\.)?(?P<kind>layers|mtp)\.(?P<index>\d+)\.(?:mtp_block\.)?ffn\.experts$")
+#: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``,
+#: ``language_model.model.layers.7.ffn.experts``, ``language_model.model.layers.7.block_sparse_moe.experts``.
+VLLM_PREFIX = re.compile(r"^(?:language_model\.)?(?:model\.)?(?P<kind>layers|mtp)\.(?P<index>\d+)\.(?:mtp_block\.)?"
+                         r"(?:ffn|block_sparse_moe)\.experts$")
 #: What every vLLM MegaMoE experts module has, whatever its contract.
 EP_ATTRIBUTES = ("prefix", "experts_start_idx", "num_local_experts", "hidden_size", "intermediate_size")
 

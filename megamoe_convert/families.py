@@ -1,0 +1,247 @@
+"""Model families: which checkpoints megamoe-convert reads, and how each one names its MoE tensors.
+
+``config.json``'s ``model_type`` says which family a checkpoint is. Each family says where its
+sizes live in ``config.json``, which of its layers hold MegaMoE experts, and the checkpoint name
+of every routed-expert and shared-expert tensor. Nothing else in the package knows a family's
+config keys or tensor names: checkpoint reading, ``synth``, ``verify`` and the load formats ask
+this table. Everywhere else layers have the project's own names (``layers.7`` / ``mtp.0``, and
+``layers.7.ffn.experts.*`` in the rank files), whatever the family.
+
+==============  ============  ===================================================  ===============================
+family          model_type    routed expert ``w1`` (weight, scale)                 what vLLM 0.33 builds
+==============  ============  ===================================================  ===============================
+DeepSeek-V4     deepseek_v4   ``layers.L.ffn.experts.E.w1.weight``, ``.scale``     EPLB redundant experts, fused
+                                                                                   shared expert, MTP ``mtp.K``
+DeepSeek-V4.1   deepseek_v41  the same (sizes under ``text_config``)               the same; its MTP is DSpark's
+                                                                                   draft (``dspark_n_routed_experts``
+                                                                                   experts): not pre-baked
+Kimi-K3         kimi_k3       ``language_model.model.layers.L.block_sparse_moe.``  latent MoE (hidden =
+                              ``experts.E.w1.weight_packed``, ``.weight_scale``    ``routed_expert_hidden_size``),
+                                                                                   SiTU, no redundant experts, the
+                                                                                   shared expert outside the launch
+==============  ============  ===================================================  ===============================
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Mapping
+
+from . import jsonio
+
+if TYPE_CHECKING:
+    from .checkpoint import MoELayer
+
+#: The canonical kinds of one expert projection's tensors (``formats.checkpoint_byte_shapes``).
+KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
+_NUMBER = r"(?:0|[1-9]\d{0,8})"
+
+
+class FamilyError(ValueError):
+    """A ``config.json`` of no model family megamoe-convert reads."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family: its config keys, which layers are MoE, and its checkpoint tensor names."""
+
+    name: str  # the manifest's ``family``
+    title: str
+    model_types: tuple[str, ...]
+    #: The config.json object holding the text model's fields: ``None`` for the top level.
+    text_key: str | None
+    #: Config key of ``hidden`` (the MegaMoE hidden size: Kimi-K3's latent width), ``intermediate``,
+    #: ``experts``, ``top_k``, ``layers`` and ``mtp_layers``.
+    keys: Mapping[str, str]
+    #: A decoder layer's MoE block in the checkpoint, ``{index}`` its number.
+    block: str
+    #: An MTP block's MoE block; ``None``: MTP blocks are numbered after the decoder layers with
+    #: ``block``'s naming; ``""``: the family's MTP experts are not pre-baked (they stay ordinary tensors).
+    mtp_block: str | None
+    #: Checkpoint suffix of each canonical kind (``weight`` -> ``weight_packed``).
+    kinds: Mapping[str, str] = field(default_factory=lambda: {k: k for k in KINDS})
+    #: vLLM can run the family's shared expert inside the MegaMoE launch (``shared_l*``).
+    fuses_shared_expert: bool = True
+    #: vLLM builds the family's MegaMoE layers with EPLB's redundant experts.
+    redundant_experts: bool = True
+    #: Engines whose MegaMoE modules take the family's pre-baked experts (``convert --engine``),
+    #: and why not the others.
+    engines: tuple[str, ...] = ("vllm", "sglang")
+    engine_note: str = ""
+    #: The routed experts' gated activation: ``swiglu`` (``swiglu_limit`` clamp) or ``situ``.
+    activation: str = "swiglu"
+    #: Decoder layers before ``first_dense`` are dense, then every ``freq``-th is MoE (config keys;
+    #: ``None``: every decoder layer is MoE).
+    first_dense_key: str | None = None
+    freq_key: str | None = None
+    #: Why the family's MTP blocks are not pre-baked (``mtp_block == ""``), for install's refusal.
+    mtp_note: str = ""
+
+    # ---------------------------------------------------------------- config.json
+    def text(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The object holding the text model's fields (``text_config`` or config.json itself)."""
+        if self.text_key is None:
+            return config
+        text = config.get(self.text_key)
+        if not isinstance(text, Mapping):
+            raise FamilyError(f"{self.title} config.json has no {self.text_key!r} object")
+        return text
+
+    def where(self, key: str) -> str:
+        """How an error names a config field: ``'hidden_size'`` or ``'text_config.hidden_size'``."""
+        return f"{self.text_key}.{key}" if self.text_key else key
+
+    def expert_dtype(self, config: Mapping[str, Any]) -> Any:
+        """DeepSeek's ``expert_dtype`` (top level, text_config or quantization_config; default fp4)."""
+        for holder in (config, self.text(config), config.get("quantization_config") or {}):
+            if isinstance(holder, Mapping) and "expert_dtype" in holder:
+                return holder["expert_dtype"]
+        return "fp4"
+
+    def moe_layer_indices(self, num_hidden_layers: int, first_dense: int = 0, freq: int = 1) -> list[int]:
+        """Decoder layers holding MoE experts (``KimiDecoderLayer.is_moe_layer``'s rule)."""
+        return [i for i in range(num_hidden_layers) if i >= first_dense and i % max(freq, 1) == 0]
+
+    @property
+    def prebakes_mtp(self) -> bool:
+        return self.mtp_block != ""
+
+    def names(self, num_hidden_layers: int) -> "TensorNames":
+        return TensorNames(self, num_hidden_layers)
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """A family's checkpoint tensor names for a model of ``num_hidden_layers`` decoder layers
+    (Kimi-K3 numbers MTP blocks after them)."""
+
+    family: ModelFamily
+    num_hidden_layers: int
+
+    def block(self, layer: "MoELayer") -> str:
+        """The layer's MoE block in the checkpoint: ``layers.7.ffn``, ``language_model.model.layers.7.block_sparse_moe``."""
+        f = self.family
+        if not layer.is_mtp:
+            return f.block.format(index=layer.index)
+        if f.mtp_block is None:
+            return f.block.format(index=self.num_hidden_layers + layer.index)
+        return f.mtp_block.format(index=layer.index)
+
+    def expert(self, layer: "MoELayer", expert: int, proj: str, kind: str) -> str:
+        return f"{self.block(layer)}.experts.{expert}.{proj}.{self.family.kinds[kind]}"
+
+    def shared_prefix(self, layer: "MoELayer") -> str:
+        """Every checkpoint tensor of the layer's shared expert starts with this."""
+        return f"{self.block(layer)}.shared_experts."
+
+    def shared(self, layer: "MoELayer", proj: str, kind: str) -> str:
+        return f"{self.shared_prefix(layer)}{proj}.{kind}"
+
+    @cached_property
+    def _patterns(self) -> list[tuple[re.Pattern[str], bool]]:
+        """``(pattern of '<block>.experts.', is_mtp)`` for each block naming the family pre-bakes."""
+        f = self.family
+        blocks = [(f.block, False)] + ([(f.mtp_block, True)] if f.mtp_block else [])
+        out = []
+        for template, is_mtp in blocks:
+            head, _, tail = template.partition("{index}")
+            out.append((re.compile(rf"^{re.escape(head)}(?P<index>{_NUMBER}){re.escape(tail)}\.experts\."), is_mtp))
+        return out
+
+    def _layer_of(self, name: str) -> tuple["MoELayer", str] | None:
+        from .checkpoint import MoELayer
+
+        for pattern, is_mtp in self._patterns:
+            m = pattern.match(name)
+            if m:
+                index = int(m["index"])
+                if not is_mtp and self.family.mtp_block is None and index >= self.num_hidden_layers:
+                    return MoELayer(True, index - self.num_hidden_layers), name[m.end():]
+                return MoELayer(is_mtp, index), name[m.end():]
+        return None
+
+    def under_experts(self, name: str) -> bool:
+        """Any tensor under a pre-baked layer's ``.experts.``, recognised or not."""
+        return self._layer_of(name) is not None
+
+    def parse_expert(self, name: str) -> tuple["MoELayer", int, str, str | None] | None:
+        """``(layer, expert, proj, canonical kind)`` of a routed-expert tensor (kind ``None``: an
+        unknown suffix); ``None`` when ``name`` is not under a pre-baked layer's experts or its
+        tail is not ``E.wK.<suffix>``."""
+        found = self._layer_of(name)
+        if found is None:
+            return None
+        layer, tail = found
+        m = re.fullmatch(rf"(?P<expert>{_NUMBER})\.(?P<proj>w[123])\.(?P<suffix>\w+)", tail)
+        if m is None:
+            return None
+        kinds = {suffix: kind for kind, suffix in self.family.kinds.items()}
+        return layer, int(m["expert"]), m["proj"], kinds.get(m["suffix"])
+
+    def example(self) -> str:
+        """A routed-expert weight's name pattern, for errors: ``layers.N.ffn.experts.E.w1.weight``."""
+        return f"{self.family.block.format(index='N')}.experts.E.wK.{self.family.kinds['weight']}"
+
+    def expected_pattern(self, kinds: Any) -> str:
+        """How an error names the expected expert tensors: ``experts.{e}.w{1,2,3}.weight|scale``."""
+        return f"experts.{{e}}.w{{1,2,3}}.{'|'.join(sorted(self.family.kinds[k] for k in kinds))}"
+
+
+DEEPSEEK_V4 = ModelFamily(
+    name="deepseek_v4", title="DeepSeek-V4", model_types=("deepseek_v4",), text_key=None,
+    keys={"hidden": "hidden_size", "intermediate": "moe_intermediate_size", "experts": "n_routed_experts",
+          "top_k": "num_experts_per_tok", "layers": "num_hidden_layers", "mtp_layers": "num_nextn_predict_layers"},
+    block="layers.{index}.ffn", mtp_block="mtp.{index}.ffn")
+
+#: DeepSeek-V4.1: V4's tensor names and MoE modules; sizes under ``text_config``. Its ``mtp.*``
+#: blocks are DSpark's draft with their own expert count (``dspark_n_routed_experts``), which
+#: vLLM's main model drops: they are copied as ordinary tensors, not pre-baked.
+DEEPSEEK_V41 = ModelFamily(
+    name="deepseek_v41", title="DeepSeek-V4.1", model_types=("deepseek_v41",), text_key="text_config",
+    keys=DEEPSEEK_V4.keys, block="layers.{index}.ffn", mtp_block="",
+    engines=("vllm",), engine_note="SGLang's DeepSeek-V4.1 model is not one megamoe-convert's SGLang contract "
+                                   "is proven against (DeepSeek-V4 only)",
+    mtp_note="DeepSeek-V4.1's MTP blocks are DSpark's draft with its own expert count (dspark_n_routed_experts), "
+             "which megamoe-convert does not pre-bake: --load-format megamoe serves the target model only")
+
+#: Kimi-K3: a latent MoE (the routed experts run at ``routed_expert_hidden_size``), compressed-tensors
+#: MXFP4 names, the first ``first_k_dense_replace`` layers dense. vLLM's ``KimiMoE`` builds its
+#: MegaMoE layers without redundant experts and never fuses the shared expert (it reads the
+#: un-projected hidden state); SGLang's Kimi-K3 path rebuilds the experts itself (not served).
+KIMI_K3 = ModelFamily(
+    name="kimi_k3", title="Kimi-K3", model_types=("kimi_k3",), text_key="text_config",
+    keys={"hidden": "routed_expert_hidden_size", "intermediate": "moe_intermediate_size", "experts": "num_experts",
+          "top_k": "num_experts_per_token", "layers": "num_hidden_layers", "mtp_layers": "num_nextn_predict_layers"},
+    block="language_model.model.layers.{index}.block_sparse_moe", mtp_block=None,
+    kinds={"weight": "weight_packed", "scale": "weight_scale", "weight_scale_2": "weight_global_scale",
+           "input_scale": "input_global_scale"},
+    fuses_shared_expert=False, redundant_experts=False, activation="situ", engines=("vllm",),
+    engine_note="SGLang's Kimi-K3 MegaMoE path (mxfp4.py) rebuilds the experts whatever is installed",
+    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq")
+
+FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V4, DEEPSEEK_V41, KIMI_K3)
+
+
+def by_name(name: Any, where: object = "family") -> ModelFamily:
+    """The family called ``name`` (a manifest's ``family``)."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise FamilyError(f"{where}: unknown model family {name!r} (known: {', '.join(f.name for f in FAMILIES)})")
+
+
+def detect(config: Mapping[str, Any], where: object) -> ModelFamily:
+    """The family of a checkpoint's ``config.json`` by its ``model_type`` (a config without one
+    is DeepSeek-V4's flat layout, as every release so far); anything else is refused by name."""
+    model_type = config.get("model_type")
+    if model_type is None and "text_config" not in config:
+        return DEEPSEEK_V4
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    archs = config.get("architectures")
+    found = f"model_type {jsonio.short(model_type)}" + (f" ({', '.join(map(str, archs))})" if isinstance(archs, list) else "")
+    known = ", ".join(f"{f.title} ({'/'.join(f.model_types)})" for f in FAMILIES)
+    raise FamilyError(f"{where}: {found} is no model family megamoe-convert converts (known: {known})")
