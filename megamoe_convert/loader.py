@@ -34,7 +34,6 @@ from .safetensors_io import SafetensorsError, SafetensorsHeader, TensorEntry, re
 from .writer import FileRecord, file_problems
 
 
-
 def _tunable(name: str, default: int, low: int, high: int) -> int:
     """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
     raw = os.environ.get(f"MEGAMOE_{name}")
@@ -222,7 +221,8 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
 
 def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...]) -> None:
     """The shard says which logical experts it holds; it must be what the placement says."""
-    stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")  # host memory even under a torch.device(...) context
+    # Host memory even under an engine's ``with torch.device(...)`` context.
+    stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")
     fd = os.open(path, os.O_RDONLY)
     try:
         read_into(fd, entry.begin, stored, path)
@@ -271,10 +271,8 @@ class PinnedRing:
 
 
 _RING: PinnedRing | None = None
-_RING_LOCK = threading.Lock()
-
-
 _READERS: ThreadPoolExecutor | None = None
+_RING_LOCK = threading.Lock()
 
 
 def shared_ring() -> PinnedRing:
