@@ -60,6 +60,12 @@ class ModelDims:
     weight_format: str = formats.MXFP4.name  # the routed experts' format (formats.FORMATS)
     #: Intermediate size of the shared expert pre-baked for fusion into the MegaMoE launch; 0: none.
     shared_intermediate_size: int = 0
+    #: The MTP layers' own routed expert count (DeepSeek-V4.1's DSpark draft); 0: ``n_routed_experts``.
+    mtp_n_routed_experts: int = 0
+
+    def experts_of(self, layer: "MoELayer") -> int:
+        """The logical experts ``layer`` has: the MTP layers' own count where they have one."""
+        return self.mtp_n_routed_experts if layer.is_mtp and self.mtp_n_routed_experts else self.n_routed_experts
 
     @property
     def format(self) -> WeightFormat:
@@ -108,6 +114,14 @@ def _config_int(config: Any, key: str, path: Path, default: int | None = None, h
     """An integer field of config.json (``name``: how errors call it, e.g. ``text_config.num_experts``)."""
     f = jsonio.Fields(path, CheckpointError)
     return f.int({key: config.get(key, default)}, key, lo=0, hi=hi, name=f"config field {name or key!r}")
+
+
+def _mtp_experts(family: ModelFamily, text: Any, path: Path, n_routed: int) -> int:
+    """The MTP layers' own expert count (0: the decoder's), as vLLM reads it: the family's key, or
+    the decoder's count when it is absent or 0 (``dspark_n_routed_experts or n_routed_experts``)."""
+    key = family.keys.get("mtp_experts")
+    own = _config_int(text, key, path, 0, hi=MAX_PHYSICAL_EXPERTS, name=family.where(key)) if key else 0
+    return own if own != n_routed else 0
 
 
 def _index_file(name: Any, index_path: Path) -> str:
@@ -185,7 +199,7 @@ class Checkpoint:
                                   "that hidden size")
         sizes = [_config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
                  for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS))]
-        dims = ModelDims(*sizes)
+        dims = ModelDims(*sizes, mtp_n_routed_experts=_mtp_experts(family, text, path, sizes[2]))
         try:
             check_dims(dims.hidden_size, dims.moe_intermediate_size)
         except LayoutError as e:
@@ -283,12 +297,11 @@ class Checkpoint:
         self._check_layer_set()
         shapes = self.dims.expert_byte_shapes()
         for layer in self.layers:
-            for expert in range(self.dims.n_routed_experts):
+            for expert in range(self.dims.experts_of(layer)):
                 for (proj, kind), shape in shapes.items():
                     self._check_expert_tensor(self.expert_name(layer, expert, proj, kind), kind, shape)
 
     def _check_no_stray_expert_tensors(self) -> None:
-        n = self.dims.n_routed_experts
         assert self.names is not None and self.family is not None
         for name in self.tensors:
             if not self.names.under_experts(name):
@@ -298,9 +311,11 @@ class Checkpoint:
                 pattern = self.names.expected_pattern({kind for _, kind in self.dims.expert_byte_shapes()})
                 raise CheckpointError(f"{self.file_of(name)}: unexpected expert tensor {name} (expected "
                                       f"{pattern} of {self.dims.weight_format} experts)")
+            n = self.dims.experts_of(found[0])
             if found[1] >= n:
+                key = self.family.keys["mtp_experts" if n != self.dims.n_routed_experts else "experts"]
                 raise CheckpointError(f"{self.file_of(name)}: tensor {name} names expert {found[1]}, "
-                                      f"but config.json has {self.family.where(self.family.keys['experts'])}={n}")
+                                      f"but config.json has {self.family.where(key)}={n}")
 
     def _no_experts(self) -> CheckpointError:
         assert self.names is not None and self.family is not None
@@ -319,9 +334,8 @@ class Checkpoint:
                       if key else default for key, default in ((family.first_dense_key, 0), (family.freq_key, 1))]
         want_decoder = family.moe_layer_indices(n_layers, *dense_rule)
         mtp_key = family.keys["mtp_layers"]
-        want_mtp = (list(range(_config_int(text, mtp_key, config_path, len(found_mtp), hi=MAX_LAYERS,
-                                           name=family.where(mtp_key))))
-                    if family.prebakes_mtp else [])
+        want_mtp = list(range(_config_int(text, mtp_key, config_path, len(found_mtp), hi=MAX_LAYERS,
+                                          name=family.where(mtp_key))))
         if not self.layers:
             raise self._no_experts()
         if found_decoder != want_decoder:
@@ -411,7 +425,7 @@ class Checkpoint:
                       and p.name != INDEX_NAME and not RESERVED_NAMES.fullmatch(p.name))
 
     def expert_bytes(self) -> int:
-        return self.dims.bytes_per_expert() * self.dims.n_routed_experts * len(self.layers)
+        return self.dims.bytes_per_expert() * sum(self.dims.experts_of(layer) for layer in self.layers)
 
     def source_record(self) -> dict[str, Any]:
         """What identifies the source: path, every shard's size, the index's hash, a hash of

@@ -216,7 +216,8 @@ def inspect(
         table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
                       if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
         table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
-        table.add_row("routed experts", str(d.n_routed_experts))
+        table.add_row("routed experts", f"{d.n_routed_experts}" + (f" (MTP layers: {d.mtp_n_routed_experts})"
+                                                                   if d.mtp_n_routed_experts else ""))
         decoder = [l for l in ckpt.layers if not l.is_mtp]
         table.add_row("MoE layers", f"{len(decoder)} decoder + {len(summary['mtp_layers'])} MTP")
         table.add_row("expert dtypes", ", ".join(f"{k}={v}" for k, v in dtypes.items()))
@@ -242,7 +243,8 @@ def plan(
     revision: RevisionOption = None,
 ) -> None:
     """Print which logical experts every rank's slots hold, per layer where the engine's rule
-    differs (SGLang's MTP layer), and which engines can serve the checkpoint's shapes."""
+    differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
+    the checkpoint's shapes."""
     from .checkpoint import Checkpoint
     from .convert import ConvertOptions, make_placement
     from .engines import describe_engines, shape_refusals
@@ -252,7 +254,8 @@ def plan(
         ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file,
                                                         engine=engine.value))
-        own = {l.key: p for l in ckpt.layers if (p := layer_placement(engine.value, placement, l.is_mtp)) != placement}
+        own = {l.key: p for l in ckpt.layers
+               if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l))) != placement}
         d = ckpt.dims
         if as_json:
             print_json({**placement.to_json(), "engine": engine.value,

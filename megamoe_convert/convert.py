@@ -134,8 +134,12 @@ class Plan:
                 "experts_only": self.options.experts_only, "engine": self.options.engine}
 
     def placement_for(self, layer: MoELayer) -> Placement:
-        """The placement the engine builds ``layer`` with (SGLang's MTP layer has its own)."""
-        return layer_placement(self.options.engine, self.placement, layer.is_mtp)
+        """The placement the engine builds ``layer`` with (SGLang's MTP layer, and MTP layers with
+        an expert count of their own, have their own)."""
+        try:
+            return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer))
+        except PlacementError as e:
+            raise PlacementError(f"{layer.key}: {e}") from None
 
     def source_paths(self) -> dict[str, Path]:
         """Every source file read: shards and copied small files."""

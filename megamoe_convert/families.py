@@ -14,7 +14,7 @@ DeepSeek-V4     deepseek_v4   ``layers.L.ffn.experts.E.w1.weight``, ``.scale``  
                                                                                    shared expert, MTP ``mtp.K``
 DeepSeek-V4.1   deepseek_v41  the same (sizes under ``text_config``)               the same; its MTP is DSpark's
                                                                                    draft (``dspark_n_routed_experts``
-                                                                                   experts): not pre-baked
+                                                                                   experts, pre-baked with that count)
 Kimi-K3         kimi_k3       ``language_model.model.layers.L.block_sparse_moe.``  latent MoE (hidden =
                               ``experts.E.w1.weight_packed``, ``.weight_scale``    ``routed_expert_hidden_size``),
                                                                                    SiTU, no redundant experts, the
@@ -53,12 +53,13 @@ class ModelFamily:
     #: The config.json object holding the text model's fields: ``None`` for the top level.
     text_key: str | None
     #: Config key of ``hidden`` (the MegaMoE hidden size: Kimi-K3's latent width), ``intermediate``,
-    #: ``experts``, ``top_k``, ``layers`` and ``mtp_layers``.
+    #: ``experts``, ``top_k``, ``layers`` and ``mtp_layers``; where the MTP layers have their own
+    #: expert count, ``mtp_experts`` (0 or absent in config.json: the decoder's).
     keys: Mapping[str, str]
     #: A decoder layer's MoE block in the checkpoint, ``{index}`` its number.
     block: str
     #: An MTP block's MoE block; ``None``: MTP blocks are numbered after the decoder layers with
-    #: ``block``'s naming; ``""``: the family's MTP experts are not pre-baked (they stay ordinary tensors).
+    #: ``block``'s naming.
     mtp_block: str | None
     #: Checkpoint suffix of each canonical kind (``weight`` -> ``weight_packed``).
     kinds: Mapping[str, str] = field(default_factory=lambda: {k: k for k in KINDS})
@@ -76,8 +77,6 @@ class ModelFamily:
     #: ``None``: every decoder layer is MoE).
     first_dense_key: str | None = None
     freq_key: str | None = None
-    #: Why the family's MTP blocks are not pre-baked (``mtp_block == ""``), for install's refusal.
-    mtp_note: str = ""
 
     # ---------------------------------------------------------------- config.json
     def text(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -103,10 +102,6 @@ class ModelFamily:
     def moe_layer_indices(self, num_hidden_layers: int, first_dense: int = 0, freq: int = 1) -> list[int]:
         """Decoder layers holding MoE experts (``KimiDecoderLayer.is_moe_layer``'s rule)."""
         return [i for i in range(num_hidden_layers) if i >= first_dense and i % max(freq, 1) == 0]
-
-    @property
-    def prebakes_mtp(self) -> bool:
-        return self.mtp_block != ""
 
     def names(self, num_hidden_layers: int) -> "TensorNames":
         return TensorNames(self, num_hidden_layers)
@@ -143,7 +138,7 @@ class TensorNames:
     def _patterns(self) -> list[tuple[re.Pattern[str], bool]]:
         """``(pattern of '<block>.experts.', is_mtp)`` for each block naming the family pre-bakes."""
         f = self.family
-        blocks = [(f.block, False)] + ([(f.mtp_block, True)] if f.mtp_block else [])
+        blocks = [(f.block, False)] + ([(f.mtp_block, True)] if f.mtp_block is not None else [])
         out = []
         for template, is_mtp in blocks:
             head, _, tail = template.partition("{index}")
@@ -196,15 +191,14 @@ DEEPSEEK_V4 = ModelFamily(
     block="layers.{index}.ffn", mtp_block="mtp.{index}.ffn")
 
 #: DeepSeek-V4.1: V4's tensor names and MoE modules; sizes under ``text_config``. Its ``mtp.*``
-#: blocks are DSpark's draft with their own expert count (``dspark_n_routed_experts``), which
-#: vLLM's main model drops: they are copied as ordinary tensors, not pre-baked.
+#: blocks are DSpark's draft, whose MoE layers have their own expert count (``dspark_n_routed_experts``:
+#: vLLM's ``DeepseekV4MoE`` for a layer numbered after the decoder layers): pre-baked with that count.
 DEEPSEEK_V41 = ModelFamily(
     name="deepseek_v41", title="DeepSeek-V4.1", model_types=("deepseek_v41",), text_key="text_config",
-    keys=DEEPSEEK_V4.keys, block="layers.{index}.ffn", mtp_block="",
+    keys={**DEEPSEEK_V4.keys, "mtp_experts": "dspark_n_routed_experts"},
+    block="layers.{index}.ffn", mtp_block="mtp.{index}.ffn",
     engines=("vllm",), engine_note="SGLang's DeepSeek-V4.1 model is not one megamoe-convert's SGLang contract "
-                                   "is proven against (DeepSeek-V4 only)",
-    mtp_note="DeepSeek-V4.1's MTP blocks are DSpark's draft with its own expert count (dspark_n_routed_experts), "
-             "which megamoe-convert does not pre-bake: --load-format megamoe serves the target model only")
+                                   "is proven against (DeepSeek-V4 only)")
 
 #: Kimi-K3: a latent MoE (the routed experts run at ``routed_expert_hidden_size``), compressed-tensors
 #: MXFP4 names, the first ``first_k_dense_replace`` layers dense. vLLM's ``KimiMoE`` builds its

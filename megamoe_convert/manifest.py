@@ -76,7 +76,7 @@ def rank_shard_specs(layer: MoELayer, experts: int, dims: ModelDims) -> list[Ten
     """The tensors of one rank shard, in file order (the writer's and every reader's contract):
     what :func:`formats.rank_tensor_specs` gives for the conversion's format and shared expert."""
     return formats.rank_tensor_specs(dims.format, layer.prefix, experts, dims.hidden_size,
-                                     dims.moe_intermediate_size, dims.n_routed_experts, dims.shared_intermediate_size)
+                                     dims.moe_intermediate_size, dims.experts_of(layer), dims.shared_intermediate_size)
 
 
 def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int, dims: ModelDims) -> dict[str, str]:
@@ -130,7 +130,7 @@ class Manifest:
 
     def placement_for(self, layer: MoELayer) -> Placement:
         """The placement ``layer``'s rank files were built for (the engine's rule for that layer)."""
-        return layer_placement(self.engine, self.placement, layer.is_mtp)
+        return layer_placement(self.engine, self.placement, layer.is_mtp, self.dims.experts_of(layer))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -144,7 +144,9 @@ class Manifest:
                      "moe_intermediate_size": self.dims.moe_intermediate_size,
                      "n_routed_experts": self.dims.n_routed_experts,
                      "weight_format": self.dims.weight_format,
-                     "shared_intermediate_size": self.dims.shared_intermediate_size},
+                     "shared_intermediate_size": self.dims.shared_intermediate_size,
+                     **({"mtp_n_routed_experts": self.dims.mtp_n_routed_experts}
+                        if self.dims.mtp_n_routed_experts else {})},
             "ep_size": self.ep_size,
             "ranks": self.ranks,
             "engine": self.engine,
@@ -237,7 +239,10 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     dims = ModelDims(*(f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
                        (("hidden_size", MAX_DIM), ("moe_intermediate_size", MAX_DIM),
                         ("n_routed_experts", MAX_PHYSICAL_EXPERTS))),
-                     **formats.manifest_fields(dims_data, f, MAX_DIM))
+                     **formats.manifest_fields(dims_data, f, MAX_DIM),
+                     mtp_n_routed_experts=f.int(dims_data, "mtp_n_routed_experts", lo=1, hi=MAX_PHYSICAL_EXPERTS,
+                                                name="dims.mtp_n_routed_experts")
+                     if "mtp_n_routed_experts" in dims_data else 0)
     placement = _placement(f, data)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
@@ -280,6 +285,10 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
     if m.placement.n_logical != m.dims.n_routed_experts:
         problems.append(f"placement has {m.placement.n_logical} logical experts, dims say {m.dims.n_routed_experts}")
         return problems  # sizes below follow from dims and placement
+    try:
+        placements = {layer: m.placement_for(layer) for layer in set(m.layers)}
+    except PlacementError as e:
+        return problems + [f"dims.mtp_n_routed_experts: {e}"]
     listed = {r.path: r for r in m.files if "/" in r.path}
     for rank in sorted(set(m.ranks)):
         if rank >= m.ep_size:
@@ -289,7 +298,7 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
             record = listed.pop(path, None)
             if record is None:
                 problems.append(f"{path}: rank {rank} x {layer.key} is not listed")
-            elif record.size != (size := rank_shard_size(layer, rank, m.placement_for(layer), m.dims)):
+            elif record.size != (size := rank_shard_size(layer, rank, placements[layer], m.dims)):
                 problems.append(f"{path}: listed with size {record.size}, its dims and placement give {size}")
     problems += [f"{path}: not a rank x layer of this conversion" for path in sorted(listed)]
     if m.experts_only:

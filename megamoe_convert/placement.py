@@ -140,20 +140,42 @@ class Placement:
         return placement
 
 
-def layer_placement(engine: str, placement: Placement, is_mtp: bool) -> Placement:
-    """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``.
+def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None) -> Placement:
+    """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``
+    and the layer's own logical expert count ``n_logical`` (``None``: the decoder layers').
 
-    vLLM uses one placement for every layer. SGLang builds DeepSeek-V4's MTP (NextN) layer
-    without expert location and without redundant experts: slot ``p`` holds logical ``p``.
+    vLLM uses one placement for every layer of the decoder's expert count; a layer with its own
+    (DeepSeek-V4.1's DSpark MTP layers) gets vLLM's default placement of that count with the
+    same number of redundant experts (``DeepseekV4MoE._init_mega_moe_experts``). SGLang builds
+    DeepSeek-V4's MTP (NextN) layer without expert location and without redundant experts: slot
+    ``p`` holds logical ``p``.
     """
     if engine not in ENGINES:
         raise PlacementError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    n_logical = placement.n_logical if n_logical is None else n_logical
+    if n_logical != placement.n_logical and engine == "vllm":
+        return _own_count_placement(placement, n_logical)
     if engine != "sglang" or not is_mtp:
         return placement
-    if placement.n_logical % placement.ep_size:
-        raise PlacementError(f"SGLang builds the MTP layer with {placement.n_logical} experts and no redundant "
+    if n_logical % placement.ep_size:
+        raise PlacementError(f"SGLang builds the MTP layer with {n_logical} experts and no redundant "
                              f"ones, which do not divide over ep_size={placement.ep_size}")
-    return Placement.default(placement.n_logical, placement.ep_size)
+    return Placement.default(n_logical, placement.ep_size)
+
+
+def _own_count_placement(placement: Placement, n_logical: int) -> Placement:
+    """vLLM's placement of a layer with ``n_logical`` experts of its own: the default one, with the
+    decoder layers' redundant experts; refused where vLLM's own assertion would refuse to build it."""
+    if not placement.is_default():
+        raise PlacementError(f"an explicit placement lists the decoder layers' {placement.n_logical} experts, but "
+                             f"vLLM builds the layers with {n_logical} experts of their own with its default one; "
+                             "convert them with the default placement or leave them out (--layers)")
+    n_physical = n_logical + placement.num_redundant
+    if n_physical % placement.ep_size:
+        raise PlacementError(f"vLLM builds the layers with {n_logical} experts of their own with "
+                             f"{placement.num_redundant} redundant ones: {n_physical} physical experts are not "
+                             f"divisible by ep_size={placement.ep_size}")
+    return Placement.default(n_logical, placement.ep_size, placement.num_redundant)
 
 
 def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:

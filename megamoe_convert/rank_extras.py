@@ -45,7 +45,7 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "weight_scale_2") for e in logical_ids])
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "input_scale") for e in logical_ids])
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "input_scale")
-                     for e in range(ckpt.dims.n_routed_experts)])
+                     for e in range(ckpt.dims.experts_of(layer))])
 
 
 def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k: int) -> torch.Tensor:

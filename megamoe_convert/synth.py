@@ -160,7 +160,6 @@ def _deepseek_tensors(family: ModelFamily, config: dict[str, Any], fmt: WeightFo
     h, n_layers = text["hidden_size"], text["num_hidden_layers"]
     block = ((config.get("quantization_config") or {}).get("weight_block_size") or [FP8_BLOCK])[0]
     names = family.names(n_layers)
-    mtp_names = names if family.prebakes_mtp else families.DEEPSEEK_V4.names(n_layers)  # V4.1: DSpark's, V4's names
     expert_args = (text["hidden_size"], text["moe_intermediate_size"], fmt, weight_dtype, scale_dtype)
     yield SynthTensor("embed.weight", "BF16", (text["vocab_size"], h))
     for index in range(n_layers):
@@ -174,7 +173,7 @@ def _deepseek_tensors(family: ModelFamily, config: dict[str, Any], fmt: WeightFo
         yield SynthTensor(f"{key}.hnorm.weight", "BF16", (h,), "ones")
         yield from _block_tensors(key, index, text, True, block)
         experts = text.get("dspark_n_routed_experts") or text["n_routed_experts"]
-        yield from expert_tensors(mtp_names, MoELayer(True, index), experts, *expert_args)
+        yield from expert_tensors(names, MoELayer(True, index), experts, *expert_args)
     yield SynthTensor("norm.weight", "BF16", (h,), "ones")
     yield SynthTensor("head.weight", "BF16", (text["vocab_size"], h))
 

@@ -63,13 +63,14 @@ def test_synth_writes_each_familys_real_tensor_names(kimi_ckpt, v41_ckpt):
 
 @pytest.mark.parametrize("fixture,family,title,layers,shared", [
     ("kimi_ckpt", "kimi_k3", "Kimi-K3", ["layers.1", "layers.2"], None),
-    ("v41_ckpt", "deepseek_v41", "DeepSeek-V4.1", ["layers.0", "layers.1"], 128),
+    ("v41_ckpt", "deepseek_v41", "DeepSeek-V4.1", ["layers.0", "layers.1", "mtp.0"], 128),
 ])
 def test_inspect_names_the_family_and_the_weight_format(request, fixture, family, title, layers, shared):
     summary = json.loads(run_cli("inspect", request.getfixturevalue(fixture), "--json").stdout)
     assert (summary["family"], summary["model_family"], summary["weight_format"]) == (family, title, "mxfp4")
     assert summary["moe_layers"] == layers and summary["shared_expert"] == shared
     assert summary["dims"]["hidden_size"] == 256  # Kimi-K3: routed_expert_hidden_size, not hidden_size (512)
+    assert summary["dims"]["mtp_n_routed_experts"] == (4 if family == "deepseek_v41" else 0)  # DSpark's own count
     if family == "kimi_k3":
         assert summary["expert_dtypes"] == {f"{p}.{k}": "U8" for p in ("w1", "w3", "w2") for k in ("weight", "scale")}
         assert "mxfp4.py) rebuilds the experts" in summary["engines"]["sglang"]
@@ -83,14 +84,18 @@ def test_each_family_converts_and_verifies_with_numerics(request, tmp_path, fixt
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["family"] == families.detect(json.loads((src / "config.json").read_text()), "x").name
     report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
-    assert report["ok"] and report["numerics"]["layers"] == 2 * 4, report
+    layers = 2 + (fixture == "v41_ckpt")  # V4.1: its DSpark MTP layer too
+    assert report["ok"] and report["numerics"]["layers"] == layers * 4, report
     assert report["numerics"]["activation"] == ("situ" if fixture == "kimi_ckpt" else "swiglu")
     assert report["checks"]["non-expert tensors vs source"] > 0
     layer = load_rank(out, 3)["layers.1.ffn.experts"]
     assert list(layer.logical_ids) == ([6, 7] if fixture == "kimi_ckpt" else [1, 2, 3])  # 12 slots: 9 % 8 = 1
-    if fixture == "v41_ckpt":  # DSpark's MTP experts are not pre-baked: copied like any other tensor
+    if fixture == "v41_ckpt":  # DSpark's MTP layer: its own 4 experts + the 4 redundant slots, 2 per rank
         index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-        assert "mtp.0.ffn.experts.3.w2.scale" in index and "layers.0.ffn.experts.0.w1.weight" not in index
+        assert not [n for n in index if ".experts." in n and ".shared_experts." not in n]
+        assert manifest["dims"]["mtp_n_routed_experts"] == 4
+        assert [list(load_rank(out, r)["mtp.0.ffn.experts"].logical_ids) for r in range(4)] == [[0, 1], [2, 3],
+                                                                                              [0, 1], [2, 3]]
 
 
 def test_kimi_k3_conversions_vllm_cannot_serve_are_refused_in_one_line(kimi_ckpt, tmp_path):
@@ -133,14 +138,15 @@ def test_family_names_round_trip():
     (Kimi-K3's MTP blocks are numbered after the decoder layers)."""
     for family in families.FAMILIES:
         names = family.names(4)
-        layers = [MoELayer(False, 2)] + ([MoELayer(True, 1)] if family.prebakes_mtp else [])
+        layers = [MoELayer(False, 2), MoELayer(True, 1)]
         for layer in layers:
             for kind in ("weight", "scale"):
                 name = names.expert(layer, 5, "w3", kind)
                 assert names.parse_expert(name) == (layer, 5, "w3", kind), name
     assert families.KIMI_K3.names(4).expert(MoELayer(True, 1), 0, "w1", "weight") == \
         "language_model.model.layers.5.block_sparse_moe.experts.0.w1.weight_packed"
-    assert families.DEEPSEEK_V41.names(4).parse_expert("mtp.0.ffn.experts.0.w1.weight") is None
+    assert families.DEEPSEEK_V41.names(4).parse_expert("mtp.0.ffn.experts.0.w1.weight") == \
+        (MoELayer(True, 0), 0, "w1", "weight")
 
 
 def test_kimi_k3_dense_layers_come_from_first_k_dense_replace(kimi_ckpt, tmp_path):
@@ -156,3 +162,36 @@ def test_kimi_k3_dense_layers_come_from_first_k_dense_replace(kimi_ckpt, tmp_pat
                                               r"text_config.moe_layer_freq=1 \(MoE layers 0-2\) but the checkpoint has "
                                               r"experts for decoder layers 1-2"):
         Checkpoint.open(tmp_path)
+
+
+def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line(v41_ckpt, tmp_path):
+    """vLLM builds DSpark's MTP layers with their own 4 experts and the decoder's redundant count:
+    an EP size that does not divide them (its own assertion), or an explicit placement of the
+    decoder's 8 experts, is refused; leaving the MTP layer out converts."""
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0]))
+    for args, message in ((("--ep-size", 8), "mtp.0: vLLM builds the layers with 4 experts of their own with 0 "
+                                             "redundant ones: 4 physical experts are not divisible by ep_size=8"),
+                          (("--ep-size", 4, "--placement", placement), "mtp.0: an explicit placement lists the decoder "
+                                                                       "layers' 8 experts")):
+        proc = run_cli("convert", v41_ckpt, tmp_path / "out", *args, check=False)
+        assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    run_cli("convert", v41_ckpt, tmp_path / "out", "--ep-size", 8, "--layers", "0-1", "--experts-only")
+    assert [l["key"] for l in json.loads((tmp_path / "out" / "manifest.json").read_text())["layers"]] == \
+        ["layers.0", "layers.1"]
+
+
+def test_a_manifest_whose_dspark_count_vllm_could_not_place_is_refused(v41_ckpt, tmp_path):
+    """The manifest's ``dims.mtp_n_routed_experts`` fixes the MTP layer's placement and file sizes:
+    a count that does not divide over the EP size is a manifest problem, not a crash."""
+    from megamoe_convert.manifest import ManifestError, read_manifest, seal
+
+    out = tmp_path / "out"
+    run_cli("convert", v41_ckpt, out, "--ep-size", 4, "--layers", "mtp", "--experts-only")
+    assert [l.key for l in read_manifest(out).layers] == ["mtp.0"]
+    data = json.loads((out / "manifest.json").read_text())
+    data["dims"]["mtp_n_routed_experts"] = 3
+    (out / "manifest.json").write_text(seal({k: v for k, v in data.items() if k != "manifest_checksum"}))
+    with pytest.raises(ManifestError, match=r"dims\.mtp_n_routed_experts: vLLM builds the layers with 3 experts of "
+                                            r"their own with 0 redundant ones"):
+        read_manifest(out)

@@ -121,3 +121,18 @@ def test_inspect_and_plan_say_which_engines_serve_the_shapes(tiny_ckpt):
     assert plan["layer_placements"]["mtp.0"]["physical_to_logical"] == list(range(8))
     text = run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang").stdout
     assert "mtp.0 (sglang)" in text and "served by: vllm; not sglang" in text
+
+
+def test_a_layer_with_its_own_expert_count_gets_vllms_default_placement_of_it():
+    """DeepSeek-V4.1's DSpark MTP layers: vLLM's default placement of their own count, with the
+    decoder layers' redundant experts (``DeepseekV4MoE._init_mega_moe_experts``)."""
+    decoder = Placement.default(384, 64, 64)
+    dspark = layer_placement("vllm", decoder, True, 128)
+    assert (dspark.n_logical, dspark.num_redundant, dspark.experts_per_rank) == (128, 64, 3)
+    assert dspark.rank_logical_ids(42) == (126, 127, 0) and dspark.rank_logical_ids(63) == (61, 62, 63)
+    assert layer_placement("vllm", decoder, True, 384) is decoder
+    with pytest.raises(PlacementError, match=r"128 experts of their own with 32 redundant ones: 160 physical "
+                                             r"experts are not divisible by ep_size=52"):
+        layer_placement("vllm", Placement.default(384, 52, 32), True, 128)
+    with pytest.raises(PlacementError, match=r"an explicit placement lists the decoder layers' 384 experts"):
+        layer_placement("vllm", Placement.from_list([*range(383, -1, -1)], 384, 64), True, 128)

@@ -69,10 +69,8 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
     for module, contract in engine.classify(model):
         key = engine.layer_key(module, converted)
         if key not in layers:
-            family = converted.family
-            why = f"; {family.mtp_note}" if key.startswith("mtp.") and not family.prebakes_mtp else ""
             raise InstallError(f"{engine.prefix(module)}: layer {key} is not in {converted.path} "
-                               f"(converted layers: {', '.join(sorted(layers))}){why}")
+                               f"(converted layers: {', '.join(sorted(layers))})")
         engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}

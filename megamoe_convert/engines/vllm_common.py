@@ -48,9 +48,10 @@ def looks_like_megamoe_experts(module: nn.Module) -> bool:
     return ("MegaMoE" in name and name.endswith("Experts")) or all(hasattr(module, a) for a in EP_ATTRIBUTES)
 
 
-def check_ep_numbers(module: nn.Module, converted: ConvertedModel, rank: int) -> None:
-    """Every number the module was built with must be the one the shards were built for."""
-    placement, dims = converted.manifest.placement, converted.manifest.dims
+def check_ep_numbers(module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+    """Every number the module was built with must be the one the layer's shards were built for
+    (DeepSeek-V4.1's DSpark MTP layers: their own expert count)."""
+    placement, dims = converted.manifest.placement_for(layer), converted.manifest.dims
     expected = {
         "experts_start_idx": placement.experts_start(rank),
         "num_local_experts": placement.experts_per_rank,
@@ -106,7 +107,7 @@ class VllmEngine:
 
     def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:
-        check_ep_numbers(module, converted, rank)
+        check_ep_numbers(module, layer, converted, rank)
         contract.check(module, layer, converted, rank)
 
 

@@ -172,10 +172,12 @@ def experts_of(model: nn.Module) -> dict[str, nn.Module]:
     return {m.prefix: m for m in model.modules() if isinstance(m, mega_py.DeepGemmMegaMoEExperts)}
 
 
-def build_v41_dspark(config, ep_rank: int, ep_size: int, redundant: int) -> nn.Module:
+def build_v41_dspark(config, ep_rank: int, ep_size: int, redundant: int, fuse_shared: bool = False) -> nn.Module:
     """V4.1's DSpark draft (``DSparkDeepseekV4ForCausalLM`` > ``DSparkDeepseekV4Model`` >
     ``layers[i].ffn``), its blocks numbered after the target's layers, with
-    ``dspark_n_routed_experts`` experts (``DeepseekV4MoE.__init__``)."""
+    ``dspark_n_routed_experts`` experts and top-k (``DeepseekV4MoE.__init__``) and the target's
+    redundant experts (``_init_mega_moe_experts``); the linear scale name ``__init__`` picks for a
+    ``[32, 32]``-block checkpoint with FP4 experts (``_linear_scale_param_name``)."""
     dspark_py = importlib.import_module("vllm.models.deepseek_v41.nvidia.dspark")
     n, experts = config.num_hidden_layers, config.dspark_n_routed_experts
     draft = types.SimpleNamespace(**{**vars(config), "n_routed_experts": experts,
@@ -185,10 +187,13 @@ def build_v41_dspark(config, ep_rank: int, ep_size: int, redundant: int) -> nn.M
         block = nn.Module()
         block.ffn = bare(v41_py.DeepseekV4MoE, use_native_mega_moe=True, shared_experts=None,
                          experts=v41_experts(draft, f"model.layers.{n + i}.ffn.experts", ep_rank, ep_size, redundant,
-                                             False))
+                                             fuse_shared))
         layers.append(block)
-    model = bare(dspark_py.DSparkDeepseekV4Model, layers=layers, num_hidden_layers=n)
-    return bare(dspark_py.DSparkDeepseekV4ForCausalLM, config=config, model=model)
+    model = bare(dspark_py.DSparkDeepseekV4Model, layers=layers, num_hidden_layers=n, confidence_head=None)
+    scale_name = v41_py._linear_scale_param_name(
+        types.SimpleNamespace(quant_config=types.SimpleNamespace(**config.quantization_config)), config.expert_dtype)
+    return bare(dspark_py.DSparkDeepseekV4ForCausalLM, config=config, model=model, linear_scale_name=scale_name,
+                pad_shared_expert=True)
 
 
 def build_kimi_mtp(config, ep_rank: int, ep_size: int) -> nn.Module:

@@ -1,6 +1,7 @@
 """Kimi-K3 and DeepSeek-V4.1 checkpoints end to end against vLLM 0.33's real model code: what
-``install`` and ``--load-format megamoe`` leave in each model's MegaMoE modules is byte for byte
-what vLLM's own loading of the source checkpoint leaves (iterator, the model's ``hf_to_vllm_mapper``
+``install`` and ``--load-format megamoe`` leave in each model's MegaMoE modules (and in their
+drafts': ``KimiK3MTP``, V4.1's DSpark ``DSparkDeepseekV4ForCausalLM``) is byte for byte what
+vLLM's own loading of the source checkpoint leaves (iterator, the model's ``hf_to_vllm_mapper``
 and ``load_weights``, the experts' ``weight_loader`` / ``load_shared_expert_weight``)."""
 
 from __future__ import annotations
@@ -175,13 +176,61 @@ def test_deepseek_v41_load_format_leaves_vllm_only_what_was_not_installed(v41):
     assert "layers.0.attn.wq_a.weight" in seen and "mtp.0.ffn.shared_experts.w1.weight" in seen
 
 
-def test_the_deepseek_v41_dspark_draft_is_refused_naming_why(v41):
-    """V4.1's MTP blocks are DSpark's draft with its own expert count: not pre-baked, and said so."""
+@pytest.mark.parametrize("rank", [0, 1, 3])
+@pytest.mark.parametrize("fuse_shared", [True, False], ids=["fused-shared-expert", "shared-expert-apart"])
+def test_the_deepseek_v41_dspark_draft_installs_what_its_own_loading_gives(v41, rank, fuse_shared):
+    """V4.1's MTP block is DSpark's draft with its own 4 experts (top-2) plus the target's 4
+    redundant slots: 2 per rank, slot p holding p % 4. ``install`` into the real
+    ``DSparkDeepseekV4ForCausalLM`` gives what its own ``load_weights`` gives; the target model
+    skips the draft's layer."""
     ckpt, out = v41
     config = mh.v41_config(ckpt)
-    with mh.patched(1, EP_SIZE):
-        draft = mh.build_v41_dspark(config, 1, EP_SIZE, 4)
-        with pytest.raises(InstallError, match=r"model\.layers\.2\.ffn\.experts: layer mtp\.0 is not in .*"
-                                               r"DSpark's draft with its own expert count"):
-            install(draft, out, rank=1)
+    with mh.patched(rank, EP_SIZE):
+        reference = mh.build_v41_dspark(config, rank, EP_SIZE, 4, fuse_shared)
+        loaded = reference.load_weights(mh.weights(ckpt, shared=fuse_shared))
+        draft = mh.build_v41_dspark(config, rank, EP_SIZE, 4, fuse_shared)
+        before = params_of(draft)
+        assert install(draft, out, rank=rank) == 1
+        assert install(mh.build_v41(config, rank, EP_SIZE, 4, fuse_shared), out, rank=rank) == 2
+    assert len([n for n in loaded if ".experts.w" in n]) == 4  # w13/w2 weight and scale reached vLLM's params
+    (prefix, module), = mh.experts_of(draft).items()
+    assert prefix == "model.layers.2.ffn.experts"
+    assert (module.num_experts, module.num_local_experts, module.num_logical_experts) == (8, 2, 4)
+    assert module.has_fused_shared_experts == fuse_shared
+    assert torch.count_nonzero(module.w13_weight_scale) > 0
+    if fuse_shared:
+        assert torch.count_nonzero(module.shared_l2_weight_scale) > 0
+    assert_same_module(module, mh.experts_of(reference)[prefix], prefix)
+    for name, param in module.named_parameters():
+        assert param is before[prefix][name]
+
+
+def test_a_dspark_draft_built_for_another_ep_size_is_refused_before_any_change(v41):
+    """The draft's numbers are checked against the MTP layer's own placement (4 + 4 slots over EP 2:
+    4 per rank, not the decoder's 6)."""
+    ckpt, out = v41
+    config = mh.v41_config(ckpt)
+    with mh.patched(0, 2):
+        draft = mh.build_v41_dspark(config, 0, 2, 4)
+        with pytest.raises(InstallError, match=r"model\.layers\.2\.ffn\.experts: num_local_experts is 4 in the "
+                                               r"model but 2 in"):
+            install(draft, out, rank=0)
         assert all(torch.count_nonzero(p) == 0 for p in draft.parameters())
+
+
+def test_the_dspark_draft_load_format_installs_its_experts_and_feeds_it_everything_else(v41):
+    """``--load-format megamoe`` on the draft: its MoE layer comes from the rank files (routed and
+    fused shared experts), its own ``load_weights`` gets the rest of ``mtp.*``."""
+    ckpt, out = v41
+    config = mh.v41_config(ckpt)
+    with mh.patched(2, EP_SIZE):
+        reference = mh.build_v41_dspark(config, 2, EP_SIZE, 4, True)
+        reference.load_weights(mh.weights(ckpt, shared=True))
+        draft = mh.build_v41_dspark(config, 2, EP_SIZE, 4, True)
+        seen: list[str] = []
+        draft.load_weights = lambda weights: seen.extend(name for name, _ in weights) or set()
+        load(megamoe_loader(), draft, out)
+    (prefix, module), = mh.experts_of(draft).items()
+    assert_same_module(module, mh.experts_of(reference)[prefix], prefix)
+    assert not [n for n in seen if n.startswith("mtp.0.ffn.") and ".experts." in n]  # routed and fused shared
+    assert "mtp.0.ffn.gate.weight" in seen and "mtp.0.attn.wkv.weight" in seen
