@@ -37,7 +37,9 @@ def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verif
     return len(install_layers(model, out, rank, verify=verify).layers)
 
 
-def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> Installed:
+def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False,
+                   serving: bool = False) -> Installed:
     """:func:`install`, saying which layers (and which of their fused shared experts) were
-    installed: ``--load-format megamoe`` must not load those shared experts again."""
-    return install_with(model, out, rank, CONTRACTS, verify=verify)
+    installed: ``--load-format megamoe`` must not load those shared experts again (``serving``:
+    it also refuses an ``--experts-only`` conversion, which has nothing else to load)."""
+    return install_with(model, out, rank, CONTRACTS, verify=verify, serving=serving)

@@ -56,14 +56,19 @@ class Installed:
 
 
 def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
-                   *, verify: bool = False) -> Installed:
-    """Check every module, then put each layer's bytes straight into its module's storage."""
+                   *, verify: bool = False, serving: bool = False) -> Installed:
+    """Check every module, then put each layer's bytes straight into its module's storage.
+    ``serving``: the engine's ``--load-format megamoe`` loads the rest from the same directory,
+    so an ``--experts-only`` conversion is refused."""
     rank = engine.current_rank() if rank is None else rank
     try:
         converted = open_converted(out, [rank])
     except LoadError as e:
         raise InstallError(str(e)) from None
     require_engine(converted, engine.name)
+    if serving and converted.manifest.experts_only:
+        raise InstallError(f"{converted.path}: converted with --experts-only, so it holds no non-expert weights to "
+                           "serve; convert without --experts-only for --load-format megamoe")
     layers = {l.key: l for l in converted.manifest.layers}
     planned: list[tuple[nn.Module, Contract, MoELayer]] = []
     for module, contract in engine.classify(model):

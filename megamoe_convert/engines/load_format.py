@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import copy
 import re
-from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..manifest import read_manifest
-from . import InstallError
 from .driver import Installed
 
 LOAD_FORMAT = "megamoe"
@@ -43,12 +40,3 @@ def as_safetensors_config(load_config: Any) -> Any:
     ignore = config.ignore_patterns
     config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN]
     return config
-
-
-def refuse_experts_only(out: str) -> None:
-    """An ``--experts-only`` conversion has no non-expert weights for the engine to load: say so,
-    rather than the engine's "Cannot find any model weights"."""
-    path = Path(out)
-    if path.is_dir() and read_manifest(path).experts_only:
-        raise InstallError(f"{path}: converted with --experts-only, so it holds no non-expert weights to serve; "
-                           "convert without --experts-only for --load-format megamoe")

@@ -191,9 +191,10 @@ ENGINE = SglangEngine()
 
 
 def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *,
-                   verify: bool = False) -> driver.Installed:
-    """:func:`install`, saying which layers were installed (``--load-format megamoe`` reads it)."""
-    return driver.install_layers(model, out, rank, ENGINE, verify=verify)
+                   verify: bool = False, serving: bool = False) -> driver.Installed:
+    """:func:`install`, saying which layers were installed (``--load-format megamoe`` reads it;
+    ``serving`` as in :func:`driver.install_layers`)."""
+    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving)
 
 
 def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:

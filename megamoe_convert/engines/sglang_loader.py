@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..loader import prepare_gpu_staging
-from .load_format import LOAD_FORMAT, as_safetensors_config, refuse_experts_only, without_expert_tensors
+from .load_format import LOAD_FORMAT, as_safetensors_config, without_expert_tensors
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,8 @@ def loader_class() -> type:
             prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def _get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-            refuse_experts_only(model_config.model_path)
             # runs at the first weight asked for: before any is loaded
-            installed = install_layers(model, model_config.model_path)
+            installed = install_layers(model, model_config.model_path, serving=True)
             yield from without_expert_tensors(super()._get_all_weights(model_config, model), installed)
 
     return MegaMoEModelLoader

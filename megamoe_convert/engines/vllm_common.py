@@ -112,9 +112,9 @@ class VllmEngine:
 
 
 def install_layers(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
-                   *, verify: bool = False) -> driver.Installed:
+                   *, verify: bool = False, serving: bool = False) -> driver.Installed:
     """Check every module, then put each layer's bytes straight into its module's storage."""
-    return driver.install_layers(model, out, rank, VllmEngine(contracts), verify=verify)
+    return driver.install_layers(model, out, rank, VllmEngine(contracts), verify=verify, serving=serving)
 
 
 def require(module: nn.Module, names: Sequence[str]) -> list[str]:

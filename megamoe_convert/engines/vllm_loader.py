@@ -16,7 +16,7 @@ from torch import nn
 
 from ..loader import prepare_gpu_staging
 from .driver import Installed
-from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, refuse_experts_only, \
+from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, \
     without_expert_tensors
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
@@ -42,9 +42,8 @@ def make_loader_class(default_loader: type) -> type:
             return without_expert_tensors(super().get_all_weights(model_config, model), self.installed)
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
-            refuse_experts_only(model_config.model)
             # before the model's own load_weights (0.32 finalizes there)
-            self.installed = install_layers(model, model_config.model)
+            self.installed = install_layers(model, model_config.model, serving=True)
             super().load_weights(model, model_config)
 
     return MegaMoEModelLoader
