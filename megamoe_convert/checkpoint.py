@@ -33,13 +33,13 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 #: Names a converted directory reserves: never copied from a source (``manifest.json`` written last).
-RESERVED_NAMES = re.compile(r"manifest(?:\.part-\d+-of-\d+)?\.json")
+RESERVED_NAMES = re.compile(r"manifest(?:\.part-[0-9]+-of-[0-9]+)?\.json")
 #: Bounds on config.json's sizes and counts, checked before anything is built from them.
 MAX_DIM = 1 << 20
 MAX_LAYERS = 1 << 16
 
 #: Layer numbers are canonical (``3``, never ``03``): one tensor, one name.
-_NUMBER = r"(?:0|[1-9]\d{0,8})"
+_NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 
 #: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
@@ -159,7 +159,7 @@ class Checkpoint:
             raise CheckpointError(f"{root}: not a checkpoint directory")
         config_path = root / CONFIG_NAME
         config = jsonio.Fields(config_path, CheckpointError).obj(
-            jsonio.read(config_path, CheckpointError, "config.json"), name="config.json")
+            jsonio.read(config_path, CheckpointError, "config.json", jsonio.MAX_CONFIG_BYTES), name="config.json")
         try:
             family = detect(config, config_path)
             text = family.text(config)
@@ -223,8 +223,8 @@ class Checkpoint:
     @staticmethod
     def _read_index(root: Path) -> tuple[dict[str, str], bytes]:
         index_path = root / INDEX_NAME
-        if index_path.exists():
-            index_bytes = index_path.read_bytes()
+        if index_path.exists() or index_path.is_symlink():
+            index_bytes = jsonio.read_regular(index_path, CheckpointError, "safetensors index", jsonio.MAX_INDEX_BYTES)
             weight_map = jsonio.Fields(index_path, CheckpointError).obj(
                 jsonio.parse(index_bytes, index_path, CheckpointError), "weight_map")
             if not weight_map:

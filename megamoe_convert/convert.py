@@ -24,14 +24,14 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import faults, formats, layout, rank_extras
+from . import faults, formats, jsonio, layout, preflight, rank_extras
 from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, ModelDims, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, rank_file, rank_shard_metadata,
                        rank_shard_specs)
 from .output_state import (MERGED_PARTS_DIR, ConvertError, OutputBusy, OutputState, PartState, SourceWatch,
                            check_output_dir, is_done, part_manifest_name, remove_named, stamp_files)
-from .placement import Placement, PlacementError, layer_placement, parse_ranks
+from .placement import Placement, PlacementError, check_file_fields, layer_placement, parse_ranks
 from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
 from .writer import AtomicWriter, FileRecord, write_json_atomic, write_safetensors
 
@@ -95,7 +95,10 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
     if options.placement_file is not None:
         if options.num_redundant_experts:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
-        return Placement.from_file(options.placement_file, n, options.ep_size)
+        placement, extra = Placement.read_file(options.placement_file, n, options.ep_size)
+        check_file_fields(extra, placement, options.engine, options.placement_file,
+                          [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers])
+        return placement
     return Placement.default(n, options.ep_size, options.num_redundant_experts)
 
 
@@ -333,11 +336,7 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
         yield from direct_rank_shard_chunks(reader, layer, logical_ids, group, cancelled)
     else:
         yield from _routed_chunks(reader, layer, logical_ids, group, cancelled)
-    if dims.format.global_scales:
-        yield from rank_extras.global_scale_chunks(reader.ckpt, reader.files, layer, logical_ids)
-    yield torch.tensor(list(logical_ids), dtype=torch.int32)
-    if dims.shared_intermediate_size:
-        yield from rank_extras.shared_expert_chunks(reader.ckpt, reader.files, layer)
+    yield from rank_extras.extra_chunks(reader.ckpt, reader.files, layer, logical_ids)
 
 
 def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
@@ -356,11 +355,15 @@ def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[
             yield transform(reader.stacked(layer, experts, projs, kind))
 
 
+#: The same for every rank of a layer (a plan of 65536 ranks asks 65536 times per layer).
+_shard_specs = functools.lru_cache(maxsize=256)(rank_shard_specs)
+
+
 def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank: int, layer: MoELayer,
                     cancelled: threading.Event) -> Unit:
     dims = plan.ckpt.dims
     ids = plan.placement_for(layer).rank_logical_ids(rank)
-    specs = rank_shard_specs(layer, len(ids), dims)
+    specs = _shard_specs(layer, len(ids), dims)
     rel = rank_file(rank, plan.placement.ep_size, layer)
     metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size, dims)
 
@@ -443,8 +446,8 @@ def parse_shard(spec: str) -> tuple[int, int]:
     """``"2/8"`` -> ``(2, 8)``: part 2 of 8, numbered from 0 (a Kubernetes completion index)."""
     index, sep, count = spec.strip().partition("/")
     try:
-        i, n = int(index), int(count)
-    except ValueError:
+        i, n = (jsonio.parse_uint(text, "--shard", ConvertError, 0, 1 << 16) for text in (index, count))
+    except ConvertError:
         raise ConvertError(f"--shard: cannot parse {spec!r} (expected I/N, e.g. 0/8 for the first of 8 parts)") from None
     if not sep or n < 1 or not 0 <= i < n:
         raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
@@ -526,6 +529,7 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
     placement = make_placement(ckpt, options)
     plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, options.ep_size),
                 select_layers(ckpt, options.layers))
+    rank_extras.check_global_scales(ckpt, files, plan.layers)
     plan.units.extend(small_file_units(plan))
     if not options.experts_only:
         plan.units.extend(non_expert_units(plan, files, cancelled))
@@ -574,6 +578,7 @@ def make_state(plan: Plan) -> OutputState:
 def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
                 started: float, watch: SourceWatch) -> Summary:
     out = plan.out
+    preflight.check_before_converting(plan, state)
     # Refuses (a different plan, a changed source) before anything is touched.
     state.prepare(plan.fingerprint(), plan.options.overwrite, plan.source_stamp())
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished

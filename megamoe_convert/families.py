@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 #: The canonical kinds of one expert projection's tensors (``formats.checkpoint_byte_shapes``).
 KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
-_NUMBER = r"(?:0|[1-9]\d{0,8})"
+_NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 
 class FamilyError(ValueError):
@@ -73,6 +73,9 @@ class ModelFamily:
     engine_note: str = ""
     #: The routed experts' gated activation: ``swiglu`` (``swiglu_limit`` clamp) or ``situ``.
     activation: str = "swiglu"
+    #: The routed-expert weight formats (``formats.FORMATS`` names) the family's checkpoints come in:
+    #: what ``synth --format`` may write for it.
+    weight_formats: tuple[str, ...] = ("mxfp4", "mxfp8", "nvfp4", "bf16")
     #: Decoder layers before ``first_dense`` are dense, then every ``freq``-th is MoE (config keys;
     #: ``None``: every decoder layer is MoE).
     first_dense_key: str | None = None
@@ -211,7 +214,7 @@ KIMI_K3 = ModelFamily(
     block="language_model.model.layers.{index}.block_sparse_moe", mtp_block=None,
     kinds={"weight": "weight_packed", "scale": "weight_scale", "weight_scale_2": "weight_global_scale",
            "input_scale": "input_global_scale"},
-    fuses_shared_expert=False, redundant_experts=False, activation="situ", engines=("vllm",),
+    fuses_shared_expert=False, redundant_experts=False, activation="situ", engines=("vllm",), weight_formats=("mxfp4",),
     engine_note="SGLang's Kimi-K3 MegaMoE path (mxfp4.py) rebuilds the experts whatever is installed",
     first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq")
 

@@ -9,7 +9,8 @@
   ``manifest.json``) is about to be renamed into place;
 - ``enospc-after-bytes=N``: fail writes with ENOSPC ("No space left on device") after N bytes;
 - ``wait-after-files=N:PATH``: after N committed files, create ``PATH.waiting`` and wait until
-  PATH exists (to hold a conversion in flight while a test starts a second one).
+  PATH exists (to hold a conversion in flight while a test starts a second one);
+- ``free-bytes=N``: the pre-flight space check sees N free bytes (a nearly full disk).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class _Fault:
         self.files = 0
         self.bytes = 0
         self.lock = threading.Lock()
-        known = ("kill-after-files", "kill-after-bytes", "kill-before-rename", "enospc-after-bytes", "wait-after-files")
+        known = ("kill-after-files", "kill-after-bytes", "kill-before-rename", "enospc-after-bytes", "wait-after-files",
+                 "free-bytes")
         if self.kind not in known:
             raise ValueError(f"{ENV}={spec!r}: unknown fault (known: {', '.join(known)})")
 
@@ -82,3 +84,8 @@ def before_rename(final: Path) -> None:
     """Called with a complete temporary file, just before its rename into place."""
     if _fault is not None and _fault.kind == "kill-before-rename" and final.name == _fault.arg:
         _kill()
+
+
+def free_bytes(actual: int) -> int:
+    """The free space the pre-flight check sees: ``actual``, or the ``free-bytes`` fault's."""
+    return int(_fault.arg) if _fault is not None and _fault.kind == "free-bytes" else actual

@@ -27,11 +27,12 @@ from . import jsonio
 from .checkpoint import INDEX_NAME
 from .convert import NoProgress, Progress, index_text, non_expert_index
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, is_own_path
+from .output_state import sample_hash
 from .output_state import (MERGED_PARTS_DIR, PART_GLOB, ConvertError, OutputBusy, OutputState, check_output_dir,
                            differing_keys, forget_replaced_conversion, hold_whole_output, part_manifest_name,
                            remove_named)
-from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
-                     write_json_atomic)
+from .writer import (AtomicWriter, FileRecord, check_writable_name, file_checksum, file_problem, fsync_dir,
+                     make_dirs_inside, new_hasher, partial_path, write_json_atomic)
 
 if TYPE_CHECKING:
     from .convert import Plan
@@ -66,6 +67,8 @@ def write_part_manifest(plan: "Plan", records: dict[str, FileRecord]) -> Path:
         "index": non_expert_index(plan),
         "files": [records[u.path].to_json() for u in plan.units],
         "source_stamp": plan.source_stamp(),
+        # sampled bytes of every source shard: parts of two sources with one structure cannot merge
+        "source_sample": {name: f"{sample_hash(path):016x}" for name, path in sorted(plan.source_paths().items())},
     }
     path = plan.out / part_manifest_name(index, count)
     write_json_atomic(path, json.dumps(data, indent=1) + "\n", fsync=plan.options.fsync)
@@ -87,6 +90,7 @@ class Part:
     index_json: dict[str, Any] | None
     files: list[FileRecord]
     source_stamp: dict[str, Any] | None = None
+    source_sample: dict[str, Any] | None = None  # sampled bytes of each source file (older parts: None)
 
     @property
     def name(self) -> str:
@@ -95,7 +99,7 @@ class Part:
 
 def read_part(path: Path, root: Path | None = None) -> Part:
     """A part manifest, every field checked (paths must be ones the tool writes, inside OUT)."""
-    data = jsonio.read(path, MergeError, "part manifest")
+    data = jsonio.read(path, MergeError, "part manifest", jsonio.MAX_JSON_BYTES)
     f = jsonio.Fields(path, MergeError)
     if f.obj(data, name="part manifest").get("format") != PART_FORMAT:
         raise f.fail(f"not a megamoe part manifest (format={jsonio.short(data.get('format'))})")
@@ -110,10 +114,24 @@ def read_part(path: Path, root: Path | None = None) -> Part:
             raise f.fail(f"file path {rel!r} is not a file this tool writes")
     index = None if data.get("index") is None else f.obj(data, "index")
     stamp = f.obj(data, "source_stamp") if "source_stamp" in data else None
+    sample = f.obj(data, "source_sample") if "source_sample" in data else None
     count = f.int(shard, "count", lo=1, hi=1 << 16, name="shard.count")
     return Part(root or path.parent, path, f.int(shard, "index", hi=count - 1, name="shard.index"), count,
                 f.str(shard, "by", name="shard.by"), f.obj(data, "fingerprint"), f.obj(data, "manifest"),
-                plan_files, index, files, stamp)
+                plan_files, index, files, stamp, sample)
+
+
+def check_one_source(parts: Sequence[Part]) -> None:
+    """Every part converted from the same source bytes (as far as sampled blocks of each source file
+    tell: two checkpoints of one structure have the same plan fingerprint)."""
+    sampled = [p for p in parts if p.source_sample is not None]
+    for part in sampled[1:]:
+        first = sampled[0]
+        differ = sorted(k for k in set(first.source_sample or {}) | set(part.source_sample or {})
+                        if (first.source_sample or {}).get(k) != (part.source_sample or {}).get(k))
+        if differ:
+            raise MergeError(f"{first.name} and {part.name} were converted from different sources ({differ[0]} "
+                             f"holds other bytes); convert every part from the same checkpoint")
 
 
 def _record(f: jsonio.Fields, item: Any, label: str) -> FileRecord:
@@ -232,13 +250,15 @@ def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: b
     where = str(part.path)
     if not src.exists():
         raise MergeError(f"{src}: missing (listed in {where})")
+    make_dirs_inside(out, dst.parent)  # never into a linked rank folder
+    check_writable_name(dst)
     if dst.exists() and os.path.samefile(src, dst):
         _check(dst, record, where, verify)
         return "in_place"
     if dst.is_file() and dst.stat().st_size == record.size and (not verify or file_checksum(dst) == record.checksum):
         return "present"  # an earlier merge already brought it (sizes and checksum match)
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_path(dst)
+    check_writable_name(tmp)
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
@@ -289,6 +309,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     if if_needed and (out / MANIFEST_NAME).exists() and all(p.path.parent.resolve() != out.resolve() for p in chosen):
         return {"out": str(out), "parts": len(chosen), "already_merged": True}
     files = check_coverage(chosen)
+    check_one_source(chosen)
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     forget_replaced_conversion(out, {r.path for _, r in files}, has_index=chosen[0].index_json is not None)
     progress.start(sum(r.size for _, r in files), len(files))
@@ -307,14 +328,15 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     state = OutputState(out, fsync)
     state.source_path.unlink(missing_ok=True)
     state.write_state(first.fingerprint, shared_source_stamp(chosen))
-    write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync)
+    write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync,
+                      root=out)
     data = dict(first.manifest, complete=True, files=[r.to_json() for r in listed])
     try:
         manifest = Manifest.from_json(data, str(first.path), sealed=False)
     except ManifestError as e:
         raise MergeError(str(e)) from None
     write_json_atomic(out / MANIFEST_NAME, manifest.dumps(), fsync=fsync)
-    (out / MERGED_PARTS_DIR).mkdir(parents=True, exist_ok=True)
+    make_dirs_inside(out, out / MERGED_PARTS_DIR)
     for part in chosen:  # consumed: OUT is now the whole conversion; kept out of sight for a re-merge
         if part.dir.resolve() == out.resolve() and part.path.parent.resolve() == out.resolve():
             os.replace(part.path, out / MERGED_PARTS_DIR / part.path.name)

@@ -37,12 +37,12 @@ import huggingface_hub.errors
 import huggingface_hub.file_download
 import huggingface_hub.utils
 
-from . import __version__, families
+from . import __version__, families, jsonio
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
 from .output_state import ConvertError, hold_whole_output, owned_path
 from .placement import PlacementError, parse_ranks
-from .writer import FileRecord, file_problem, partial_path
+from .writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
 
 CARD_NAME = "README.md"
 REPO_TYPE = "model"
@@ -286,8 +286,10 @@ def link_into(snapshot: Path, local_dir: Path, paths: Sequence[str]) -> Path:
         src, dst = (snapshot / rel).resolve(), owned_path(local_dir, rel)  # the blob, not the snapshot's symlink
         if dst is None:
             raise HubError(f"{local_dir / rel}: not a path inside {local_dir} that megamoe writes")
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs_inside(local_dir, dst.parent)
+        check_writable_name(dst)
         tmp = partial_path(dst)
+        check_writable_name(tmp)
         tmp.unlink(missing_ok=True)
         try:
             os.link(src, tmp)
@@ -452,7 +454,7 @@ def push(out: Path | str, repo_id: str, *, revision: str | None = None, private:
     except HubError as e:
         raise HubError(f"not pushing {out}: {e}") from None
     card = model_card(out, manifest, repo_id, revision)
-    local_manifest = (out / MANIFEST_NAME).read_bytes()
+    local_manifest = jsonio.read_regular(out / MANIFEST_NAME, HubError, "manifest", jsonio.MAX_MANIFEST_BYTES)
     message = commit_message or f"megamoe-convert {__version__}: EP {manifest.ep_size} MegaMoE shards"
     api = huggingface_hub.HfApi(token=token)
     try:

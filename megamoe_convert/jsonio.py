@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -19,8 +21,24 @@ from typing import Any, Callable, TypeVar
 MAX_DEPTH = 32
 #: Integers beyond this are refused (sizes and offsets of any real file fit in an int64).
 MAX_INT = (1 << 63) - 1
-#: Largest JSON file read whole (a manifest of a 1024-rank conversion is a few MB).
+#: Largest JSON file read whole, for documents without a bound of their own.
 MAX_JSON_BYTES = 256 << 20
+#: What each kind of document can legitimately hold, checked on the file's size before a byte is
+#: parsed (a 99 MB placement file once took 51 s and 5 GB to parse under the generic limit).
+#: config.json: a few KB (Kimi-K3's, with its vision config, is ~10 KB).
+MAX_CONFIG_BYTES = 4 << 20
+#: model.safetensors.index.json: one ~100-byte entry per tensor (DeepSeek-V4-Pro: ~150k tensors).
+MAX_INDEX_BYTES = 64 << 20
+#: A placement file: at most 2**20 ids of at most 7 digits, one per line with an indent (~10.5 MB).
+MAX_PLACEMENT_BYTES = 16 << 20
+#: manifest.json: the placement (as above) and one ~200-byte entry per file of a plan of at most
+#: ``MAX_PLAN_FILES`` files (``convert`` refuses larger plans, so every manifest it writes fits).
+MAX_PLAN_FILES = 1 << 19
+MAX_MANIFEST_BYTES = 128 << 20
+#: OUT/.megamoe/ state files (plan.json holds the placement) and the journal (a line per file
+#: written, appended again by every rerun that redoes it).
+MAX_STATE_BYTES = 64 << 20
+MAX_JOURNAL_BYTES = 256 << 20
 
 E = TypeVar("E", bound=Exception)
 T = TypeVar("T")
@@ -83,18 +101,65 @@ def parse(raw: bytes | str, where: object, error: type[E]) -> Any:
     return data
 
 
-def read(path: Path, error: type[E], what: str = "JSON file", max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """Read and :func:`parse` a whole file; a missing, unreadable or oversized one is ``error`` too."""
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def read_regular(path: Path, error: type[E], what: str, max_bytes: int) -> bytes:
+    """The bytes of ``path``, which must be a regular file of at most ``max_bytes``: the one way
+    every input document is opened. It is opened non-blocking, so a FIFO (or a device) under the
+    name is refused instead of blocking forever; its size is checked before anything is read."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(max_bytes + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         raise error(f"{path}: missing {what}") from None
     except OSError as e:
         raise error(f"{path}: unreadable {what} ({e.strerror or e})") from None
-    if len(raw) > max_bytes:
-        raise error(f"{path}: {what} larger than {max_bytes} bytes")
-    return parse(raw, path, error)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: {what} is {_file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{path}: {what} is {st.st_size} bytes, more than one can hold ({max_bytes})")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while total <= max_bytes and (chunk := os.read(fd, min(16 << 20, max_bytes + 1 - total))):
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as e:
+        raise error(f"{path}: unreadable {what} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    if len(raw) > max_bytes:  # it grew while being read
+        raise error(f"{path}: {what} is more than {max_bytes} bytes, more than one can hold")
+    return raw
+
+
+def read(path: Path, error: type[E], what: str = "JSON file", max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Read (:func:`read_regular`) and :func:`parse` a whole file; a missing, unreadable, irregular
+    or oversized one is ``error`` too."""
+    return parse(read_regular(Path(path), error, what, max_bytes), path, error)
+
+
+# --------------------------------------------------------------------------------------
+# Numbers typed by a person (command-line options, environment): one strict parser
+# --------------------------------------------------------------------------------------
+
+_ASCII_UINT = re.compile(r"[0-9]{1,18}")
+
+
+def parse_uint(text: str, what: str, error: type[E], lo: int = 0, hi: int = MAX_INT) -> int:
+    """``text`` as a non-negative integer in ``lo..hi``: ASCII digits only (``str.isdigit`` and
+    ``int`` also take ``'²'``, ``'٣'``, ``' 3'``, ``'3_0'``), no sign, at most 18 of them."""
+    if not isinstance(text, str) or not _ASCII_UINT.fullmatch(text):
+        raise error(f"{what}: cannot parse {short(text)} (expected a whole number {lo}..{hi} in ASCII digits)")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise error(f"{what}: {value} is outside {lo}..{hi}")
+    return value
 
 
 # --------------------------------------------------------------------------------------
@@ -179,6 +244,18 @@ class Fields:
         if not lo <= value <= hi:
             raise self.fail(f"{label} = {value} is outside {lo}..{hi}")
         return value
+
+    def number(self, data: Any, key: str | int = -1, lo: float = -math.inf, hi: float = math.inf,
+               name: str | None = None, lo_open: bool = False) -> float:
+        """A JSON number (an integer or a finite float, never a boolean) in ``lo..hi`` (``lo_open``:
+        greater than ``lo``)."""
+        value, label = self._get(data, key, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise self.fail(f"{label} must be a number, got {describe(value)}")
+        if not (lo < value if lo_open else lo <= value) or value > hi:
+            raise self.fail(f"{label} = {short(value)} is out of range (expected {'>' if lo_open else '>='} {lo:g} "
+                            f"and <= {hi:g})")
+        return float(value)
 
     def ints(self, data: Any, key: str | int = -1, lo: int = 0, hi: int = MAX_INT, name: str | None = None,
              max_len: int = 1 << 24) -> list[int]:

@@ -39,9 +39,7 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
     raw = os.environ.get(f"MEGAMOE_{name}")
     if raw is None:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
-        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
-    return int(raw)
+    return jsonio.parse_uint(raw, f"MEGAMOE_{name}", ValueError, low, high)
 
 
 #: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
@@ -115,7 +113,7 @@ class ConvertedModel:
         blocks after them)."""
         where = self.path / "config.json"
         try:
-            text = self.family.text(jsonio.read(where, LoadError, "config.json"))
+            text = self.family.text(jsonio.read(where, LoadError, "config.json", jsonio.MAX_CONFIG_BYTES))
         except FamilyError as e:
             raise LoadError(f"{where}: {e}") from None
         return Fields(where, LoadError).int(text, self.family.keys["layers"], 0, 1 << 20)
@@ -137,9 +135,26 @@ def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | No
 
         path = resolve_converted(out, None if ranks is None else list(ranks))
     try:
-        return ConvertedModel(path, read_manifest(path))
+        converted = ConvertedModel(path, read_manifest(path))
     except ManifestError as e:
         raise LoadError(str(e)) from None
+    check_family(converted)
+    return converted
+
+
+def check_family(converted: ConvertedModel) -> None:
+    """The manifest's ``family`` (how install names the layers) must be that of the ``config.json``
+    copied beside it: a relabelled manifest, even resealed, is refused."""
+    manifest, config = converted.manifest, converted.path / "config.json"
+    if not any(f.path == "config.json" for f in manifest.files) or not os.path.lexists(config):
+        return
+    try:
+        family = families.detect(jsonio.read(config, LoadError, "config.json", jsonio.MAX_CONFIG_BYTES), config)
+    except FamilyError as e:
+        raise LoadError(str(e)) from None
+    if family.name != manifest.family:
+        raise LoadError(f"{converted.path / MANIFEST_NAME}: family is {manifest.family!r}, but {config} is "
+                        f"{family.title}'s ({family.name!r}); the manifest was edited")
 
 
 # --------------------------------------------------------------------------------------
@@ -223,11 +238,14 @@ def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...])
     """The shard says which logical experts it holds; it must be what the placement says."""
     # Host memory even under an engine's ``with torch.device(...)`` context.
     stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")
-    fd = os.open(path, os.O_RDONLY)
     try:
-        read_into(fd, entry.begin, stored, path)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            read_into(fd, entry.begin, stored, path)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise LoadError(f"{path}: cannot be read ({e.strerror or e})") from None
     if tuple(stored.tolist()) != expected:
         raise LoadError(f"{path}: holds logical experts {stored.tolist()}, but manifest.json's placement gives "
                         f"this rank {list(expected)}")
@@ -452,6 +470,14 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     except DeviceError as e:
         raise LoadError(str(e)) from None
     converted = open_converted(out, [rank])
+    try:
+        return _load_rank(converted, rank, device, layers, verify, ep_size, into)
+    except OSError as e:  # a file or folder that cannot be read (permissions, I/O error)
+        raise LoadError(one_line(f"{e.filename or converted.path}: cannot be read ({e.strerror or e})")) from None
+
+
+def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
+               verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
     out, manifest = converted.path, converted.manifest
     if ep_size is not None and ep_size != manifest.ep_size:
         raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "

@@ -46,12 +46,12 @@ def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
 
 
 #: The only paths this tool writes below OUT: a rank shard, or a plain top-level name.
-_RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}/(?:layers|mtp)\.(?:0|[1-9]\d*)\.safetensors")
+_RANK_FILE = re.compile(r"rank-[0-9]{5,}-of-[0-9]{5,}/(?:layers|mtp)\.(?:0|[1-9][0-9]*)\.safetensors")
 _TOP_LEVEL = re.compile(r"[^/\\\x00-\x1f\x7f]+")
-RANK_DIR = re.compile(r"rank-\d{5,}-of-\d{5,}")
+RANK_DIR = re.compile(r"rank-[0-9]{5,}-of-[0-9]{5,}")
 
 
-_NON_EXPERT_SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+_NON_EXPERT_SHARD = re.compile(r"model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
 
 
 def is_shard_path(rel: str) -> bool:
@@ -319,4 +319,4 @@ def read_manifest(out: Path) -> Manifest:
                                 "of a conversion split with --shard: run `megamoe merge` to assemble the parts")
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)")
-    return Manifest.from_json(jsonio.read(path, ManifestError, "manifest"), str(path))
+    return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))

@@ -31,7 +31,8 @@ from filelock import FileLock, Timeout
 from . import jsonio
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, RANK_DIR, STATE_DIR, is_own_path, is_shard_path
-from .writer import PARTIAL_SUFFIX, FileRecord, file_checksum, partial_path, write_json_atomic
+from .writer import (PARTIAL_SUFFIX, FileRecord, file_checksum, make_dirs_inside, partial_path,
+                     write_json_atomic)
 
 
 class ConvertError(RuntimeError):
@@ -47,7 +48,7 @@ REPLACED_JOURNAL = "replaced-journal.jsonl"
 #: Where ``merge`` keeps the part manifests it consumed (relative to OUT), so merging is repeatable.
 MERGED_PARTS_DIR = f"{STATE_DIR}/parts"
 PART_GLOB = "manifest.part-*-of-*.json"
-_PART_MANIFEST = re.compile(r"manifest\.part-\d{5,}-of-\d{5,}\.json")
+_PART_MANIFEST = re.compile(r"manifest\.part-[0-9]{5,}-of-[0-9]{5,}\.json")
 
 
 def part_name(index: int, count: int) -> str:
@@ -128,11 +129,17 @@ def _journal_line(line: bytes) -> FileRecord | None:
 
 
 def read_journal(path: Path) -> dict[str, FileRecord]:
-    """The records of a journal file; damaged lines (a crash, an edit, a flipped byte) are skipped."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+    """The records of a journal file; damaged lines (a crash, an edit, a flipped byte) are skipped.
+    A journal that cannot be read at all (unreadable, not a regular file, a link, larger than a
+    journal can be) is a :class:`ConvertError`: callers read it before they change anything."""
+    if not os.path.lexists(path):
         return {}
+    if path.is_symlink():
+        raise ConvertError(f"{path}: the journal is a symbolic link; remove it (the files it listed are then redone)")
+    try:
+        raw = jsonio.read_regular(path, ConvertError, "journal", jsonio.MAX_JOURNAL_BYTES)
+    except ConvertError as e:
+        raise ConvertError(f"{e}; nothing was changed: fix or remove it (the files it listed are then redone)") from None
     records = (_journal_line(line) for line in raw.splitlines() if line.strip())
     return {r.path: r for r in records if r is not None}
 
@@ -140,7 +147,7 @@ def read_journal(path: Path) -> dict[str, FileRecord]:
 def read_state_json(path: Path) -> dict[str, Any] | None:
     """A state file's JSON object, or ``None`` where it is not one (cut short, edited, binary)."""
     try:
-        data = jsonio.read(path, jsonio.JsonError, "state file", max_bytes=64 << 20)
+        data = jsonio.read(path, jsonio.JsonError, "state file", jsonio.MAX_STATE_BYTES)
     except jsonio.JsonError:
         return None
     return data if isinstance(data, dict) else None
@@ -177,16 +184,23 @@ def stamp_files(paths: dict[str, Path]) -> dict[str, list[int]]:
 WATCH_BLOCKS, WATCH_BLOCK_BYTES = 8, 64 << 10
 
 
+def sample_hash(path: Path) -> int:
+    """xxh3 of :data:`WATCH_BLOCKS` spread-out blocks of a file: its content, sampled cheaply (the
+    same on every machine holding a copy, unlike a stamp)."""
+    size = path.stat().st_size
+    hasher = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        for i in range(WATCH_BLOCKS):
+            f.seek(size * i // WATCH_BLOCKS)
+            hasher.update(f.read(WATCH_BLOCK_BYTES))
+    return hasher.intdigest()
+
+
 def _look(path: Path) -> tuple[int, ...]:
     """Size, mtime, ctime, inode and a hash of a few spread-out blocks of one file. ctime cannot be
     set back (``utime`` itself moves it), so an in-place rewrite always changes this."""
     st = path.stat()
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        for i in range(WATCH_BLOCKS):
-            f.seek(st.st_size * i // WATCH_BLOCKS)
-            hasher.update(f.read(WATCH_BLOCK_BYTES))
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, hasher.intdigest()
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, sample_hash(path)
 
 
 class SourceWatch:
@@ -242,9 +256,11 @@ class OutputState:
         self.write_state(fingerprint, source)
 
     def write_state(self, fingerprint: dict[str, Any], source: dict[str, Any] | None) -> None:
-        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True), fsync=self.fsync)
+        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True), fsync=self.fsync,
+                          root=self.out)
         if source is not None:
-            write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True), fsync=self.fsync)
+            write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True), fsync=self.fsync,
+                              root=self.out)
 
     def _plan_problem(self, fingerprint: dict[str, Any]) -> str | None:
         previous = read_state_json(self.plan_path)
@@ -274,8 +290,9 @@ class OutputState:
     def clear(self) -> None:
         """Remove what a previous conversion (or merge) wrote, and nothing else: manifest, index,
         part manifests, the journaled files (see :func:`remove_owned`), merged parts, this state."""
+        journal = self.journal()  # read first: an unreadable journal fails the run before anything goes
         remove_named(self.out, [MANIFEST_NAME, INDEX_NAME, *(p.name for p in self.out.glob(PART_GLOB))])
-        remove_owned(self.out, self.journal().values())
+        remove_owned(self.out, journal.values())
         merged = self.out / MERGED_PARTS_DIR
         if merged.is_dir() and not merged.is_symlink():
             remove_named(merged, [p.name for p in merged.glob(PART_GLOB)])
@@ -290,11 +307,15 @@ class OutputState:
 
     def record(self, rec: FileRecord) -> None:
         try:
-            with self._journal_lock, open(self.journal_path, "a") as f:
-                f.write(json.dumps(rec.to_json()) + "\n")
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
+            with self._journal_lock:
+                fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             0o644)
+                try:
+                    os.write(fd, (json.dumps(rec.to_json()) + "\n").encode())
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
         except OSError as e:  # name the journal in the one-line error (a full disk, say)
             raise OSError(e.errno, e.strerror, str(self.journal_path)) from None
 
@@ -331,6 +352,7 @@ class PartState(OutputState):
     def locked(self) -> Iterator[None]:
         """Hold this part's lock; refuse if another run holds it, or a whole-directory writer OUT."""
         name, lock = f"{self.shard['index']}/{self.shard['count']}", self.dir / "lock"
+        make_dirs_inside(self.out, self.dir)
         with holding(lock, 0, f"{self.out}: part {name} is already being converted by another "
                               f"`megamoe convert` (lock {lock} is held)"):
             if held_elsewhere(self.out / STATE_DIR / WHOLE_LOCK, GLANCE_TIMEOUT_S):
@@ -396,6 +418,7 @@ def holding(path: Path, timeout: float, refusal: str) -> Iterator[None]:
     """Hold the lock file ``path`` (``timeout``: 0 = fail at once, -1 = wait); raise
     :class:`OutputBusy` with ``refusal`` when someone else holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    _check_lock_file(path)
     lock = FileLock(path)
     try:
         lock.acquire(timeout=timeout)
@@ -409,6 +432,7 @@ def holding(path: Path, timeout: float, refusal: str) -> Iterator[None]:
 
 def held_elsewhere(path: Path, timeout: float = 0) -> bool:
     """Whether someone holds the lock file ``path`` (a glance: taken and given back at once)."""
+    _check_lock_file(path)
     try:
         with FileLock(path).acquire(timeout=timeout):
             return False
@@ -416,11 +440,19 @@ def held_elsewhere(path: Path, timeout: float = 0) -> bool:
         return True
 
 
+def _check_lock_file(path: Path) -> None:
+    """A lock file is opened with O_TRUNC: one that is a link would truncate what it points at."""
+    if path.is_symlink() or path.parent.is_symlink():
+        raise ConvertError(f"{path if path.is_symlink() else path.parent}: is a symbolic link; megamoe never writes "
+                           "through a link: remove it")
+
+
 @contextmanager
 def hold_whole_output(out: Path, *, timeout: float, who: str) -> Iterator[None]:
     """Hold ``OUT/.megamoe/lock``, then refuse if any part of a split conversion is being
     written into OUT."""
     lock = out / STATE_DIR / WHOLE_LOCK
+    make_dirs_inside(out, lock.parent)
     with holding(lock, timeout, f"{out}: another `megamoe convert` or `megamoe merge` is writing this directory "
                                 f"(lock {lock} is held); {who} cannot run beside it"):
         if busy := busy_parts(out):

@@ -75,16 +75,43 @@ class Placement:
 
     @classmethod
     def from_file(cls, path: Path, n_logical: int, ep_size: int) -> "Placement":
-        """Read ``[l0, l1, ...]`` or ``{"physical_to_logical": [...]}`` from a JSON file; an
-        object's own ``ep_size`` / ``n_logical``, where given, must be the ones converted for."""
-        data = jsonio.read(Path(path), PlacementError, "placement file")
-        if isinstance(data, dict):
-            f = jsonio.Fields(path, PlacementError)
-            for key, want in (("ep_size", ep_size), ("n_logical", n_logical)):
-                if key in data and f.int(data, key, hi=MAX_PHYSICAL_EXPERTS) != want:
-                    raise f.fail(f"{key} is {data[key]}, but this conversion has {key}={want}")
-            data = f.list(data, "physical_to_logical")
-        return cls.from_list(data, n_logical, ep_size, source=str(path))
+        """Read ``[l0, l1, ...]`` or ``{"physical_to_logical": [...]}`` from a JSON file (see
+        :meth:`read_file`; per-layer placements there are refused: only the converter checks them)."""
+        placement, extra = cls.read_file(path, n_logical, ep_size)
+        if extra.get("layer_placements"):
+            raise PlacementError(f"{path}: layer_placements cannot be checked here; pass the file to `megamoe convert`")
+        return placement
+
+    @classmethod
+    def read_file(cls, path: Path, n_logical: int, ep_size: int) -> tuple["Placement", dict[str, Any]]:
+        """The placement of a JSON file, and its fields the caller must check against its own plan
+        (``engine``, ``layer_placements``). An object may hold what ``megamoe plan --json`` prints
+        (:data:`FILE_FIELDS`); every field but ``engines`` (information only) must agree with the
+        conversion or the list (``"default": true`` beside a non-default list is refused), and an
+        unknown field is refused: nothing in a placement file is ignored without a word."""
+        data = jsonio.read(Path(path), PlacementError, "placement file", jsonio.MAX_PLACEMENT_BYTES)
+        if not isinstance(data, dict):
+            return cls.from_list(data, n_logical, ep_size, source=str(path)), {}
+        f = jsonio.Fields(path, PlacementError)
+        unknown = sorted(set(data) - set(FILE_FIELDS))
+        if unknown:
+            raise f.fail(f"unknown field {jsonio.short(unknown[0])} (a placement file holds {', '.join(FILE_FIELDS)})")
+        for key, want in (("ep_size", ep_size), ("n_logical", n_logical)):
+            if key in data and f.int(data, key, hi=MAX_PHYSICAL_EXPERTS) != want:
+                raise f.fail(f"{key} is {data[key]}, but this conversion has {key}={want}")
+        placement = cls.from_list(f.list(data, "physical_to_logical"), n_logical, ep_size, source=str(path))
+        derived = placement.to_json()
+        for key in ("num_redundant", "experts_per_rank", "default"):
+            if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
+                raise f.fail(f"{key} is {jsonio.short(data[key])}, but its physical_to_logical gives "
+                             f"{jsonio.short(derived[key])}")
+        extra = {}
+        if "engine" in data:
+            extra["engine"] = f.str(data, "engine")
+        if "layer_placements" in data:
+            extra["layer_placements"] = {key: cls.from_json(value, f"{path}: layer_placements.{key}")
+                                         for key, value in f.obj(data, "layer_placements").items()}
+        return placement, extra
 
     # ---------------------------------------------------------------- queries
     @property
@@ -138,6 +165,31 @@ class Placement:
             if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
                 raise f.fail(f"placement.{key} is {jsonio.short(data[key])}, its physical_to_logical gives {derived[key]}")
         return placement
+
+
+#: The fields a placement file may hold: what ``megamoe plan --json`` prints.
+FILE_FIELDS = ("physical_to_logical", "ep_size", "n_logical", "num_redundant", "experts_per_rank", "default",
+               "engine", "layer_placements", "engines")
+
+
+def check_file_fields(extra: dict[str, Any], placement: Placement, engine: str, where: object,
+                      layers: Sequence[tuple[str, bool, int]]) -> None:
+    """A placement file's ``engine`` and ``layer_placements`` (:meth:`Placement.read_file`) must be
+    what this conversion builds; ``layers``: ``(key, is_mtp, logical experts)`` of every MoE layer.
+    The engine places the layers with an expert count of their own by its own rule: no file changes it."""
+    if "engine" in extra and extra["engine"] != engine:
+        raise PlacementError(f"{where}: planned for engine {jsonio.short(extra['engine'])}, but this conversion is "
+                             f"for {engine!r}; pass --engine {jsonio.one_line(str(extra['engine']))}")
+    if "layer_placements" not in extra:
+        return
+    own = {key: p for key, is_mtp, n in layers if (p := layer_placement(engine, placement, is_mtp, n)) != placement}
+    given = extra["layer_placements"]
+    for key in sorted(set(own) | set(given)):
+        if given.get(key) != own.get(key):
+            raise PlacementError(f"{where}: layer_placements.{jsonio.one_line(key)} is not the placement {engine} "
+                                 f"builds that layer with ({'not listed' if key not in given else 'it differs'}); "
+                                 "the engine's own rule places it: remove layer_placements, or print them with "
+                                 "`megamoe plan --json`")
 
 
 def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None) -> Placement:
@@ -194,10 +246,11 @@ def parse_range(part: str, flag: str, example: str, limit: int) -> tuple[int, in
     """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``, ``"x"``) is
     an error, and so is any bound outside ``0..limit``: checked before anything is expanded."""
     lo, dash, hi = part.partition("-")
-    if not lo.isdigit() or (dash and not hi.isdigit()) or len(lo) > 9 or len(hi) > 9:
-        raise PlacementError(f"{flag}: cannot parse {part!r} (expected e.g. {example})")
-    first = int(lo)
-    last = int(hi) if dash else first
+    try:  # the one strict parser: ASCII digits only ('²' passes str.isdigit, '٣' passes int)
+        first = jsonio.parse_uint(lo, flag, PlacementError, 0, 10**9 - 1)
+        last = jsonio.parse_uint(hi, flag, PlacementError, 0, 10**9 - 1) if dash else first
+    except PlacementError:
+        raise PlacementError(f"{flag}: cannot parse {jsonio.one_line(repr(part))} (expected e.g. {example})") from None
     if first > last:
         raise PlacementError(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
     if last > limit:

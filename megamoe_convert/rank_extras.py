@@ -15,6 +15,7 @@ per layer), so each is produced whole, in file order, right after the routed ten
 
 from __future__ import annotations
 
+import math
 from typing import Iterator, Sequence
 
 import torch
@@ -25,7 +26,26 @@ from .safetensors_io import FileCache
 
 
 def _scalar_bytes(ckpt: Checkpoint, files: FileCache, layer: MoELayer, expert: int, proj: str, kind: str) -> torch.Tensor:
-    return files.read(ckpt.expert_entry(layer, expert, proj, kind)).reshape(4)
+    """One NVFP4 global scale's FP32 bytes; a value the kernel cannot scale by (NaN, inf, zero or
+    negative) is the source's problem, named as such."""
+    raw = files.read(ckpt.expert_entry(layer, expert, proj, kind)).reshape(4)
+    value = float(raw.view(torch.float32))
+    if not math.isfinite(value) or value <= 0:
+        name = ckpt.expert_name(layer, expert, proj, kind)
+        raise CheckpointError(f"{ckpt.file_of(name)}: {name} is {value}; NVFP4 global scales must be finite and "
+                              "positive (the source checkpoint is damaged)")
+    return raw
+
+
+def check_global_scales(ckpt: Checkpoint, files: FileCache, layers: Sequence[MoELayer]) -> None:
+    """Every NVFP4 global scale of ``layers`` finite and positive, before anything is written (a few
+    floats per expert: one small read each)."""
+    if not ckpt.dims.format.global_scales:
+        return
+    for layer in layers:
+        for expert in range(ckpt.dims.experts_of(layer)):
+            for proj, kind in formats.GLOBAL_SCALE_TENSORS:
+                _scalar_bytes(ckpt, files, layer, expert, proj, kind)
 
 
 def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
@@ -46,6 +66,18 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "input_scale") for e in logical_ids])
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "input_scale")
                      for e in range(ckpt.dims.experts_of(layer))])
+
+
+def extra_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
+                 ) -> Iterator[torch.Tensor]:
+    """Everything of a rank file after its routed L1/L2 operands, in file order
+    (:func:`formats.rank_tensor_specs`): the global scales (NVFP4), the logical ids, the shared
+    expert (where one is pre-baked). ``convert`` writes these; ``verify --source`` compares them."""
+    if ckpt.dims.format.global_scales:
+        yield from global_scale_chunks(ckpt, files, layer, logical_ids)
+    yield torch.tensor(list(logical_ids), dtype=torch.int32)
+    if ckpt.dims.shared_intermediate_size:
+        yield from shared_expert_chunks(ckpt, files, layer)
 
 
 def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k: int) -> torch.Tensor:

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import families, formats
-from .checkpoint import CONFIG_NAME, INDEX_NAME, MoELayer
+from . import families, formats, jsonio, preflight
+from .checkpoint import CONFIG_NAME, INDEX_NAME, MAX_LAYERS, MoELayer
 from .families import ModelFamily, TensorNames
 from .formats import WeightFormat
 from .layout import check_dims
@@ -50,7 +50,7 @@ def load_preset(name: str) -> dict[str, Any]:
     path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
     if not path.is_file():
         raise ValueError(f"unknown preset {name!r}: no {path} (presets: {', '.join(PRESETS)})")
-    return json.loads(path.read_text())
+    return jsonio.read(path, SynthError, "preset", jsonio.MAX_CONFIG_BYTES)
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,11 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     family = families.detect(config, preset)
     text, keys = family.text(config), family.keys
     assert isinstance(text, dict)
+    check_counts(text, keys, layers, experts, mtp_layers)
+    fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
+    if fmt.name not in family.weight_formats:
+        raise SynthError(f"--format {fmt.name}: {family.title} checkpoints ship {'/'.join(family.weight_formats)} "
+                         f"routed experts only; drop --format or pick a preset of another family")
     if layers is not None:
         text[keys["layers"]] = layers
         text["num_hash_layers"] = min(text.get("num_hash_layers", 0), layers)
@@ -239,7 +244,6 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         text[keys["top_k"]] = min(text[keys["top_k"]], experts)
     if mtp_layers is not None:
         text[keys["mtp_layers"]] = mtp_layers
-    fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
     check_dims(text[keys["hidden"]], text[keys["intermediate"]])
     tensors = list(checkpoint_tensors(config, fmt, weight_dtype and WEIGHT_DTYPES[weight_dtype],
                                       scale_dtype and SCALE_DTYPES[scale_dtype]))
@@ -252,9 +256,25 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     shards = _shards(tensors, shard_bytes)
     final = Path(os.path.abspath(out))
     _check_synth_target(final, overwrite)
+    total = sum(t.nbytes for t in tensors)
+    preflight.check_free_space(final, total, f"this {preset} checkpoint",
+                               "free space, or cut it down with --layers / --experts", SynthError)
     out = final.with_name(f".{final.name}.partial")
-    shutil.rmtree(out, ignore_errors=True)  # left by a crashed run
+    remove_own_folder(out)  # left by a killed run
     out.mkdir(parents=True)
+    (out / OWN_MARKER).write_text("written by megamoe synth; removed when the run completes or reruns\n")
+    try:
+        _write_checkpoint(out, config, tensors, shards, seed, progress)
+        _replace_dir(out, final)
+    except BaseException:  # an error or Ctrl-C: nothing of this run stays behind (a SIGKILL's, the rerun removes)
+        if (out / OWN_MARKER).is_file() and not out.is_symlink():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+    return config
+
+
+def _write_checkpoint(out: Path, config: dict[str, Any], tensors: list[SynthTensor], shards: list[list[SynthTensor]],
+                      seed: int, progress: Any) -> None:
     if progress:
         progress.start(sum(t.nbytes for t in tensors), len(shards))
     weight_map = {}
@@ -267,13 +287,42 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
         if progress:
             progress.advance(0, filename, False)
         weight_map.update({t.name: filename for t in shard})
-    total = sum(t.nbytes for t in tensors)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
     write_json_atomic(out / INDEX_NAME, json.dumps(index, indent=2), fsync=False)
     write_json_atomic(out / CONFIG_NAME, json.dumps(config, indent=2), fsync=False)
     (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 8192, "synthetic": True}))
-    _replace_dir(out, final)
-    return config
+
+
+#: Counted routed experts (layers x experts, MTP included) a synthetic checkpoint may hold: 3x the
+#: largest preset (Kimi-K3: 93 x 896), so a typo cannot plan terabytes.
+MAX_SYNTH_EXPERTS = 1 << 18
+#: A hidden file inside ``synth``'s own temporary folders: only a folder holding it is ever removed.
+OWN_MARKER = ".megamoe-synth"
+
+
+def check_counts(text: dict[str, Any], keys: Any, layers: int | None, experts: int | None,
+                 mtp_layers: int | None) -> None:
+    """``--layers`` / ``--experts`` / ``--mtp-layers`` within what ``convert`` takes, and a bounded total."""
+    for flag, value, lo, hi in (("--layers", layers, 1, MAX_LAYERS), ("--experts", experts, 1, MAX_SYNTH_EXPERTS),
+                                ("--mtp-layers", mtp_layers, 0, MAX_LAYERS)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi):
+            raise SynthError(f"{flag} {value}: expected a whole number in {lo}..{hi}")
+    n_layers = (layers if layers is not None else text[keys["layers"]]) + \
+        (mtp_layers if mtp_layers is not None else text.get(keys["mtp_layers"], 0))
+    n_experts = experts if experts is not None else text[keys["experts"]]
+    if n_layers * n_experts > MAX_SYNTH_EXPERTS:
+        raise SynthError(f"{n_layers} MoE layers x {n_experts} experts = {n_layers * n_experts} routed experts, at "
+                         f"most {MAX_SYNTH_EXPERTS} in one synthetic checkpoint; cut it down with --layers / --experts")
+
+
+def remove_own_folder(path: Path) -> None:
+    """Remove ``path`` if ``synth`` made it (a real folder holding :data:`OWN_MARKER`); refuse to
+    touch anything else under the name."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir() or not (path / OWN_MARKER).is_file():
+        raise SynthError(f"{path}: exists and was not made by megamoe synth; remove it or choose another name")
+    shutil.rmtree(path)
 
 
 class SynthError(ValueError):
@@ -295,10 +344,12 @@ def _check_synth_target(out: Path, overwrite: bool) -> None:
 def _replace_dir(new: Path, final: Path) -> None:
     """Rename ``new`` to ``final``; an existing ``final`` is moved aside first and then removed."""
     old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
+    remove_own_folder(old)
     if final.exists():
         os.replace(final, old)
+        (old / OWN_MARKER).touch()  # what --overwrite replaces is removed next, even after a kill here
     os.replace(new, final)
+    (final / OWN_MARKER).unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)
 
 

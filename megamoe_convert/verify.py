@@ -32,10 +32,12 @@ from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .convert import ExpertReader, NoProgress, Progress
 from .layout import KernelWeights
 from .devices import usable_device
-from .loader import LoadError, check_logical_ids, check_shard, load_rank
+from .loader import ConvertedModel, LoadError, check_logical_ids, check_shard, load_rank
+from .loader import check_family as check_copied_family
 from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
 from .placement import parse_ranks
 from .safetensors_io import FileCache, SafetensorsError, read_header
+from .verify_source import check_family, compare_extras, compare_non_expert, numerics_config, same_values
 from .writer import file_problems
 
 
@@ -121,15 +123,16 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
     for rank in ranks:
         for layer in manifest.layers:
             path = out / rank_file(rank, manifest.ep_size, layer)
-            if not path.is_file():
-                continue  # already reported by check_files
             try:
+                if not path.is_file():
+                    continue  # already reported by check_files
                 entries = check_shard(read_header(path), manifest, layer, rank)
                 check_logical_ids(path, entries["logical_ids"],
                                   manifest.placement_for(layer).rank_logical_ids(rank))
                 report.count("rank shards")
-            except (LoadError, SafetensorsError) as e:
-                report.problem(path.relative_to(out).as_posix(), str(e).removeprefix(f"{path}: "))
+            except (LoadError, SafetensorsError, OSError) as e:
+                why = f"cannot be read ({e.strerror})" if isinstance(e, OSError) and e.strerror else str(e)
+                report.problem(path.relative_to(out).as_posix(), why.removeprefix(f"{path}: "))
 
 
 # --------------------------------------------------------------------------------------
@@ -193,26 +196,6 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         report.count("expert slots vs source", len(local))
 
 
-def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
-                       progress: Progress) -> None:
-    try:
-        converted = Checkpoint.open_non_expert(out)
-    except CheckpointError as e:
-        report.problem("model.safetensors.index.json", str(e))
-        return
-    source = {e.name: e for e in ckpt.non_expert_tensors()}
-    for name in sorted(set(source) - set(converted)):
-        report.problem(name, "non-expert tensor of the source is missing")
-    for name in sorted(set(converted) - set(source)):
-        report.problem(name, "tensor is not in the source")
-    for name in sorted(set(source) & set(converted)):
-        a, b = source[name], converted[name]
-        progress.advance(a.nbytes, name, False)
-        if (a.dtype, a.shape) != (b.dtype, b.shape) or not torch.equal(files.read(a).reshape(-1), files.read(b).reshape(-1)):
-            report.problem(name, f"differs from the source ({b.path.name})")
-    report.count("non-expert tensors vs source", len(set(source) & set(converted)))
-
-
 # --------------------------------------------------------------------------------------
 # 3. numerics
 # --------------------------------------------------------------------------------------
@@ -230,18 +213,16 @@ def expert_activation(ckpt: Checkpoint) -> tuple[Activation, dict[str, Any]]:
     - ``situ`` (Kimi-K3): as vLLM's ``SituAndMul``, ``beta * tanh(gate / beta) * sigmoid(gate)``
       times ``up``, softly clipped to ``linear_beta * tanh(up / linear_beta)`` when that is set.
     """
-    assert ckpt.family is not None
-    text = ckpt.text_config
-    if ckpt.family.activation == "situ":
-        beta = float(text.get("activation_situ_beta") or 1.0)
-        linear = float(text.get("activation_situ_linear_beta") or 0.0)
+    config = numerics_config(ckpt)  # checked numbers, or a one-line CheckpointError
+    if config.activation == "situ":
+        beta, linear = config.situ_beta, config.situ_linear_beta
 
         def situ(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             up = linear * torch.tanh(up / linear) if linear else up
             return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * up
 
         return situ, {"activation": "situ", "situ_beta": beta, "situ_linear_beta": linear}
-    limit = float(text.get("swiglu_limit", 0.0) or 0.0)
+    limit = config.swiglu_limit
 
     def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if limit > 0:
@@ -319,7 +300,7 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
     the pre-baked shared expert, where there is one, runs on the same tokens.
     """
     activation, activation_report = expert_activation(ckpt)
-    scale = float(ckpt.text_config.get("routed_scaling_factor", 1.0) or 1.0)
+    scale = numerics_config(ckpt).routed_scaling_factor
     top_k = min(ckpt.top_k(), manifest.placement.experts_per_rank)
     g = torch.Generator().manual_seed(seed)
     hidden, inter = manifest.dims.hidden_size, manifest.dims.moe_intermediate_size
@@ -329,10 +310,10 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
     moved = lambda ws: [tuple(w.to(device).contiguous() for w in t) for t in ws]  # noqa: E731
 
     def compare(where: str, what: str, y_layout: torch.Tensor, y_source: torch.Tensor) -> None:
-        diff = (y_layout - y_source).abs()
+        diff = (y_layout - y_source).abs().nan_to_num(0.0)  # NaN where both are NaN (or inf) alike
         worst["max_abs_err"] = max(worst["max_abs_err"], float(diff.max()))
         worst["max_rel_err"] = max(worst["max_rel_err"], float((diff / y_source.abs().clamp_min(1e-30)).max()))
-        if not torch.equal(y_layout, y_source):
+        if not same_values(y_layout, y_source):
             report.problem(where, f"{what} from the pre-baked layout differs from the source "
                                   f"(max abs err {float(diff.max()):.3g})")
 
@@ -479,10 +460,17 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
     check_files(out, manifest, report, chosen, progress)
+    try:  # the family install names layers by must be the copied config.json's
+        check_copied_family(ConvertedModel(out, manifest))
+    except LoadError as e:
+        report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: "))
     check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
     if source is not None:
         ckpt = Checkpoint.open(source)
+        if numerics:
+            numerics_config(ckpt)  # a source whose numbers cannot be computed with is refused up front
+        check_family(manifest, ckpt, report)
         if ckpt.dims != manifest.dims:
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
         else:
@@ -490,6 +478,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
             start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
             with FileCache() as files:
                 compare_experts(out, manifest, ckpt, files, report, slots, progress)
+                compare_extras(out, manifest, ckpt, files, report, slots)
                 if not manifest.experts_only:
                     compare_non_expert(out, ckpt, files, report, progress)
                 if numerics:

@@ -8,7 +8,9 @@ reader sees either nothing or the complete file, never a prefix of it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,13 +64,22 @@ def file_problem(path: Path, record: FileRecord, where: str, checksum: bool) -> 
     The one check behind loading, verifying, pulling and merging: callers raise their own errors.
     """
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         return f"missing (listed in {where})"
-    if size != record.size:
-        return f"size {size} bytes, {where} records {record.size}"
-    if checksum and file_checksum(path) != record.checksum:
-        return f"checksum mismatch with {where} (file is corrupted or was modified)"
+    except OSError as e:  # a folder on the way that cannot be searched
+        return f"cannot be read ({e.strerror or e})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file (listed in {where} as one)"
+    if st.st_size != record.size:
+        return f"size {st.st_size} bytes, {where} records {record.size}"
+    if checksum:
+        try:
+            actual = file_checksum(path)
+        except OSError as e:
+            return f"cannot be read ({e.strerror or e})"
+        if actual != record.checksum:
+            return f"checksum mismatch with {where} (file is corrupted or was modified)"
     return None
 
 
@@ -90,16 +101,83 @@ def partial_path(final: Path) -> Path:
     return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
 
 
+# --------------------------------------------------------------------------------------
+# Where the tool writes: inside its root, never through a link
+# --------------------------------------------------------------------------------------
+
+class LinkInOutput(OSError):
+    """A path the tool would write passes a symbolic link (or a non-directory) below its root."""
+
+
+def link_refusal(path: Path, why: str) -> LinkInOutput:
+    return LinkInOutput(errno.ELOOP, f"{why}; megamoe writes only inside its output directory and never through "
+                                     "a link: remove it (or choose another output directory)", str(path))
+
+
+def make_dirs_inside(root: Path, folder: Path) -> None:
+    """Create ``folder`` below ``root`` one level at a time; every level below ``root`` must be a
+    real directory (never a symbolic link, whatever it points at). ``root`` itself is the user's
+    choice and may be a link; it is created if missing."""
+    try:
+        rel = folder.relative_to(root)
+    except ValueError:
+        raise link_refusal(folder, f"not inside {root}") from None
+    root.mkdir(parents=True, exist_ok=True)
+    current = root
+    for part in rel.parts:
+        if part in ("", ".", ".."):
+            raise link_refusal(folder, f"not a plain path inside {root}")
+        current = current / part
+        try:
+            os.mkdir(current)
+        except FileExistsError:
+            pass
+        mode = os.lstat(current).st_mode
+        if stat.S_ISLNK(mode):
+            raise link_refusal(current, "is a symbolic link")
+        if not stat.S_ISDIR(mode):
+            raise link_refusal(current, "is not a directory")
+
+
+def check_writable_name(path: Path) -> None:
+    """A file the tool is about to (re)place must not be a link or a directory under its name."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise link_refusal(path, "is a symbolic link")
+    if stat.S_ISDIR(mode):
+        raise link_refusal(path, "is a directory where megamoe writes a file")
+
+
+def open_new_file(path: Path) -> int:
+    """A fresh file at ``path`` (a stale one of the tool's temporary name is replaced): created
+    exclusively and never through a link, so nothing the name pointed at is truncated."""
+    check_writable_name(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
+
+
 class AtomicWriter:
-    """Write a file sequentially under a temporary name; :meth:`commit` renames it into place."""
+    """Write a file sequentially under a temporary name; :meth:`commit` renames it into place.
+
+    ``final`` must lie below ``root`` with no symbolic link in between (:func:`make_dirs_inside`),
+    and neither it nor its temporary name may be a link: nothing is ever written through one.
+    """
 
     def __init__(self, final: Path, root: Path, fsync: bool = True) -> None:
         self.final = final
         self.root = root
         self.fsync = fsync
         self.tmp = partial_path(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = -1
+        make_dirs_inside(root, final.parent)
+        check_writable_name(final)
+        self._fd = open_new_file(self.tmp)
         self._hasher = new_hasher()
         self.size = 0
         self._written_back = 0
@@ -210,9 +288,11 @@ def write_safetensors(final: Path, root: Path, specs: list[TensorSpec], chunks: 
         return out.commit()
 
 
-def write_json_atomic(final: Path, text: str, fsync: bool = True) -> FileRecord:
-    """Small JSON files (manifest, index, state) get the same temp-then-rename treatment.
+def write_json_atomic(final: Path, text: str, fsync: bool = True, root: Path | None = None) -> FileRecord:
+    """Small JSON files (manifest, index, state) get the same temp-then-rename treatment
+    (``root``: the folder below which no link may be passed; default ``final``'s own).
     Returns the file's record (path relative to its folder), for a manifest that lists it."""
-    with AtomicWriter(final, final.parent, fsync=fsync) as out:
+    with AtomicWriter(final, root or final.parent, fsync=fsync) as out:
         out.write(text.encode())
-        return out.commit()
+        record = out.commit()
+    return FileRecord(final.name, record.size, record.checksum)
