@@ -28,6 +28,7 @@ from .checkpoint import INDEX_NAME
 from .convert import NoProgress, Progress, index_text, non_expert_index
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, is_own_path
 from .output_state import sample_hash
+from .preflight import check_no_links
 from .output_state import (MERGED_PARTS_DIR, PART_GLOB, ConvertError, OutputBusy, OutputState, check_output_dir,
                            differing_keys, forget_replaced_conversion, hold_whole_output, part_manifest_name,
                            remove_named)
@@ -310,6 +311,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
         return {"out": str(out), "parts": len(chosen), "already_merged": True}
     files = check_coverage(chosen)
     check_one_source(chosen)
+    check_no_links(out, sorted({(out / r.path).parent for _, r in files}))  # refused before anything changes
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     forget_replaced_conversion(out, {r.path for _, r in files}, has_index=chosen[0].index_json is not None)
     progress.start(sum(r.size for _, r in files), len(files))

@@ -176,6 +176,8 @@ FILE_NAMES = {
     "shared_l2_weight": "shared_l2.weight", "shared_l2_sf": "shared_l2.sf",
 }
 GLOBAL_SCALE_KEYS = ("l1_global_scale", "l2_global_scale", "l2_input_scale")
+#: The routed GEMM operands (the rest of a rank file is "extras": ``rank_extras.extra_chunks``).
+ROUTED_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf")
 SHARED_KEYS = ("shared_l1_weight", "shared_l1_sf", "shared_l2_weight", "shared_l2_sf")
 
 

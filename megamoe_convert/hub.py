@@ -41,6 +41,7 @@ from . import __version__, families, jsonio
 from .checkpoint import INDEX_NAME
 from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
 from .output_state import ConvertError, hold_whole_output, owned_path
+from .preflight import check_no_links
 from .placement import PlacementError, parse_ranks
 from .writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
 
@@ -262,6 +263,11 @@ def _download_checked(repo_id: str, commit: str, where: str, manifest: Manifest,
                       force_download: bool, max_workers: int) -> Path:
     """Steps 2 and 3 of :func:`pull`: download at ``commit``, then check against ``manifest``."""
     from_cache = local_dir is not None and huggingface_hub.constants.HF_HUB_OFFLINE
+    if local_dir is not None:  # huggingface_hub writes into local_dir itself: no link on the way, first
+        try:
+            check_no_links(Path(local_dir), sorted({(Path(local_dir) / r.path).parent for r in records}))
+        except OSError as e:
+            raise HubError(f"{e.filename}: {e.strerror}") from None
     path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
                      force_download=force_download, max_workers=max_workers)
     # 3. Check what came down against the manifest (of the same commit).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,10 @@ def read_header(path: Path) -> SafetensorsHeader:
     """Parse and validate a safetensors header; every error names the file."""
     path = Path(path)
     try:
-        file_size = path.stat().st_size
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open below forever
+            raise SafetensorsError(f"{path}: not a regular file")
+        file_size = st.st_size
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:

@@ -448,6 +448,9 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     report = VerifyReport(str(out))
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
+    ckpt = None if source is None else Checkpoint.open(source)  # a source that cannot be read: refused first
+    if ckpt is not None and numerics:
+        numerics_config(ckpt)  # a source whose numbers cannot be computed with, too
     try:
         manifest = read_manifest(out)
     except ManifestError as e:  # not (or no longer) a finished conversion, or one that contradicts itself
@@ -466,10 +469,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: "))
     check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
-    if source is not None:
-        ckpt = Checkpoint.open(source)
-        if numerics:
-            numerics_config(ckpt)  # a source whose numbers cannot be computed with is refused up front
+    if ckpt is not None:
         check_family(manifest, ckpt, report)
         if ckpt.dims != manifest.dims:
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")

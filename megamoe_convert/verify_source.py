@@ -27,9 +27,9 @@ from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .manifest import Manifest, rank_file, rank_shard_specs
 from .safetensors_io import FileCache, SafetensorsError, read_header, tensor_bytes
 
-#: The routed operands, compared slot by slot (``verify.compare_experts``); ``logical_ids`` is
-#: compared with the placement by the integrity level.
-ROUTED_KEYS = frozenset({"l1_weight", "l1_sf", "l2_weight", "l2_sf", "logical_ids"})
+#: Compared elsewhere: the routed operands slot by slot (``verify.compare_experts``), ``logical_ids``
+#: with the placement (the integrity level).
+COMPARED_ELSEWHERE = frozenset({*formats.ROUTED_KEYS, "logical_ids"})
 
 #: Bounds of the config numbers the reference MoE computes with (real values: 1.5 .. 2.83 for the
 #: scaling factor, 10 for swiglu_limit).
@@ -41,11 +41,11 @@ def expected_extras(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical
                     ) -> dict[str, torch.Tensor]:
     """``{key: bytes}`` of every extra tensor of the rank file holding ``logical_ids`` of ``layer``."""
     specs = formats.spec_keys(rank_shard_specs(layer, len(logical_ids), ckpt.dims), layer.prefix)
-    keys = [key for key in specs if key not in ("l1_weight", "l1_sf", "l2_weight", "l2_sf")]
+    keys = [key for key in specs if key not in formats.ROUTED_KEYS]
     chunks = list(rank_extras.extra_chunks(ckpt, files, layer, logical_ids))
     assert len(keys) == len(chunks), (keys, len(chunks))
     return {key: torch.frombuffer(bytearray(tensor_bytes(c)), dtype=torch.uint8)
-            for key, c in zip(keys, chunks) if key not in ROUTED_KEYS}
+            for key, c in zip(keys, chunks) if key not in COMPARED_ELSEWHERE}
 
 
 def compare_extras(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: Any,
