@@ -39,7 +39,10 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
     raw = os.environ.get(f"MEGAMOE_{name}")
     if raw is None:
         return default
-    return jsonio.parse_uint(raw, f"MEGAMOE_{name}", ValueError, low, high)
+    try:  # the one strict parser ('²' passes str.isdigit)
+        return jsonio.parse_uint(raw, f"MEGAMOE_{name}", ValueError, low, high)
+    except ValueError:
+        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}") from None
 
 
 #: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
