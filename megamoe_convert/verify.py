@@ -27,18 +27,28 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formats, layout
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .convert import ExpertReader, NoProgress, Progress
-from .layout import KernelWeights
-from .devices import usable_device
-from .loader import ConvertedModel, LoadError, check_logical_ids, check_shard, load_rank
-from .loader import check_family as check_copied_family
-from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
-from .placement import parse_ranks
-from .safetensors_io import FileCache, SafetensorsError, read_header
-from .verify_source import check_family, compare_extras, compare_non_expert, numerics_config, same_values
-from .writer import file_problems
+from megamoe_convert import layout
+from megamoe_convert.convert.gather import ExpertReader
+from megamoe_convert.devices import usable_device
+from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output.compare import (
+    check_family,
+    compare_extras,
+    compare_non_expert,
+    copied_family_problem,
+    numerics_config,
+    same_values,
+)
+from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, rank_file, read_manifest
+from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import parse_ranks
+from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 
 
 @dataclass
@@ -463,10 +473,8 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
     check_files(out, manifest, report, chosen, progress)
-    try:  # the family install names layers by must be the copied config.json's
-        check_copied_family(ConvertedModel(out, manifest))
-    except LoadError as e:
-        report.problem(MANIFEST_NAME, str(e).removeprefix(f"{out / MANIFEST_NAME}: "))
+    if problem := copied_family_problem(out, manifest):  # install names layers by the family
+        report.problem(MANIFEST_NAME, problem)
     check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:

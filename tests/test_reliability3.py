@@ -18,11 +18,11 @@ import torch
 from conftest import run_cli
 
 from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import seal
-from megamoe_convert.safetensors_io import read_header
+from megamoe_convert.output.manifest import seal
+from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.synth import synthesize
-from megamoe_convert.verify_source import same_values
-from megamoe_convert.writer import file_checksum
+from megamoe_convert.output.compare import same_values
+from megamoe_convert.output.writer import file_checksum
 
 EP2 = ("--ep-size", 2, "--no-fsync")
 RANK0 = "rank-00000-of-00002"

@@ -16,9 +16,9 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
-from . import faults, jsonio
-from .output_state import ConvertError
-from .writer import LinkInOutput, link_refusal
+from megamoe_convert import faults, jsonio
+from megamoe_convert.output.state import ConvertError
+from megamoe_convert.output.writer import LinkInOutput, link_refusal
 
 E = TypeVar("E", bound=Exception)
 

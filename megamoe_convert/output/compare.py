@@ -16,16 +16,21 @@ the model family, and the config numbers ``--numerics`` computes with.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
-from . import formats, jsonio, rank_extras
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .manifest import Manifest, rank_file, rank_shard_specs
-from .safetensors_io import FileCache, SafetensorsError, read_header, tensor_bytes
+from megamoe_convert import jsonio
+from megamoe_convert.output import rank_extras
+from megamoe_convert.output.manifest import Manifest, rank_file, rank_shard_specs
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.families import FamilyError
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header, tensor_bytes
 
 #: Compared elsewhere: the routed operands slot by slot (``verify.compare_experts``), ``logical_ids``
 #: with the placement (the integrity level).
@@ -98,6 +103,22 @@ def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: An
         if not same:
             report.problem(name, f"differs from the source ({b.path.name})")
     report.count("non-expert tensors vs source", len(set(source) & set(converted)))
+
+
+def copied_family_problem(out: Path, manifest: Manifest) -> str | None:
+    """Why the manifest's ``family`` (how install names the layers) is not that of the ``config.json``
+    copied beside it, or ``None``: a relabelled manifest, even resealed, is refused by the loader and
+    listed by ``verify``."""
+    config = out / "config.json"
+    if not any(f.path == "config.json" for f in manifest.files) or not os.path.lexists(config):
+        return None
+    try:
+        family = families.detect(jsonio.read(config, FamilyError, "config.json", jsonio.MAX_CONFIG_BYTES), config)
+    except FamilyError as e:
+        return str(e)
+    if family.name != manifest.family:
+        return f"family is {manifest.family!r}, but {config} is {family.title}'s ({family.name!r}); the manifest was edited"
+    return None
 
 
 def check_family(manifest: Manifest, ckpt: Checkpoint, report: Any) -> None:
