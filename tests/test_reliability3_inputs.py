@@ -190,6 +190,19 @@ def test_n11_a_killed_synth_leaves_nothing_the_rerun_does_not_clean(tmp_path):
     assert (tmp_path / ".other.partial" / "mine.txt").read_text() == "mine"
 
 
+def test_n11_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", "synth", str(tmp_path / "ckpt"),
+                             "--experts", "256", "--layers", "8"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / ".ckpt.partial"
+    deadline = time.monotonic() + 120
+    while not any(partial.glob("*.safetensors")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.terminate()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_n11_synth_failing_midway_removes_its_temporary_folder(tmp_path):
     proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "enospc-after-bytes=300000"})
     last = proc.stderr.strip().splitlines()[-1]  # after its progress lines

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -70,6 +71,11 @@ def run_command(body: Callable[[], Any]) -> Any:
             message += " (nothing partial was kept: free space and rerun the same command to resume)"
         print(f"error: {one_line(message)}", file=sys.stderr)
         raise typer.Exit(2) from None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as Ctrl-C: the command cleans up what it started, then exits 130."""
+    raise KeyboardInterrupt
 
 
 def print_json(data: Any) -> None:
@@ -140,6 +146,7 @@ def synth(
     from megamoe_convert.synth.write import synthesize
 
     def body() -> None:
+        signal.signal(signal.SIGTERM, _interrupt)  # a stopped synth removes its temporary folder
         with ByteProgress(f"synth {preset.value}") as progress:
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
                                 weight_format=weight_format, weight_dtype=weight_dtype and weight_dtype.value,
