@@ -370,10 +370,11 @@ def convert(
 
 
 # Commands that live in modules of their own (one concept each).
-from . import cli_fleet, cli_verify  # noqa: E402
+from . import cli_fleet, cli_preload, cli_verify  # noqa: E402
 
 cli_verify.register(app, run_command, print_json)
 cli_fleet.register(app, run_command, print_json)
+cli_preload.register(app, run_command, print_json)
 
 
 def main() -> None:

@@ -49,11 +49,23 @@ def make_loader_class(default_loader: type) -> type:
     return MegaMoEModelLoader
 
 
+_registered = False
+
+
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register ``--load-format megamoe`` (no-op without vLLM)."""
+    """``vllm.general_plugins`` entry point: register ``--load-format megamoe`` and, vLLM >= 0.33,
+    the weight cache's conversion-aware key and ``ipc_cache`` fallback (:mod:`.vllm_preload`).
+    Once per process; no-op without vLLM."""
+    global _registered
     try:
         from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
     except ImportError:
         log.debug("megamoe: vllm not importable; --load-format megamoe not registered")
         return
+    if _registered:
+        return
+    _registered = True
     register_model_loader(LOAD_FORMAT)(make_loader_class(DefaultModelLoader))
+    from .vllm_preload import register_weight_cache
+
+    register_weight_cache()
