@@ -350,3 +350,17 @@ def test_megamoe_preload_refuses_what_the_daemon_cannot_serve(engine_converted, 
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and lines[-1].startswith("error: ") and message in lines[-1], done.stderr
         assert "weight-cache-target" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_daemon_smoke(tmp_path):
+    """``benchmarks/bench_daemon.py --smoke``: every role in its own process on the CPU, the daemon's
+    experts mapped by an engine, all kernel views identical."""
+    save = tmp_path / "smoke.json"
+    done = subprocess.run([sys.executable, Path(__file__).parents[2] / "benchmarks" / "bench_daemon.py", "--smoke",
+                           "--work", tmp_path / "work", "--save", save], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = __import__("json").loads(save.read_text())
+    roles = [key if key != "daemon" else f"daemon-{r[key]['from']}" for r in result["runs"] for key in r
+             if key != "dropped"]
+    assert sorted(roles) == ["daemon-prebaked", "daemon-source", "engine", "install"]
+    assert result["identical"] and result["setup"]["rank_bytes"] > 0
