@@ -196,7 +196,7 @@ def role_install(args: argparse.Namespace) -> None:
     import torch
     import vllm_harness  # noqa: F401  (vLLM's modules: imported, as in the other roles, before the clock)
 
-    from megamoe_convert.loader import prepare_gpu_staging
+    from megamoe_convert.serve.loader import prepare_gpu_staging
     from megamoe_convert.vllm_integration import install
 
     imported = time.perf_counter()

@@ -27,16 +27,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formats, layout
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .convert import ExpertReader, NoProgress, Progress
-from .layout import KernelWeights
-from .devices import usable_device
-from .loader import LoadError, check_logical_ids, check_shard, load_rank
-from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
-from .placement import parse_ranks
-from .safetensors_io import FileCache, SafetensorsError, read_header
-from .writer import file_problems
+from megamoe_convert import layout
+from megamoe_convert.convert.gather import ExpertReader
+from megamoe_convert.devices import usable_device
+from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, rank_file, read_manifest
+from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import parse_ranks
+from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 
 
 @dataclass

@@ -36,13 +36,14 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..loader import LoadError, open_converted
-from ..manifest import MANIFEST_NAME, RANK_DIR
-from . import InstallError, require_engine
-from .load_format import LOAD_FORMAT
+from megamoe_convert.engines import InstallError, require_engine, vllm_loader
+from megamoe_convert.engines.load_format import LOAD_FORMAT
+from megamoe_convert.output.manifest import MANIFEST_NAME, RANK_DIR
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import open_converted
 
-__all__ = ["conversion_fingerprint", "daemon_entry", "daemon_refusal", "prepare_daemon", "register_weight_cache",
-           "run_preload"]
+__all__ = ["conversion_fingerprint", "daemon_entry", "daemon_refusal", "prepare_daemon", "register",
+           "register_weight_cache", "run_preload"]
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +139,25 @@ def daemon_refusal(model: str | Path) -> str | None:
 # Registration: the vLLM plugin (engine) and each spawned daemon
 # --------------------------------------------------------------------------------------
 
+_registered = False
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point (``vllm_integration.register``): ``--load-format
+    megamoe`` (:mod:`.vllm_loader`) and, vLLM >= 0.33, the weight cache's part
+    (:func:`register_weight_cache`). Once per process (a spawned daemon may run it twice); no-op
+    without vLLM."""
+    global _registered
+    if _registered:
+        return
+    vllm_loader.register()
+    register_weight_cache()
+    _registered = True
+
+
 def register_weight_cache() -> None:
-    """Called by the ``vllm.general_plugins`` entry point: the extended cache key, and an
-    ``ipc_cache`` loader whose disk fallback serves a conversion's experts. No-op before vLLM 0.33."""
+    """The extended cache key, and an ``ipc_cache`` loader whose disk fallback serves a
+    conversion's experts. No-op before vLLM 0.33 (and without vLLM)."""
     try:
         import importlib
 
@@ -195,8 +212,6 @@ def prepare_daemon() -> None:
     """In a spawned daemon: the general plugins, as an engine worker loads them, and
     megamoe-convert's registration even where its entry point is not installed."""
     from vllm.plugins import load_general_plugins
-
-    from .vllm_loader import register
 
     load_general_plugins()
     register()  # once per process: a no-op when the entry point above already ran it
@@ -253,8 +268,6 @@ def run_preload(model: str, argv: Sequence[str] = ()) -> None:
     import importlib
 
     from vllm.entrypoints.cli.preload import PreloadSubcommand
-
-    from .vllm_loader import register
 
     register()  # this process builds the engine config: the load format must be known here too
     daemon = importlib.import_module(f"{WEIGHT_CACHE}.daemon")

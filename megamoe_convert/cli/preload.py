@@ -1,4 +1,4 @@
-"""``megamoe preload`` (registered into the main app by cli.py): vLLM 0.33's weight-cache daemons
+"""``megamoe preload`` (registered into the main app by cli/__init__.py): vLLM 0.33's weight-cache daemons
 serving a conversion (:mod:`megamoe_convert.engines.vllm_preload`)."""
 
 from __future__ import annotations
@@ -22,6 +22,6 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         """Start vLLM's weight-cache daemons (vLLM >= 0.33, one per GPU) from a conversion's pre-baked
         shards, so engines started with --load-format ipc_cache map the experts with no disk read.
         Refuses redundant experts, EPLB and NVFP4 (the weight cache cannot carry them)."""
-        from .engines.vllm_preload import run_preload
+        from megamoe_convert.engines.vllm_preload import run_preload
 
         run_command(lambda: run_preload(model, ctx.args))
