@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-COMMAND = ("PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_daemon.py --work /tmp/daemon "
-           "[--cold] --save benchmarks/results/daemon-h100[-cold].json")
+COMMAND = ("`benchmarks/device_startup.sh setup && benchmarks/device_startup.sh daemon` (each run: "
+           "`PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_daemon.py [--cold] --save "
+           "benchmarks/results/daemon-h100-warm.json`)")
 
 
 def _row(name: str, what: str, best: dict[str, float], total: str, part: str) -> list[str]:
@@ -29,7 +30,7 @@ cold start from the pre-baked shards (`megamoe preload`) and from the source wit
     files = sorted(RESULTS.glob("daemon-*.json"))
     if not files:
         return head + f"""
-Not measured yet: run `{COMMAND}` on a GPU machine, then `python benchmarks/make_report.py`.
+Not measured yet: run {COMMAND} on a GPU machine, then `python benchmarks/make_report.py`.
 """
     parts = [head]
     for path in files:
