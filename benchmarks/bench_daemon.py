@@ -58,12 +58,16 @@ def device():
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def tree(args: argparse.Namespace):
-    """The MegaMoE model tree of vLLM's own classes; its ``load_weights`` gets what vLLM's loader
-    reads, routed experts only (the tree holds no attention or dense layers)."""
+def tree(args: argparse.Namespace, on: Any = None):
+    """The MegaMoE model tree of vLLM's own classes (on the device ``on``, else the current default:
+    ``meta`` in the engine); its ``load_weights`` gets what vLLM's loader reads, routed experts only
+    (the tree holds no attention or dense layers)."""
+    import torch
+
     import vllm_harness as h
 
-    model = h.build_main_model(h.hf_config(Path(args.model)), args.rank, args.ep_size, 0)
+    with torch.device(on) if on is not None else contextlib.nullcontext():
+        model = h.build_main_model(h.hf_config(Path(args.model)), args.rank, args.ep_size, 0)
     real = model.load_weights
 
     def load_weights(weights):
@@ -143,8 +147,9 @@ def role_daemon(args: argparse.Namespace) -> None:
         daemon = daemon_py.WeightCacheDaemon(config, global_rank=0, local_rank=0, distributed_init_method="",
                                              socket_dir=args.socket_dir)
         configured = time.perf_counter()
-        build = lambda self, vllm_config, model_config, prefix="": tree(args)  # noqa: E731
-        with set_current_vllm_config(config), torch.device(dev), \
+        # vLLM's get_model builds under its configured device (the CPU platform's): the GPU explicitly
+        build = lambda self, vllm_config, model_config, prefix="": tree(args, dev)  # noqa: E731
+        with set_current_vllm_config(config), \
                 mock.patch("vllm.model_executor.model_loader.base_loader.BaseModelLoader.create_model", build):
             daemon.model = daemon.get_model()
         sync()
@@ -204,8 +209,8 @@ def role_install(args: argparse.Namespace) -> None:
     if dev.type == "cuda":
         torch.empty(1, device=dev)
     prepare_gpu_staging()
-    with patches(args), torch.device(dev):
-        model = tree(args)
+    with patches(args):
+        model = tree(args, dev)
         sync()
         built = time.perf_counter()
         install(model, args.model, rank=args.rank)
@@ -221,29 +226,34 @@ def role_install(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------
 
 def spawn(role: str, model: Path, args: argparse.Namespace, socket_dir: str) -> subprocess.Popen:
+    """A child; its stderr (vLLM's progress bars, warnings) goes to a file, never a pipe that fills."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
                                                          str(REPO / "tests" / "engines")])}
     cmd = [sys.executable, __file__, "--role", role, "--model", str(model), "--rank", str(args.rank),
            "--ep-size", str(args.ep_size), "--socket-dir", socket_dir]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err = open(args.work / f"{role}-{time.time_ns()}.err", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc.err_path = err.name  # type: ignore[attr-defined]
+    return proc
 
 
 def first_json(proc: subprocess.Popen, timeout: float) -> dict[str, Any]:
-    """The child's JSON report (a daemon goes on serving after it)."""
+    """The child's JSON report (a daemon goes on serving after it: its stdout is drained on)."""
     box: list[str] = []
+    got = threading.Event()
 
     def read() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("{"):
+            if line.startswith("{") and not box:
                 box.append(line)
-                return
+                got.set()
+        got.set()
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
+    threading.Thread(target=read, daemon=True).start()
+    got.wait(timeout)
     if not box:
         proc.kill()
-        raise RuntimeError(f"{proc.args[3]} gave no report:\n{proc.stderr.read()[-4000:]}")  # type: ignore
+        raise RuntimeError(f"{proc.args[3]} gave no report:\n{Path(proc.err_path).read_text()[-4000:]}")  # type: ignore
     return json.loads(box[0])
 
 
@@ -301,6 +311,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", 2, 8, 4, 1
     args.src, args.out = args.work / "src", args.work / f"out-ep{args.ep_size}"
+    args.work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"setup": setup(args), "rank": args.rank, "ep_size": args.ep_size, "cold": args.cold,
                               "runs": []}
     for _ in range(args.repeats):
