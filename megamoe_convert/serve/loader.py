@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -35,6 +35,7 @@ from megamoe_convert.output.manifest import (
     read_manifest,
 )
 from megamoe_convert.output.writer import FileRecord, file_problems
+from megamoe_convert.placement import Placement
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CheckpointError, parse_layer_spec
@@ -109,6 +110,12 @@ class ConvertedModel:
 
     path: Path
     manifest: Manifest
+    #: Serving from a store: each layer's placement as the engine built it (the install driver's).
+    placements: dict[MoELayer, Placement] = field(default_factory=dict)
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement ``layer`` is served with: the engine's (a store), else the conversion's."""
+        return self.placements.get(layer) or self.manifest.placement_for(layer)
 
     @property
     def weight_format(self) -> str:
