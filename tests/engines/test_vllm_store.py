@@ -76,3 +76,25 @@ def test_a_module_with_fewer_slots_than_experts_is_refused(engine_ckpt, engine_s
         with pytest.raises(InstallError, match=r"model.layers.0.ffn.experts: cannot be served from the store .* "
                                                r"\(layers.0: 8 logical experts\)"):
             install(main, engine_store, rank=0)
+
+
+@pytest.mark.parametrize("ep_size,redundant,rank", [(2, 2, 1), (8, 8, 6)])
+def test_load_format_megamoe_serves_a_store_at_vllms_own_ep_rank(engine_ckpt, engine_store, ep_size, redundant, rank):
+    """``--load-format megamoe`` on a store: the rank, EP size and redundant slots are vLLM's own
+    (its EP group, its modules), the main model and the MTP draft alike; the rest loads as usual."""
+    from test_vllm_load_format import load, megamoe_loader, recording
+
+    config = h.hf_config(engine_ckpt)
+    with h.patched(rank, ep_size):
+        ref_main, ref_mtp = build(config, rank, ep_size, redundant)
+        h.vllm_load(ref_main, ref_mtp, engine_ckpt)
+        main, mtp = build(config, rank, ep_size, redundant)
+        seen = recording(main)
+        recording(mtp)
+        load(megamoe_loader(), main, engine_store)
+        load(megamoe_loader(), mtp, engine_store)
+        want = {**h.experts_of(ref_main), **h.experts_of(ref_mtp)}
+        for prefix, module in {**h.experts_of(main), **h.experts_of(mtp)}.items():
+            h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want[prefix]), prefix)
+    assert seen and not any(".experts." in name and ".shared_experts." not in name for name in seen)
+    assert any(name.startswith("layers.0.attn.") for name in seen)
