@@ -149,3 +149,48 @@ def test_bad_slots_and_a_tampered_store_are_refused_naming_the_file(tiny_store, 
     with pytest.raises(LoadError, match=r"copy/experts/layers.0.safetensors: .*size"):
         store.load_slots(open_converted(copy), {layer: (0,)})
     assert safetensors_io.read_header(path).metadata["store"] == "logical-experts"
+
+
+def test_verify_checks_a_store_against_its_source_and_finds_a_flipped_byte(tiny_ckpt, tiny_store, tmp_path):
+    report = json.loads(run_cli("verify", tiny_store, "--source", tiny_ckpt, "--numerics", "--json").stdout)
+    assert report["ok"], report["problems"]
+    assert report["checks"]["rank shards"] == 3 and report["checks"]["expert slots vs source"] == 3 * 8
+    assert report["numerics"]["max_abs_err"] == 0.0 and report["numerics"]["layers"] == 3
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_store, copy)
+    path = copy / "experts/layers.1.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    proc = run_cli("verify", copy, "--json", check=False)
+    assert proc.returncode != 0
+    problems = json.loads(proc.stdout)["problems"]
+    assert len(problems) == 1 and problems[0].startswith("experts/layers.1.safetensors: ") and "checksum" in problems[0]
+    (copy / "experts/layers.9.safetensors").write_bytes(b"x")
+    problems = json.loads(run_cli("verify", copy, "--json", check=False).stdout)["problems"]
+    assert any(p.startswith("experts/layers.9.safetensors: not listed") for p in problems)
+
+
+@pytest.mark.parametrize("command,extra", [("inspect", ()), ("plan", ("--engine", "sglang"))])
+def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, command, extra, monkeypatch):
+    data = json.loads(run_cli(command, tiny_store, "--ep-size", 4, "--num-redundant-experts", 4, *extra,
+                              "--json").stdout)
+    assert data["ep_size"] == 4 and data["num_redundant"] == 4 and len(data["ranks"]) == 4
+    converted = open_converted(tiny_store)
+    assert data["store_expert_bytes"] == sum(f.size for f in converted.manifest.files if f.path.startswith("experts/"))
+    counter = CountingReads(monkeypatch)
+    from megamoe_convert.placement import layer_placement
+    engine = "sglang" if extra else "vllm"
+    for rank, row in enumerate(data["ranks"]):
+        placements = {l: layer_placement(engine, Placement.default(8, 4, 4), l.is_mtp, 8) for l in converted.manifest.layers}
+        before, calls = counter.bytes, counter.calls
+        store.load_slots(converted, {l: p.rank_logical_ids(rank) for l, p in placements.items()})
+        assert row["read_bytes"] == counter.bytes - before and row["reads"] == counter.calls - calls
+        assert row["range_bytes"] <= row["read_bytes"] and set(row["files"]) == {
+            f"experts/{l.key}.safetensors" for l in converted.manifest.layers}
+    if extra:  # SGLang builds the MTP layer without redundant experts: 2 slots a rank, not 3
+        block = sum(n for _, n in data["ranks"][0]["files"]["experts/layers.0.safetensors"]) // 3  # + shared
+        assert sum(n for _, n in data["ranks"][0]["files"]["experts/mtp.0.safetensors"]) < block * 3
+    text = " ".join(run_cli(command, tiny_store, "--ep-size", 8).stdout.split())
+    assert "what each rank of EP 8 (0 redundant" in text and "distinct ranges" in text

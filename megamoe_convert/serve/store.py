@@ -26,6 +26,7 @@ import torch
 from megamoe_convert.jsonio import one_line
 from megamoe_convert.output.manifest import Manifest, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import Placement
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
@@ -222,3 +223,33 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
     _fill({layer: out / records[layer].path for layer in slots}, reads, dests)
     return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer]), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
+
+
+# --------------------------------------------------------------------------------------
+# What a rank reads (inspect / plan, hub pulls): from the manifest alone
+# --------------------------------------------------------------------------------------
+
+def merged_ranges(reads: Sequence[Read]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of the file ranges ``reads`` cover, sorted, touching/overlapping ones merged
+    (a redundant slot's block is one range however many slots re-read it)."""
+    ranges: list[list[int]] = []
+    for start, end in sorted((r.file_offset, r.file_offset + r.nbytes) for r in reads):
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], end)
+        else:
+            ranges.append([start, end])
+    return [(start, end - start) for start, end in ranges]
+
+
+def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], rank: int) -> dict[str, object]:
+    """What ``rank`` reads of a store under ``placements`` (each layer's): bytes read (redundant slots
+    re-read their expert's block), reads issued, and the distinct file ranges per store file."""
+    read_bytes, count, files = 0, 0, {}
+    for layer, placement in placements.items():
+        reads = rank_read_plan(manifest, layer, placement.rank_logical_ids(rank))
+        read_bytes += sum(r.nbytes for r in reads)
+        count += len(reads)
+        files[store_file(layer)] = merged_ranges(reads)
+    return {"rank": rank, "read_bytes": read_bytes, "reads": count,
+            "range_bytes": sum(n for ranges in files.values() for _, n in ranges),
+            "ranges": sum(len(r) for r in files.values()), "files": files}
