@@ -23,8 +23,9 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megamoe_convert import jsonio
 from megamoe_convert.jsonio import one_line
-from megamoe_convert.output.manifest import Manifest, rank_shard_specs, store_file, store_metadata
+from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import loader
@@ -40,6 +41,11 @@ from megamoe_convert.source.safetensors_io import (
     read_header,
     read_into,
 )
+
+
+#: ``OUT/.megamoe/ranges.json``: a ranged hub pull's record of the store ranges it fetched
+#: (:mod:`.hub_ranges`); where it exists, a load reads nothing outside them.
+RANGES_NAME = "ranges.json"
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,23 @@ def check_ids(where: str, ids: Sequence[int], n_logical: int) -> tuple[int, ...]
 # Filling
 # --------------------------------------------------------------------------------------
 
+def check_pulled(out: Path, reads: Mapping[str, Sequence[Read]]) -> None:
+    """A store pulled by ranges (``pull --ep-size``) holds only them: every read must lie inside one."""
+    path = out / STATE_DIR / RANGES_NAME
+    if not path.exists():
+        return
+    record = jsonio.read(path, LoadError, "ranged pull record")
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise LoadError(f"{path}: not a ranged pull record (expected {{\"files\": {{path: [[offset, nbytes], ...]}}}})")
+    for rel, file_reads in reads.items():
+        have = files.get(rel) or []
+        for read in file_reads:
+            if not any(start <= read.file_offset and read.file_offset + read.nbytes <= start + n for start, n in have):
+                raise LoadError(f"{out / rel}: bytes {read.file_offset}..{read.file_offset + read.nbytes} ({read.key}) "
+                                f"were not pulled (see {path}): pull these ranks with `megamoe pull --ep-size`")
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1)
 
@@ -220,6 +243,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
                             for key, spec in specs.items()}
     reads = {layer: plan_reads(entries[layer], manifest.dims.experts_of(layer), ids[layer], list(dests[layer]))
              for layer in slots}
+    check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()})
     _fill({layer: out / records[layer].path for layer in slots}, reads, dests)
     return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer]), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
