@@ -194,3 +194,23 @@ def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, comma
         assert sum(n for _, n in data["ranks"][0]["files"]["experts/mtp.0.safetensors"]) < block * 3
     text = " ".join(run_cli(command, tiny_store, "--ep-size", 8).stdout.split())
     assert "what each rank of EP 8 (0 redundant" in text and "distinct ranges" in text
+
+
+def test_the_store_benchmark_runs_its_cpu_smoke_mode(tmp_path):
+    """benchmarks/bench_store.py --quick: first calls in fresh processes, store vs per-rank form."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
+                           str(tmp_path / "work"), "--save", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((tmp_path / "out.json").read_text()) | {"on_disk": summary["on_disk"]}
+    (row,) = summary["rows"]
+    assert row["ep_size"] == 2 and row["rank"] == 1 and row["same_bytes"] is True
+    for key in ("per_rank_warm", "store_warm", "host_read", "h2d_pinned"):
+        assert row[key]["seconds"] > 0 and row[key]["gb_per_s"] > 0, key
+    disk = summary["on_disk"]["2"]
+    assert disk["store_expert_bytes"] < disk["per_rank_expert_bytes_all_ranks"]  # the shared expert once, not twice
