@@ -214,3 +214,22 @@ def test_the_store_benchmark_runs_its_cpu_smoke_mode(tmp_path):
         assert row[key]["seconds"] > 0 and row[key]["gb_per_s"] > 0, key
     disk = summary["on_disk"]["2"]
     assert disk["store_expert_bytes"] < disk["per_rank_expert_bytes_all_ranks"]  # the shared expert once, not twice
+
+
+@pytest.mark.parametrize("weight_format", ["nvfp4", "mxfp8"])
+def test_a_store_of_another_weight_format_serves_any_ranks_slots_with_its_extras(tmp_path, weight_format):
+    """NVFP4's per-expert global scales follow the slots; its every-expert input scales are per layer."""
+    src = tmp_path / "src"
+    run_cli("synth", src, "--format", weight_format, "--experts", 4, "--layers", 1, "--mtp-layers", 0)
+    run_cli("convert", src, tmp_path / "store", "--experts-only")
+    run_cli("convert", src, tmp_path / "ep2", "--ep-size", 2, "--num-redundant-experts", 2, "--experts-only")
+    converted, placement = open_converted(tmp_path / "store"), Placement.default(4, 2, 2)
+    for rank in range(2):
+        want = load_rank(tmp_path / "ep2", rank)
+        got = store.load_slots(converted, {l: placement.rank_logical_ids(rank) for l in converted.manifest.layers})
+        for prefix, layer in want.items():
+            assert set(got[prefix].tensors) == set(layer.tensors)
+            for key, t in layer.tensors.items():
+                assert torch.equal(got[prefix].tensors[key], t), (rank, key)
+    if weight_format == "nvfp4":
+        assert {"l1_global_scale", "l2_input_scale", "l2_input_scale_all"} <= set(layer.tensors)

@@ -66,3 +66,26 @@ def test_a_table_naming_an_expert_the_store_lacks_is_refused_before_any_module_c
         for prefix, module in h.experts_of(nextn).items():
             assert not module._mega_moe_weights_built
             assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix]))
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_load_format_megamoe_serves_a_store_at_sglangs_own_ep_rank(sglang_ckpt, sglang_store, rank):
+    """``--load-format megamoe`` on a store: rank, EP size and placement are SGLang's own (its parallel
+    context, its expert-location table), main model and NextN draft alike; the rest loads as usual."""
+    from test_sglang_load_format import load, megamoe_loader, recording
+
+    config = h.hf_config(sglang_ckpt)
+    with h.patched(rank, EP_SIZE, REDUNDANT, init_expert_location=json.dumps({"physical_to_logical_map": TABLE})):
+        ref_main, ref_nextn = h.build_main_model(config, rank, REDUNDANT), h.build_nextn_model(config)
+        h.sglang_load(ref_main, sglang_ckpt)
+        h.sglang_load(ref_nextn, sglang_ckpt)
+        main, nextn = h.build_main_model(config, rank, REDUNDANT), h.build_nextn_model(config)
+        seen = recording(main)
+        recording(nextn)
+        load(megamoe_loader(), main, sglang_store, sglang_ckpt)  # SGLang's post-processing runs here too
+        load(megamoe_loader(), nextn, sglang_store, sglang_ckpt)
+        want = {**h.experts_of(ref_main), **h.experts_of(ref_nextn)}
+        for prefix, module in {**h.experts_of(main), **h.experts_of(nextn)}.items():
+            for name, tensor in h.state(module).items():
+                h.assert_same_tensor(tensor, h.state(want[prefix])[name], f"{prefix}.{name}")
+    assert seen and not any(".experts." in name and ".shared_experts." not in name for name in seen)
