@@ -107,3 +107,13 @@ def test_a_store_file_whose_header_is_not_the_manifests_is_refused(pushed, tmp_p
     pushed.commit(REPO_ID, None, {rel: bytes(data)}, "tamper")
     with pytest.raises(HubError, match=r"experts/layers.0.safetensors: header differs"):
         pull_ranges(REPO_ID, tmp_path / "node", 4, "0", non_expert=False, verify=False)
+
+
+def test_a_store_by_repo_id_loads_any_rank_after_pulling_it_whole(pushed, local_store):
+    """``load_slots`` / ``install`` on ``owner/name``: the store's slots are the engine's, unknown
+    before the model exists, so the whole store is pulled (``pull --ep-size`` for a node's ranges)."""
+    converted = open_converted(REPO_ID, [5])
+    assert {p for p in pushed.downloaded if p.startswith("experts/")} == {
+        f"experts/{k}.safetensors" for k in ("layers.0", "layers.1", "mtp.0")}
+    same(store.load_slots(converted, slots(converted, 5)), store.load_slots(open_converted(local_store),
+                                                                            slots(converted, 5)))

@@ -161,7 +161,7 @@ class PullResult:
 
 
 def _parse_pull_ranks(ranks: str | Iterable[int] | None, manifest: Manifest, where: str) -> list[int]:
-    if ranks is None:
+    if ranks is None or manifest.store:  # a store's ranks are the engine's: whole (or `pull --ep-size`)
         return list(manifest.ranks)
     try:
         chosen = parse_ranks(ranks, manifest.ep_size) if isinstance(ranks, str) else sorted(set(ranks))
