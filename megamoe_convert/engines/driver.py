@@ -16,8 +16,8 @@ from typing import Protocol, Sequence
 from torch import nn
 
 from megamoe_convert.engines import Contract, InstallError, require_engine
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.placement import Placement, PlacementError
+from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
 from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS

@@ -30,7 +30,7 @@ from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_spec
 from megamoe_convert.output.writer import partial_path
 from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
 from megamoe_convert.serve import store
-from megamoe_convert.serve.hub import HubError, _describe, _hub_errors, pull
+from megamoe_convert.serve.hub import HubError, _hub_errors, pull
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import encode_header
 
