@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from megamoe_convert.engines import InstallError, require_engine, vllm_loader
 from megamoe_convert.engines.load_format import LOAD_FORMAT
-from megamoe_convert.output.manifest import MANIFEST_NAME, RANK_DIR
+from megamoe_convert.output.manifest import MANIFEST_NAME, RANK_DIR, STORE_DIR
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import open_converted
 
@@ -72,14 +72,16 @@ def _header(path: Path) -> bytes:
 
 def conversion_fingerprint(model: str | Path) -> bytes | None:
     """The manifest's bytes (it lists every rank file with its size and checksum) and every rank
-    file's header; None when ``model`` is no local conversion (a hub id, a plain checkpoint)."""
+    file's (or a store's layer file's) header; None when ``model`` is no local conversion (a hub
+    id, a plain checkpoint)."""
     root = Path(model)
     manifest = root / MANIFEST_NAME
     if not root.is_dir() or not manifest.is_file():
         return None
     digest = hashlib.sha256(KEY_TAG)
     digest.update(manifest.read_bytes())
-    for rank_dir in sorted(p for p in root.iterdir() if p.is_dir() and RANK_DIR.fullmatch(p.name)):
+    for rank_dir in sorted(p for p in root.iterdir() if p.is_dir() and (RANK_DIR.fullmatch(p.name)
+                                                                         or p.name == STORE_DIR)):
         for path in sorted(rank_dir.glob("*.safetensors")):
             digest.update(f"{rank_dir.name}/{path.name}\0".encode())
             digest.update(_header(path))
@@ -126,7 +128,8 @@ def daemon_refusal(model: str | Path) -> str | None:
     """Why ``megamoe preload`` must not start daemons for ``model`` (None: it may)."""
     try:
         converted = open_converted(model, ())
-        require_engine(converted, "vllm")
+        if not converted.manifest.store:  # a store holds no engine's placement: vLLM's is read at install
+            require_engine(converted, "vllm")
     except (LoadError, InstallError) as e:
         return f"{e}"
     if converted.manifest.experts_only:

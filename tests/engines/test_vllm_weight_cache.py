@@ -211,7 +211,8 @@ def test_engine_maps_a_daemons_conversion_byte_exact(engine_ckpt, ep4, socket_di
 
 def test_cache_key_tells_conversions_apart(engine_ckpt, ep4, ep2, tmp_path):
     """vLLM's key hashes the top-level shards' headers only: the same for every conversion of one
-    source. With megamoe-convert registered it also hashes the manifest and the rank files."""
+    source. With megamoe-convert registered it also hashes the manifest and the rank files (or a
+    store's layer files)."""
     protocol = wc("protocol")
     plugins()
     vllm_hash = protocol.hash_checkpoint.__wrapped__
@@ -225,6 +226,8 @@ def test_cache_key_tells_conversions_apart(engine_ckpt, ep4, ep2, tmp_path):
     with mock.patch.object(protocol, "hash_checkpoint", vllm_hash):
         assert key(ep4) == key(ep2)  # what vLLM alone cannot tell apart
     assert key(ep4).mismatched_fields(key(ep2)) == ["checkpoint"]
+    store = run_convert(engine_ckpt, tmp_path / "store")  # no --ep-size: the rank-agnostic store
+    assert len({key(ep4).checkpoint, key(ep2).checkpoint, key(store).checkpoint}) == 3
     assert key(copy) == key(ep4)  # identical weights in another directory still match, as vLLM intends
     assert protocol.hash_checkpoint(str(engine_ckpt)) == vllm_hash(str(engine_ckpt))  # a plain checkpoint: vLLM's
     (copy / "rank-00001-of-00004" / "layers.1.safetensors").unlink()
