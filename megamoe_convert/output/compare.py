@@ -25,7 +25,7 @@ import torch
 
 from megamoe_convert import jsonio
 from megamoe_convert.output import rank_extras
-from megamoe_convert.output.manifest import Manifest, rank_file, rank_shard_specs
+from megamoe_convert.output.manifest import Manifest, rank_shard_specs
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.families import FamilyError
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
@@ -57,7 +57,7 @@ def compare_extras(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
                    pairs: Iterable[tuple[int, MoELayer]], progress: Callable[[str], None] | None = None) -> None:
     """Every extra tensor of each ``(rank, layer)``'s file equals the source's, byte for byte."""
     for rank, layer in pairs:
-        rel = rank_file(rank, manifest.ep_size, layer)
+        rel = manifest.expert_file(layer, rank)
         where = f"rank {rank} {layer.key}"
         try:
             want = expected_extras(ckpt, files, layer, manifest.placement_for(layer).rank_logical_ids(rank))
