@@ -151,6 +151,11 @@ def read(path: Path, error: type[E], what: str = "JSON file", max_bytes: int = M
 _ASCII_UINT = re.compile(r"[0-9]{1,18}")
 
 
+def is_uint(text: str) -> bool:
+    """``text`` is 1-18 ASCII digits (what :func:`parse_uint` takes)."""
+    return isinstance(text, str) and _ASCII_UINT.fullmatch(text) is not None
+
+
 def parse_uint(text: str, what: str, error: type[E], lo: int = 0, hi: int = MAX_INT) -> int:
     """``text`` as a non-negative integer in ``lo..hi``: ASCII digits only (``str.isdigit`` and
     ``int`` also take ``'²'``, ``'٣'``, ``' 3'``, ``'3_0'``), no sign, at most 18 of them."""

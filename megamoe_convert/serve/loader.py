@@ -55,10 +55,9 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
     raw = os.environ.get(f"MEGAMOE_{name}")
     if raw is None:
         return default
-    try:  # the one strict parser ('²' passes str.isdigit)
-        return jsonio.parse_uint(raw, f"MEGAMOE_{name}", ValueError, low, high)
-    except ValueError:
-        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}") from None
+    if not jsonio.is_uint(raw) or not low <= int(raw) <= high:  # the one strict parser's digits ('²' is not one)
+        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
+    return int(raw)
 
 
 #: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
@@ -159,14 +158,9 @@ def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | No
         converted = ConvertedModel(path, read_manifest(path))
     except ManifestError as e:
         raise LoadError(str(e)) from None
-    check_family(converted)
+    if problem := copied_family_problem(path, converted.manifest):  # a relabelled family, even resealed
+        raise LoadError(f"{path / MANIFEST_NAME}: {problem}")
     return converted
-
-
-def check_family(converted: ConvertedModel) -> None:
-    """The manifest's ``family`` must be that of the copied ``config.json`` (:func:`copied_family_problem`)."""
-    if problem := copied_family_problem(converted.path, converted.manifest):
-        raise LoadError(f"{converted.path / MANIFEST_NAME}: {problem}")
 
 
 # --------------------------------------------------------------------------------------
@@ -255,14 +249,11 @@ def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...])
     """The shard says which logical experts it holds; it must be what the placement says."""
     # Host memory even under an engine's ``with torch.device(...)`` context.
     stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")
+    fd = os.open(path, os.O_RDONLY)  # an OSError: load_rank's LoadError, verify's problem
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            read_into(fd, entry.begin, stored, path)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise LoadError(f"{path}: cannot be read ({e.strerror or e})") from None
+        read_into(fd, entry.begin, stored, path)
+    finally:
+        os.close(fd)
     if tuple(stored.tolist()) != expected:
         raise LoadError(f"{path}: holds logical experts {stored.tolist()}, but manifest.json's placement gives "
                         f"this rank {list(expected)}")
@@ -489,14 +480,14 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     except DeviceError as e:
         raise LoadError(str(e)) from None
     converted = open_converted(out, [rank])
-    try:
+    try:  # a file or folder that cannot be read (permissions, I/O error) is a LoadError too
         return _load_rank(converted, rank, device, layers, verify, ep_size, into)
-    except OSError as e:  # a file or folder that cannot be read (permissions, I/O error)
+    except OSError as e:
         raise LoadError(one_line(f"{e.filename or converted.path}: cannot be read ({e.strerror or e})")) from None
 
 
-def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
-               verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
+def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None, verify: bool,
+               ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
     out, manifest = converted.path, converted.manifest
     if ep_size is not None and ep_size != manifest.ep_size:
         raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
