@@ -27,12 +27,12 @@ import torch
 from . import faults, formats, layout, rank_extras
 from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, ModelDims, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
-from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, rank_file, rank_shard_metadata,
-                       rank_shard_specs)
+from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, format_ranges, rank_file,
+                       rank_shard_metadata, rank_shard_specs)
 from .output_state import (MERGED_PARTS_DIR, ConvertError, OutputBusy, OutputState, PartState, SourceWatch,
                            check_output_dir, is_done, part_manifest_name, remove_named, stamp_files)
 from .placement import Placement, PlacementError, layer_placement, parse_ranks
-from .safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
+from .safetensors_io import FileCache, TensorEntry, TensorSpec, encode_header, read_into, readv_into
 from .writer import AtomicWriter, FileRecord, write_json_atomic, write_safetensors
 
 __all__ = ["ConvertError", "OutputBusy", "MERGED_PARTS_DIR", "part_manifest_name", "rank_shard_specs"]  # re-exported
@@ -40,6 +40,7 @@ __all__ = ["ConvertError", "OutputBusy", "MERGED_PARTS_DIR", "part_manifest_name
 DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
 NON_EXPERT_SHARD_BYTES = 4 << 30
 COPY_CHUNK_BYTES = 64 << 20
+NON_EXPERT_METADATA = {"format": "pt"}
 
 
 class Cancelled(ConvertError):
@@ -68,6 +69,9 @@ class ConvertOptions:
     shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
     auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
     engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
+    #: Refuse what the engine cannot serve (vLLM: any placement but its default) before any work;
+    #: off only to build such a directory on purpose (tests of ``install``'s own refusal).
+    check_serving: bool = True
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
@@ -82,6 +86,8 @@ def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
 
 
 def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
+    """The decoder layers' placement, checked against every selected layer (an MTP layer with an
+    expert count of its own, SGLang's MTP rule) and against what the engine can serve."""
     family = ckpt.family
     assert family is not None
     if options.engine not in family.engines:
@@ -92,11 +98,73 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                            f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "
                            "drop --num-redundant-experts / --placement")
     n = ckpt.dims.n_routed_experts
+    layers = select_layers(ckpt, options.layers)
     if options.placement_file is not None:
         if options.num_redundant_experts:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
-        return Placement.from_file(options.placement_file, n, options.ep_size)
-    return Placement.default(n, options.ep_size, options.num_redundant_experts)
+        placement = Placement.from_file(options.placement_file, n, options.ep_size)
+        if options.check_serving and options.engine == "vllm" and not placement.is_default():
+            raise ConvertError(f"--placement {options.placement_file}: vLLM serves MegaMoE experts only in its "
+                               f"default placement (slot p holds logical expert p % {n}) and refuses any other at "
+                               "load time; for vLLM use --num-redundant-experts R (EPLB re-balances while serving), "
+                               "or convert for SGLang with --engine sglang")
+    else:
+        try:
+            placement = Placement.default(n, options.ep_size, options.num_redundant_experts)
+        except PlacementError as e:
+            raise PlacementError(f"{e}; {_sizes_text(ckpt, options, layers)}") from None
+    for layer in layers:
+        try:
+            layer_placement(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+        except PlacementError as e:
+            failing = _failing(ckpt, options.engine, placement, layers)
+            keep = [l for l in layers if l not in failing]
+            way_out = f"or leave {', '.join(l.key for l in failing)} out: --layers {layer_spec(keep)}" if keep else ""
+            raise PlacementError(f"{layer.key} ({ckpt.dims.experts_of(layer)} experts): {e}; "
+                                 f"{_sizes_text(ckpt, options, layers)}{'; ' + way_out if way_out else ''}") from None
+    return placement
+
+
+def _failing(ckpt: Checkpoint, engine: str, placement: Placement, layers: Sequence[MoELayer]) -> list[MoELayer]:
+    failing = []
+    for layer in layers:
+        try:
+            layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+        except PlacementError:
+            failing.append(layer)
+    return failing
+
+
+def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: Sequence[MoELayer]) -> list[int]:
+    """The EP sizes for which vLLM's default placement (with ``num_redundant`` experts) builds every
+    one of ``layers`` (MTP layers with their own expert count, the engine's MTP rule included)."""
+    n = ckpt.dims.n_routed_experts
+    sizes = []
+    for size in range(1, n + num_redundant + 1):
+        if (n + num_redundant) % size:
+            continue
+        try:
+            placement = Placement.default(n, size, num_redundant)
+        except PlacementError:
+            continue
+        if not _failing(ckpt, engine, placement, layers):
+            sizes.append(size)
+    return sizes
+
+
+def _sizes_text(ckpt: Checkpoint, options: ConvertOptions, layers: Sequence[MoELayer]) -> str:
+    sizes = working_ep_sizes(ckpt, options.num_redundant_experts, options.engine, layers)
+    redundant = f" with {options.num_redundant_experts} redundant experts" if options.num_redundant_experts else ""
+    what = "every selected MoE layer" if any(l.is_mtp for l in layers) else "these layers"
+    return (f"EP sizes that work for {what}{redundant}: {', '.join(map(str, sizes))}" if sizes else
+            f"no EP size works for {what}{redundant}")
+
+
+def layer_spec(layers: Sequence[MoELayer]) -> str:
+    """The shortest ``--layers`` value selecting exactly ``layers`` (``0-39``, ``0-3,mtp.1``)."""
+    decoder = format_ranges(sorted(l.index for l in layers if not l.is_mtp))
+    mtp = ",".join(l.key for l in layers if l.is_mtp)
+    return ",".join(x for x in (decoder, mtp) if x)
 
 
 @dataclass
@@ -109,6 +177,8 @@ class Unit:
     kind: str  # "small" | "non_expert" | "experts"
     layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
     rank: int | None = None
+    #: The exact size of the file written (header included), from the specs the writer is given.
+    file_size: int = 0
 
 
 @dataclass
@@ -157,7 +227,7 @@ class Plan:
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
                         files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine,
-                        family=self.family)
+                        family=self.family, source_layers=[l.key for l in self.ckpt.layers])
 
     @property
     def family(self) -> str:
@@ -368,7 +438,8 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)
         return write_safetensors(plan.out / rel, plan.out, specs, chunks, metadata, fsync=plan.options.fsync)
 
-    return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank)
+    return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank,
+                file_size=len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs))
 
 
 # --------------------------------------------------------------------------------------
@@ -415,9 +486,10 @@ def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
 
         def run(rel: str = rel, specs: list[TensorSpec] = specs, entries: list[TensorEntry] = entries) -> FileRecord:
             return write_safetensors(plan.out / rel, plan.out, specs, _copy_chunks(files, entries, cancelled),
-                                     {"format": "pt"}, fsync=plan.options.fsync)
+                                     NON_EXPERT_METADATA, fsync=plan.options.fsync)
 
-        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert"))
+        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert",
+                          file_size=len(encode_header(specs, NON_EXPERT_METADATA)) + sum(s.nbytes for s in specs)))
     return units
 
 
@@ -428,7 +500,8 @@ def small_file_units(plan: Plan) -> list[Unit]:
                 while block := f.read(COPY_CHUNK_BYTES):
                     w.write(block)
                 return w.commit()
-        return Unit(src.name, src.stat().st_size, run, "small")
+        size = src.stat().st_size
+        return Unit(src.name, size, run, "small", file_size=size)
     return [unit(p) for p in plan.ckpt.small_files()]
 
 
@@ -488,15 +561,16 @@ class Progress(Protocol):
     """What long jobs report to (``ui.ByteProgress``): ``start`` per phase, then ``advance``."""
 
     def start(self, total_bytes: int, total_files: int, description: str | None = None,
-              unit: str = "files") -> None: ...
-    def advance(self, nbytes: int, path: str, skipped: bool) -> None: ...
+              unit: str = "files", in_bytes: bool = True) -> None: ...
+    def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None: ...
 
 
 class NoProgress:
-    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files",
+              in_bytes: bool = True) -> None:
         pass
 
-    def advance(self, nbytes: int, path: str, skipped: bool) -> None:
+    def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None:
         pass
 
 
@@ -512,11 +586,23 @@ class Summary:
     expert_bytes: int
     seconds: float
     shard: str | None = None  # "i/n" for a part of a split conversion
-    merged: bool | None = None  # a part: whether it found all parts in OUT and merged them
+    merged: bool = False  # a part: whether it found all parts in OUT and merged them
+    #: Seconds spent writing files (the rest: reading the plan, checking what is already done, the manifest).
+    write_seconds: float = 0.0
+    #: :meth:`manifest.Manifest.coverage` of what was converted (partial or servable).
+    coverage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        """Throughput of the files written by this run (files found already done do not count)."""
+        return self.bytes_written / self.write_seconds if self.write_seconds > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
-        data["gb_per_s"] = round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds > 0 else None
+        data["out"] = str(Path(self.out).resolve())
+        data["seconds"], data["write_seconds"] = round(self.seconds, 3), round(self.write_seconds, 3)
+        data["gb_per_s"] = round(self.write_bytes_per_s / 1e9, 3)
+        data["partial"], data["servable"] = bool(self.coverage.get("partial")), bool(self.coverage.get("servable"))
         return data
 
 
@@ -588,7 +674,9 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
             progress.advance(unit.nbytes, unit.path, skipped=True)
         else:
             todo.append(unit)
+    writing = time.perf_counter()
     written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
+    write_seconds = time.perf_counter() - writing
     watch.check()  # every source byte was read: were they the bytes of one unchanged source?
     shard = plan.options.shard
     if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
@@ -601,7 +689,13 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
-                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None)
+                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None,
+                   write_seconds=write_seconds, coverage=_coverage(plan))
+
+
+def _coverage(plan: Plan) -> dict[str, Any]:
+    return Manifest(source={}, dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks, layers=plan.layers,
+                    experts_only=plan.options.experts_only, source_layers=[l.key for l in plan.ckpt.layers]).coverage()
 
 
 def non_expert_index(plan: Plan) -> dict[str, Any] | None:

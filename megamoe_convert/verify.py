@@ -57,6 +57,10 @@ class VerifyReport:
     numerics: dict[str, Any] | None = None
     bytes_hashed: int = 0
     seconds: float = 0.0
+    #: Each phase run (``hash``, ``compare_source``, ``numerics``, ``deep_gemm``): unit, count, bytes, seconds.
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: What the manifest says the conversion holds (:func:`manifest.Manifest.coverage`).
+    coverage: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -68,11 +72,19 @@ class VerifyReport:
     def problem(self, where: str, what: str) -> None:
         self.problems.append(Problem(where, what))
 
+    @property
+    def servable(self) -> bool:
+        return self.ok and bool(self.coverage and self.coverage["servable"])
+
     def to_json(self) -> dict[str, Any]:
-        return {"out": self.out, "ok": self.ok, "problems": [str(p) for p in self.problems], "checks": self.checks,
+        hashing = self.phases.get("hash", {}).get("seconds", 0.0)
+        return {"out": str(Path(self.out).resolve()), "ok": self.ok, "servable": self.servable,
+                "partial": bool(self.coverage and self.coverage["partial"]), "coverage": self.coverage,
+                "problems": [str(p) for p in self.problems],
+                "checks": {k.replace(" ", "_").replace("-", "_"): v for k, v in self.checks.items()},
                 "skipped": self.skipped, "numerics": self.numerics, "bytes_hashed": self.bytes_hashed,
-                "seconds": round(self.seconds, 3),
-                "hash_gb_per_s": round(self.bytes_hashed / self.seconds / 1e9, 3) if self.seconds else None}
+                "seconds": round(self.seconds, 3), "phases": self.phases,
+                "hash_gb_per_s": round(self.bytes_hashed / hashing / 1e9, 3) if hashing > 0 else 0.0}
 
 
 #: Local expert slots per rank and layer that ``--numerics`` runs (dequantised matrices are large).
@@ -93,7 +105,7 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
         report.problem(path, "missing from manifest.json")
     records = [r for r in manifest.files if not r.path.startswith("rank-") or r.path in wanted_rank_files]
     checks = [(out / record.path, record) for record in records]
-    progress.start(sum(r.size for r in records), len(records))
+    progress.start(sum(r.size for r in records), len(records), description="verify: hash", unit="files")
     for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True)):
         report.count("files")
         if problem:
@@ -428,21 +440,40 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
-def start_source_phase(progress: Progress, manifest: Manifest, ckpt: Checkpoint,
-                       slots: dict[tuple[int, MoELayer], list[int]], ranks: Sequence[int], numerics: bool,
-                       deep_gemm: bool) -> None:
-    """The second progress bar: one step per (rank, layer) compared, per non-expert tensor, per
-    (rank, layer) of numerics and of the DeepGEMM cross-check; bytes are the source bytes read."""
+class Phases:
+    """The :class:`Progress` of ``verify``: each phase (hashing, the comparison with the source,
+    numerics, the DeepGEMM cross-check) has its own bar and unit, and its own timing in the report."""
+
+    def __init__(self, progress: Progress, report: "VerifyReport") -> None:
+        self.progress, self.report = progress, report
+        self.name: str | None = None
+        self.started = 0.0
+
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files",
+              in_bytes: bool = True) -> None:
+        self.end()
+        description = description or "verify"
+        self.name, self.started = description.removeprefix("verify: ").replace(" ", "_"), time.perf_counter()
+        self.progress.start(total_bytes, total_files, description=description, unit=unit, in_bytes=in_bytes)
+        self.report.phases[self.name] = {"unit": unit, "count": total_files,
+                                         "bytes": total_bytes if in_bytes else None, "seconds": 0.0}
+
+    def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None:
+        self.progress.advance(nbytes, path, skipped, files)
+
+    def end(self) -> None:
+        if self.name is not None:
+            self.report.phases[self.name]["seconds"] = round(time.perf_counter() - self.started, 3)
+            self.name = None
+
+
+def source_phase_bytes(manifest: Manifest, ckpt: Checkpoint, slots: dict[tuple[int, MoELayer], list[int]]) -> tuple[int, int]:
+    """Bytes and steps of the comparison with the source: every (rank, layer) compared, every non-expert tensor."""
     per_expert = manifest.dims.bytes_per_expert()
     steps = [len(local) * per_expert for local in slots.values()]
     if not manifest.experts_only:
         steps += [e.nbytes for e in ckpt.non_expert_tensors()]
-    if numerics:
-        steps += [min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank) * per_expert
-                  for _ in ranks for layer in manifest.layers]
-    if deep_gemm and deep_gemm_unavailable_reason() is None:
-        steps += [manifest.placement_for(layer).experts_per_rank * per_expert for _, layer in slots]
-    progress.start(sum(steps), len(steps), description="verify vs source", unit="steps")
+    return sum(steps), len(steps)
 
 
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
@@ -459,14 +490,19 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
     if sample is not None and sample < 1:
         raise ValueError(f"--sample {sample}: compare at least one expert slot")
-    progress = progress or NoProgress()
     if numerics:
         usable_device(device)
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
+    phases = Phases(progress or NoProgress(), report)
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
+    if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
+        raise VerifyUsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what "
+                               f"`megamoe convert` wrote (megamoe verify OUT --source {out}); "
+                               f"`megamoe inspect {out}` shows what a checkpoint holds")
+    ckpt = Checkpoint.open(source) if source is not None else None  # a bad --source fails before any hashing
     try:
         manifest = read_manifest(out)
     except ManifestError as e:  # not (or no longer) a finished conversion, or one that contradicts itself
@@ -478,23 +514,41 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     for r in missing:
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
-    check_files(out, manifest, report, chosen, progress)
+    report.coverage = manifest.coverage()
+    check_files(out, manifest, report, chosen, phases)
     check_unlisted_files(out, manifest, report)
     check_rank_shards(out, manifest, report, chosen)
-    if source is not None:
-        ckpt = Checkpoint.open(source)
+    if ckpt is not None:
         if ckpt.dims != manifest.dims:
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
-            start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
             with FileCache() as files:
-                compare_experts(out, manifest, ckpt, files, report, slots, progress)
+                phases.start(*source_phase_bytes(manifest, ckpt, slots), description="verify: compare source",
+                             unit="steps")
+                compare_experts(out, manifest, ckpt, files, report, slots, phases)
                 if not manifest.experts_only:
-                    compare_non_expert(out, ckpt, files, report, progress)
+                    compare_non_expert(out, ckpt, files, report, phases)
                 if numerics:
-                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, progress)
+                    phases.start(0, len(chosen) * len(manifest.layers), description="verify: numerics",
+                                 unit="layers", in_bytes=False)
+                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, phases)
+                if deep_gemm and deep_gemm_unavailable_reason() is None:
+                    phases.start(0, len(slots), description="verify: deep gemm", unit="layers", in_bytes=False)
                 if deep_gemm:
-                    check_deep_gemm(out, manifest, ckpt, files, report, slots, progress)
+                    check_deep_gemm(out, manifest, ckpt, files, report, slots, phases)
+    phases.end()
     report.seconds = time.perf_counter() - started
     return report
+
+
+class VerifyUsageError(ValueError):
+    """``verify`` pointed at something that is not a conversion (a source checkpoint)."""
+
+
+def is_source_checkpoint(path: Path) -> bool:
+    """A directory holding a model's ``config.json`` and safetensors weights, but no manifest."""
+    if (path / STATE_DIR).exists() or any(path.glob("rank-*")) or any(path.glob("manifest.part-*")):
+        return False  # an unfinished conversion: reported as one
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
+                                                  or any(path.glob("*.safetensors")))

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
+from megamoe_convert.convert import ConvertOptions, convert as convert_library
 from megamoe_convert.loader import load_rank
 from megamoe_convert.placement import Placement
 from megamoe_convert.safetensors_io import read_header
@@ -143,8 +144,16 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     placement = [7, 6, 5, 4, 3, 2, 1, 0]
     (tmp_path / "eplb.json").write_text(json.dumps(placement))
     out = tmp_path / "out"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--placement", tmp_path / "eplb.json",
-            "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    args = ("--ep-size", 2, "--placement", tmp_path / "eplb.json", "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    for command, target in (("convert", (out,)), ("plan", ())):  # vLLM would refuse it at load time: refused now
+        proc = run_cli(command, tiny_ckpt, *target, *args[:4], check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "vLLM serves MegaMoE experts only in its default placement" in proc.stderr
+        assert "--num-redundant-experts R" in proc.stderr and "--engine sglang" in proc.stderr
+    assert not out.exists()
+    assert run_cli("plan", tiny_ckpt, *args[:4], "--engine", "sglang", "--json").returncode == 0  # SGLang takes it
+    convert_library(tiny_ckpt, out, ConvertOptions(2, placement_file=tmp_path / "eplb.json", ranks="1",
+                                                   layers="1,mtp", experts_only=True, check_serving=False))
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "config.json", "manifest.json", "rank-00001-of-00002", "tokenizer_config.json"]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -154,7 +163,10 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="rank 0 was not converted"):
         load_rank(out, 0)
     report = json.loads(run_cli("verify", out, "--source", tiny_ckpt, "--json").stdout)  # checks what was converted
-    assert report["ok"] and report["checks"]["rank shards"] == 2
+    assert report["ok"] and report["checks"]["rank_shards"] == 2
+    assert report["partial"] is True and report["servable"] is False
+    assert report["coverage"]["missing_ranks"] == [0] and report["coverage"]["missing_layers"] == ["layers.0"]
+    assert manifest["coverage"]["partial"] is True and manifest["source_layers"] == ["layers.0", "layers.1", "mtp.0"]
     proc = run_cli("verify", out, "--ranks", "0", "--json", check=False)  # asking for more is a problem
     assert proc.returncode == 1 and "rank 0: not converted" in proc.stdout
 
@@ -171,10 +183,11 @@ def test_placement_and_redundant_experts_together_are_refused(tiny_ckpt, tmp_pat
 
 def test_plan_shows_an_explicit_placement(tiny_ckpt, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0, 0, 1]))
-    got = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--json").stdout)
+    got = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--engine",
+                             "sglang", "--layers", "0-1", "--json").stdout)
     assert Placement.from_json(got) == Placement(8, 2, (7, 6, 5, 4, 3, 2, 1, 0, 0, 1))
-    table = run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json",
-                    env={"COLUMNS": "200"}).stdout
+    table = run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--engine", "sglang",
+                    "--layers", "0-1", env={"COLUMNS": "200"}).stdout
     assert "0..4" in table and "5..9" in table
 
 
