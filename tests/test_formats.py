@@ -56,7 +56,7 @@ def test_each_format_converts_inspects_and_verifies_through_the_cli(tmp_path, we
     run_cli("convert", src, out, "--ep-size", 2)
     assert json.loads((out / "manifest.json").read_text())["dims"]["weight_format"] == weight_format
     report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
-    assert report["ok"] and report["checks"]["expert slots vs source"] == 4, report
+    assert report["ok"] and report["checks"]["expert_slots_vs_source"] == 4, report
     numerics = report["numerics"]  # every format's dequantisation, from the layout and from the source
     assert "numerics" not in report["skipped"] and numerics["weight_format"] == weight_format
     assert numerics["max_abs_err"] == 0.0 and numerics["layers"] == 2

@@ -84,7 +84,6 @@ def test_a_mismatched_module_is_refused_before_any_module_changes(engine_ckpt, e
 
 
 def test_an_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(engine_ckpt, tmp_path):
-    from conftest import run_convert  # tests/engines/conftest.py
 
     (tmp_path / "eplb.json").write_text("[3, 2, 1, 0, 7, 6, 5, 4, 0, 1, 2, 3]")
     from megamoe_convert.convert import ConvertOptions, convert
