@@ -43,7 +43,7 @@ SHORT_HELP = {
     "inspect": "Show what a checkpoint or a conversion holds, and how to serve it.",
     "plan": "Show which logical experts every rank holds.",
     "convert": "Convert a checkpoint into per-rank MegaMoE files and a manifest.",
-    "verify": "Check a conversion: checksums; bytes and numerics against the source.",
+    "verify": "Check a conversion (checksums; bytes, numerics vs the source).",
     "push": "Upload a conversion to the Hugging Face hub.",
     "pull": "Download a pushed conversion, only the ranks you name.",
     "merge": "Assemble the parts of a split conversion (convert --shard).",

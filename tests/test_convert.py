@@ -233,9 +233,10 @@ def test_inspect_and_plan_report_the_checkpoint(tiny_ckpt):
     info = json.loads(run_cli("inspect", tiny_ckpt, "--ep-size", 4, "--json").stdout)
     assert info["moe_layers"] == ["layers.0", "layers.1", "mtp.0"] and info["mtp_layers"] == ["mtp.0"]
     assert info["dims"]["n_routed_experts"] == 8 and info["expert_dtypes"]["w1.scale"] == "F8_E8M0"
-    assert info["expert_bytes_per_rank"] * 4 == info["expert_bytes"]
-    table = run_cli("inspect", tiny_ckpt).stdout
-    assert "2 decoder + 1 MTP" in table
+    conversion = info["conversion"]  # what convert --ep-size 4 writes, shared expert and headers included
+    assert conversion["expert_bytes_per_rank"] * 4 == conversion["expert_bytes_total"] > info["expert_bytes"]
+    table = run_cli("inspect", tiny_ckpt).stdout  # no --ep-size: the EP sizes that work, nothing fails
+    assert "2 decoder + 1 MTP" in table and "EP sizes for vllm" in table and "1, 2, 4, 8" in table
     plan = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--json").stdout)
     assert plan["physical_to_logical"][8:] == [0, 1, 2, 3]
     assert "6, 7, 0" in run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4).stdout
