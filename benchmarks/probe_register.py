@@ -92,8 +92,9 @@ def chunked(files: list[Path], dests: list[torch.Tensor], stream: torch.cuda.Str
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from megamoe_convert.convert import ConvertOptions, convert
-    from megamoe_convert.loader import load_rank
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
+    from megamoe_convert.serve.loader import load_rank
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/tmp/probe")

@@ -27,16 +27,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formats, layout
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .convert import ExpertReader, NoProgress, Progress
-from .layout import KernelWeights
-from .devices import usable_device
-from .loader import LoadError, check_logical_ids, check_shard, load_rank
-from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
-from .placement import parse_ranks
-from .safetensors_io import FileCache, SafetensorsError, read_header
-from .writer import file_problems
+from megamoe_convert import layout
+from megamoe_convert.convert.gather import ExpertReader
+from megamoe_convert.devices import usable_device
+from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output.manifest import (MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, VerifyUsageError,
+                                             is_source_checkpoint, rank_file, read_manifest)
+from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import parse_ranks
+from megamoe_convert.progress import NoProgress, Phases, Progress
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 
 
 @dataclass
@@ -440,33 +445,6 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
-class Phases:
-    """The :class:`Progress` of ``verify``: each phase (hashing, the comparison with the source,
-    numerics, the DeepGEMM cross-check) has its own bar and unit, and its own timing in the report."""
-
-    def __init__(self, progress: Progress, report: "VerifyReport") -> None:
-        self.progress, self.report = progress, report
-        self.name: str | None = None
-        self.started = 0.0
-
-    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files",
-              in_bytes: bool = True) -> None:
-        self.end()
-        description = description or "verify"
-        self.name, self.started = description.removeprefix("verify: ").replace(" ", "_"), time.perf_counter()
-        self.progress.start(total_bytes, total_files, description=description, unit=unit, in_bytes=in_bytes)
-        self.report.phases[self.name] = {"unit": unit, "count": total_files,
-                                         "bytes": total_bytes if in_bytes else None, "seconds": 0.0}
-
-    def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None:
-        self.progress.advance(nbytes, path, skipped, files)
-
-    def end(self) -> None:
-        if self.name is not None:
-            self.report.phases[self.name]["seconds"] = round(time.perf_counter() - self.started, 3)
-            self.name = None
-
-
 def source_phase_bytes(manifest: Manifest, ckpt: Checkpoint, slots: dict[tuple[int, MoELayer], list[int]]) -> tuple[int, int]:
     """Bytes and steps of the comparison with the source: every (rank, layer) compared, every non-expert tensor."""
     per_expert = manifest.dims.bytes_per_expert()
@@ -495,7 +473,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
-    phases = Phases(progress or NoProgress(), report)
+    phases = Phases(progress or NoProgress(), report.phases)
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
     if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
@@ -540,15 +518,3 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     phases.end()
     report.seconds = time.perf_counter() - started
     return report
-
-
-class VerifyUsageError(ValueError):
-    """``verify`` pointed at something that is not a conversion (a source checkpoint)."""
-
-
-def is_source_checkpoint(path: Path) -> bool:
-    """A directory holding a model's ``config.json`` and safetensors weights, but no manifest."""
-    if (path / STATE_DIR).exists() or any(path.glob("rank-*")) or any(path.glob("manifest.part-*")):
-        return False  # an unfinished conversion: reported as one
-    return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
-                                                  or any(path.glob("*.safetensors")))

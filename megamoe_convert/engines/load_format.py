@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .driver import Installed
+from megamoe_convert.engines.driver import Installed
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders

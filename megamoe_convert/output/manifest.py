@@ -8,11 +8,20 @@ from typing import Any
 
 import xxhash
 
-from . import __version__, families, formats, jsonio
-from .checkpoint import MAX_DIM, ModelDims, MoELayer
-from .placement import ENGINES, MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
-from .safetensors_io import TensorSpec, encode_header
-from .writer import CHECKSUM_ALGORITHM, FileRecord
+from megamoe_convert import __version__, jsonio
+from megamoe_convert.output.writer import CHECKSUM_ALGORITHM, FileRecord
+from megamoe_convert.placement import (
+    ENGINES,
+    MAX_EP_SIZE,
+    MAX_PHYSICAL_EXPERTS,
+    Placement,
+    PlacementError,
+    layer_placement,
+)
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.checkpoint import MAX_DIM, ModelDims
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import TensorSpec, encode_header
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "megamoe-convert"
@@ -362,3 +371,15 @@ def read_manifest(out: Path) -> Manifest:
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest"), str(path))
+
+
+class VerifyUsageError(ValueError):
+    """``verify`` pointed at something that is not a conversion (a source checkpoint)."""
+
+
+def is_source_checkpoint(path: Path) -> bool:
+    """A directory holding a model's ``config.json`` and safetensors weights, but no manifest."""
+    if (path / STATE_DIR).exists() or any(path.glob("rank-*")) or any(path.glob("manifest.part-*")):
+        return False  # an unfinished conversion: reported as one
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
+                                                  or any(path.glob("*.safetensors")))

@@ -1,4 +1,6 @@
-"""The ``megamoe`` command line."""
+"""The ``megamoe`` command line: the app, its shared error handling and output, and the core commands
+(synth, convert). ``cli/__init__.py`` adds the commands kept in modules of their own (inspect and plan,
+verify, fleet) and applies the conventions of ``cli/conventions.py``."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from . import __version__
-from .devices import Device
-from .jsonio import one_line
-from . import cli_conventions as conventions
-from .ui import ByteProgress, human_bytes, status
+from megamoe_convert import __version__
+from megamoe_convert.devices import Device
+from megamoe_convert.jsonio import one_line
+from megamoe_convert.cli import conventions
+from megamoe_convert.ui import ByteProgress, human_bytes, status
 
 app = typer.Typer(
     name="megamoe", context_settings={"help_option_names": conventions.HELP_OPTIONS},
@@ -34,19 +36,19 @@ RESUMABLE_COMMANDS = frozenset({"convert", "merge"})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from .checkpoint import CheckpointError
-    from .convert import ConvertError
-    from .devices import DeviceError
-    from .families import FamilyError
-    from .formats import FormatError
-    from .hub import HubError
-    from .layout import LayoutError
-    from .loader import LoadError
-    from .manifest import ManifestError
-    from .placement import PlacementError
-    from .safetensors_io import SafetensorsError
-    from .synth import SynthError
-    from .verify import VerifyUsageError
+    from megamoe_convert.devices import DeviceError
+    from megamoe_convert.layout import LayoutError
+    from megamoe_convert.output.manifest import ManifestError
+    from megamoe_convert.output.state import ConvertError
+    from megamoe_convert.placement import PlacementError
+    from megamoe_convert.serve.errors import LoadError
+    from megamoe_convert.serve.hub import HubError
+    from megamoe_convert.source.checkpoint import CheckpointError
+    from megamoe_convert.source.families import FamilyError
+    from megamoe_convert.source.formats import FormatError
+    from megamoe_convert.source.safetensors_io import SafetensorsError
+    from megamoe_convert.synth.write import SynthError
+    from megamoe_convert.output.manifest import VerifyUsageError
     return (VerifyUsageError, CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
             PlacementError, SafetensorsError, SynthError, FamilyError, OSError)
 
@@ -159,8 +161,8 @@ def synth(
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
 ) -> None:
     """Write a random checkpoint of a supported model family (real tensor names, FP4 experts, size-cut shards)."""
-    from .families import detect
-    from .synth import synthesize
+    from megamoe_convert.source.families import detect
+    from megamoe_convert.synth.write import synthesize
 
     def body() -> None:
         with ByteProgress(f"synth {preset.value}") as progress:
@@ -179,7 +181,7 @@ def synth(
     run_command(body)
 
 
-from .cli_inspect import Engine, EngineOption, RevisionOption, resolve_source  # noqa: E402
+from megamoe_convert.cli.inspect import Engine, EngineOption, RevisionOption, resolve_source  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -225,7 +227,8 @@ def convert(
     Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
     manifest last) and resumable: rerun the same command after a crash or Ctrl-C.
     """
-    from .convert import ConvertOptions, convert as run_convert, parse_shard
+    from megamoe_convert.convert.plan import ConvertOptions, parse_shard
+    from megamoe_convert.convert.run import convert as run_convert
 
     options = ConvertOptions(ep_size=ep_size, num_redundant_experts=num_redundant_experts,
                              placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
@@ -243,28 +246,3 @@ def convert(
         else:
             status(done_line(out, data, shard))
     run_command(body)
-
-
-# Commands that live in modules of their own (one concept each).
-from . import cli_fleet, cli_inspect, cli_verify  # noqa: E402
-
-cli_inspect.register(app, run_command, print_json)
-cli_verify.register(app, run_command, print_json)
-cli_fleet.register(app, run_command, print_json)
-# `megamoe --help` lists commands in the order they were added: keep inspect and plan before convert.
-app.registered_commands.sort(key=lambda c: ["synth", "inspect", "plan", "convert", "verify", "push", "pull",
-                                             "merge"].index(c.callback.__name__ if c.callback else ""))
-
-
-def main(args: list[str] | None = None) -> None:
-    """The console script (also ``python -m megamoe_convert.cli``), with the conventions of
-    :mod:`.cli_conventions` applied to every command."""
-    import typer.main
-
-    conventions.install_signal_handlers()
-    command = conventions.apply(typer.main.get_command(app))  # type: ignore[arg-type]
-    sys.exit(conventions.run(command, sys.argv[1:] if args is None else args, "megamoe"))
-
-
-if __name__ == "__main__":
-    main()

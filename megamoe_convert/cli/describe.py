@@ -9,11 +9,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint
-from .convert import ConvertOptions, build_plan, index_text, non_expert_index, working_ep_sizes
-from .engines import shape_refusals
-from .manifest import MANIFEST_NAME, Manifest, format_ranges, rank_dir_name
-from .safetensors_io import FileCache
+from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.convert.plan import ConvertOptions, index_text, non_expert_index, working_ep_sizes
+from megamoe_convert.convert.run import build_plan
+from megamoe_convert.engines import shape_refusals
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, format_ranges, rank_dir_name
+from megamoe_convert.source.safetensors_io import FileCache
 
 
 # --------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def conversion_sizes(out: Path, manifest: Manifest) -> dict[str, Any]:
 def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
     """Per engine: whether it can serve this conversion, the exact command when it can, and why not
     when it cannot (engine the placement was built for, family, shapes, placement, partial)."""
-    from .families import by_name
+    from megamoe_convert.source.families import by_name
 
     family = by_name(manifest.family, MANIFEST_NAME)
     refusals = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family)
@@ -127,7 +128,7 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
 
 def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
     """What ``inspect OUT`` prints (``--json``: the same keys)."""
-    from .families import by_name
+    from megamoe_convert.source.families import by_name
 
     placement, coverage = manifest.placement, manifest.coverage()
     absolute = str(Path(out).resolve())

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 import typer
 from rich.table import Table
 
-from .ui import human_bytes, out_console
+from megamoe_convert.ui import human_bytes, out_console
 
 if TYPE_CHECKING:
-    from .placement import Placement
+    from megamoe_convert.placement import Placement
 
 
 class Engine(str, Enum):
@@ -35,7 +35,7 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     if path.exists():
         return path
     try:
-        from .hub import resolve_source as hub_resolve
+        from megamoe_convert.serve.hub import resolve_source as hub_resolve
     except ImportError:
         return path
     return hub_resolve(src, revision)
@@ -66,7 +66,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         """Show what a checkpoint holds (MoE layers incl. MTP, experts, dims, dtypes, the EP sizes that
         work, bytes per rank and in all as convert will write them, which engines serve its shapes) or,
         for a conversion, what it is and the exact command that serves it."""
-        from .describe import is_conversion
+        from megamoe_convert.cli.describe import is_conversion
 
         def body() -> None:
             if is_conversion(Path(src)):
@@ -92,10 +92,10 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         """Print which logical experts every rank's slots hold, per layer where the engine's rule
         differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
         the checkpoint's shapes."""
-        from .checkpoint import Checkpoint
-        from .convert import ConvertOptions, make_placement, select_layers
-        from .engines import describe_engines, shape_refusals
-        from .placement import layer_placement
+        from megamoe_convert.source.checkpoint import Checkpoint
+        from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
+        from megamoe_convert.engines import describe_engines, shape_refusals
+        from megamoe_convert.placement import layer_placement
 
         def body() -> None:
             ckpt = Checkpoint.open(resolve_source(src, revision))
@@ -120,10 +120,10 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
 
 def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str, experts_only: bool,
                         as_json: bool, print_json: Callable[[Any], None]) -> None:
-    from .checkpoint import Checkpoint
-    from .convert import ConvertOptions
-    from .describe import ep_sizes, planned_sizes
-    from .engines import describe_engines, shape_refusals
+    from megamoe_convert.source.checkpoint import Checkpoint
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.cli.describe import ep_sizes, planned_sizes
+    from megamoe_convert.engines import describe_engines, shape_refusals
 
     ckpt = Checkpoint.open(path)
     d = ckpt.dims
@@ -180,8 +180,8 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
 
 
 def _inspect_conversion(out: Path, as_json: bool, print_json: Callable[[Any], None]) -> None:
-    from .describe import describe_conversion, describe_ranks
-    from .manifest import read_manifest
+    from megamoe_convert.cli.describe import describe_conversion, describe_ranks
+    from megamoe_convert.output.manifest import read_manifest
 
     manifest = read_manifest(out)
     info = describe_conversion(out, manifest)

@@ -21,7 +21,7 @@ from typing import Any
 import typer
 from typer._click import exceptions as click_exceptions
 
-from . import ui
+from megamoe_convert import ui
 
 HELP_OPTIONS = ["-h", "--help"]
 
