@@ -42,16 +42,6 @@ def test_inspect_sizes_are_the_bytes_convert_writes(tiny_ckpt, tiny_converted):
         "inspect", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4).stdout
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4"])
-def test_inspect_sizes_count_nvfp4_extras(tmp_path, fmt):
-    src, out = tmp_path / "src", tmp_path / "out"
-    run_cli("synth", src, "--format", fmt, "-q")
-    run_cli("convert", src, out, "--ep-size", 2, "--experts-only", "-q")
-    sizes = json.loads(run_cli("inspect", src, "--ep-size", 2, "--experts-only", "--json").stdout)["conversion"]
-    assert [sizes["rank_bytes"][str(r)] for r in range(2)] == [rank_dir_bytes(out, r, 2) for r in range(2)]
-    assert sizes["total_bytes"] == written_bytes(out) - (out / "manifest.json").stat().st_size
-
-
 def test_inspect_without_ep_size_works_and_lists_the_ep_sizes_that_work(tmp_path):
     src = tmp_path / "src"
     run_cli("synth", src, "--experts", 6, "-q")  # 6 experts: the old hidden --ep-size 8 failed
@@ -221,7 +211,7 @@ def test_piped_output_is_never_soft_wrapped(tiny_ckpt, tmp_path):
     assert len(done) == 1 and len(done[0]) > 200 and done[0].rstrip().endswith("convert or pull them)")
 
 
-@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated")])  # SIGINT: test_reliability
 def test_sigterm_stops_like_ctrl_c(tiny_ckpt, tmp_path, sig, code, word):
     """`timeout` and Kubernetes send SIGTERM: the same clean stop as Ctrl-C (no partial file, a
     resume hint, OUT refused as unfinished), exit 143; the rerun completes it."""
