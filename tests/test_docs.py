@@ -237,7 +237,7 @@ def makefile_recipe(target: str) -> list[str]:
 def test_make_demo_runs(tmp_path):
     """`make demo`'s recipe, line by line, with this test run's environment in place of $(VENV)."""
     recipe = makefile_recipe("demo")
-    assert recipe and any("megamoe_convert.demo" in line for line in recipe)
+    assert recipe and any("megamoe_convert.cli.demo" in line for line in recipe)
     venv_bin = Path(sys.executable).parent
     for line in recipe:
         line = line.replace("$(VENV)/bin/megamoe", f"{sys.executable} -m megamoe_convert.cli")
