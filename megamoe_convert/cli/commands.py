@@ -199,7 +199,9 @@ def convert(
                                             "safetensors index), "
                                             "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
-    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size the model will be served with.")],
+    ep_size: Annotated[Optional[int], typer.Option(min=1, help="Expert-parallel size the model will be served with "
+                                                               "(per-rank files). Without it: a store of every "
+                                                               "logical expert once, served at any EP size.")] = None,
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB); n_routed + this must "
                                                             "divide by --ep-size.")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
@@ -222,7 +224,8 @@ def convert(
                                                   "the manifest (merges all parts).")] = True,
     engine: EngineOption = Engine.vllm,
 ) -> None:
-    """Convert a checkpoint into per-rank MegaMoE shards, non-expert shards and manifest.json.
+    """Convert a checkpoint into per-rank MegaMoE shards (--ep-size) or a rank-agnostic store (experts/,
+    every logical expert once), non-expert shards and manifest.json.
 
     Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
     manifest last) and resumable: rerun the same command after a crash or Ctrl-C.

@@ -52,8 +52,9 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
 
     @app.command()
     def inspect(
-        src: Annotated[str, typer.Argument(help="A checkpoint directory (or hub repo id), or a directory "
-                                                "`megamoe convert` wrote (it has a manifest.json).")],
+        src: Annotated[str, typer.Argument(help="A checkpoint directory (or hub repo id), a directory "
+                                                "`megamoe convert` wrote (it has a manifest.json), or a store "
+                                                "(what each rank reads of it).")],
         ep_size: Annotated[Optional[int], typer.Option(min=1, help="Size the conversion for this EP size: bytes "
                                                                    "per rank and in all (default: list the EP "
                                                                    "sizes that work).")] = None,
@@ -69,6 +70,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         from megamoe_convert.cli.describe import is_conversion
 
         def body() -> None:
+            if _store_reads(src, as_json, print_json, ep_size or 1, num_redundant_experts, None, engine.value):
+                return  # a store (convert without --ep-size): what each rank reads of it
             if is_conversion(Path(src)):
                 _inspect_conversion(Path(src), as_json, print_json)
             else:
@@ -98,6 +101,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         from megamoe_convert.placement import layer_placement
 
         def body() -> None:
+            if _store_reads(src, as_json, print_json, ep_size, num_redundant_experts, placement_file, engine.value):
+                return
             ckpt = Checkpoint.open(resolve_source(src, revision))
             options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
                                      layers=layers)
@@ -212,6 +217,21 @@ def _inspect_conversion(out: Path, as_json: bool, print_json: Callable[[Any], No
                 out_console.print(f"  ({note})", markup=False, highlight=False)
         else:
             out_console.print(f"not servable with {engine}: {serve['reason']}", markup=False, highlight=False)
+
+
+def _store_reads(src: str, as_json: bool, print_json: Callable[[Any], None], *args: Any) -> bool:
+    """``inspect`` / ``plan`` of a store: what each rank reads of it (``cli/store.py``); False for anything else."""
+    from megamoe_convert.cli.store import reads_table, store_manifest, store_reads
+
+    manifest = store_manifest(src)
+    if manifest is None:
+        return False
+    data = store_reads(src, manifest, *args)
+    if as_json:
+        print_json(data)
+    else:
+        out_console.print(reads_table(data))
+    return True
 
 
 def _placement_table(placement: "Placement", what: str) -> Table:

@@ -73,6 +73,7 @@ class Summary:
     def write_bytes_per_s(self) -> float:
         """Throughput of the files written by this run (files found already done do not count)."""
         return self.bytes_written / self.write_seconds if self.write_seconds > 0 else 0.0
+    store: bool = False  # every logical expert once (no --ep-size): serves any EP size
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -87,7 +88,7 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
                cancelled: threading.Event) -> Plan:
     ckpt = Checkpoint.open(src)
     placement = make_placement(ckpt, options)
-    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, options.ep_size),
+    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, placement.ep_size),
                 select_layers(ckpt, options.layers))
     plan.units.extend(small_file_units(plan))
     if not options.experts_only:
@@ -169,12 +170,13 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
                    seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None,
-                   write_seconds=write_seconds, coverage=_coverage(plan))
+                   store=plan.options.store, write_seconds=write_seconds, coverage=_coverage(plan))
 
 
 def _coverage(plan: Plan) -> dict[str, Any]:
     return Manifest(source={}, dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks, layers=plan.layers,
-                    experts_only=plan.options.experts_only, source_layers=[l.key for l in plan.ckpt.layers]).coverage()
+                    experts_only=plan.options.experts_only, source_layers=[l.key for l in plan.ckpt.layers],
+                    store=plan.options.store).coverage()
 
 
 def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,
