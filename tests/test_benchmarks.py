@@ -32,7 +32,8 @@ def last_json(stdout: str) -> dict:
 def test_every_script_has_a_test():
     scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
     tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
-              "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh"}
+              "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
+              "bench_store.py"}  # bench_store.py --quick: tests/test_store.py
     assert set(scripts) == tested, set(scripts) ^ tested
 
 

@@ -39,6 +39,8 @@ NOT_RUNNABLE = {
     "megamoe merge /models/V4-Pro-ep64 /scratch": "a template (needs every part first): tests/test_fleet.py",
     "megamoe convert SRC OUT --ep-size 64 --shard": "one part of a split template: tests/test_fleet.py splits "
                                                    "and merges",
+    "PYTHONPATH=. python3 benchmarks/": "a benchmark run (GPU or minutes): every script's smoke mode runs in "
+                                        "tests/test_benchmarks.py (bench_store.py's in tests/test_store.py)",
     "vllm serve ": "needs GPUs: its flags are parsed by vLLM 0.33's own parser (test_serve_commands_parse)",
     "python -m sglang.launch_server ": "needs GPUs: its flags are parsed by SGLang's own parser",
 }
