@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, LAYOUT_VERSION, Manifest, format_ranges
 from megamoe_convert.output.state import ConvertError, stamp_files
 from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.placement import Placement, PlacementError, layer_placement
+from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 
@@ -127,10 +127,12 @@ def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: 
     """The EP sizes for which vLLM's default placement (with ``num_redundant`` experts) builds every
     one of ``layers`` (MTP layers with their own expert count, the engine's MTP rule included)."""
     n = ckpt.dims.n_routed_experts
+    total = n + num_redundant
+    if num_redundant < 0 or total > MAX_PHYSICAL_EXPERTS:
+        return []  # the counts themselves are refused (placement.check_counts says why)
+    divisors = {d for i in range(1, int(total ** 0.5) + 1) if total % i == 0 for d in (i, total // i)}
     sizes = []
-    for size in range(1, n + num_redundant + 1):
-        if (n + num_redundant) % size:
-            continue
+    for size in sorted(divisors):
         try:
             placement = Placement.default(n, size, num_redundant)
         except PlacementError:
