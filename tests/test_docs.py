@@ -41,6 +41,8 @@ NOT_RUNNABLE = {
                                                    "and merges",
     "PYTHONPATH=. python3 benchmarks/": "a benchmark run (GPU or minutes): every script's smoke mode runs in "
                                         "tests/test_benchmarks.py (bench_store.py's in tests/test_store.py)",
+    "megamoe preload ": "starts vLLM's weight-cache daemons (needs vLLM >= 0.33 and GPUs): "
+                        "tests/engines/test_vllm_weight_cache.py runs it in vLLM 0.33's real code",
     "vllm serve ": "needs GPUs: its flags are parsed by vLLM 0.33's own parser (test_serve_commands_parse)",
     "python -m sglang.launch_server ": "needs GPUs: its flags are parsed by SGLang's own parser",
 }
