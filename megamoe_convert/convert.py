@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from . import faults, formats, layout, rank_extras
-from .checkpoint import INDEX_NAME, Checkpoint, CheckpointError, ModelDims, MoELayer, parse_layer_spec
+from . import faults, formats, layout, marker, rank_extras
+from .checkpoint import CONFIG_NAME, INDEX_NAME, Checkpoint, CheckpointError, ModelDims, MoELayer, parse_layer_spec
 from .devices import DeviceError, usable_device
 from .manifest import (FORMAT_VERSION, LAYOUT_VERSION, MANIFEST_NAME, Manifest, rank_file, rank_shard_metadata,
                        rank_shard_specs)
@@ -422,7 +422,21 @@ def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
 
 
 def small_file_units(plan: Plan) -> list[Unit]:
+    """Small files copied verbatim, but ``config.json``: the source's with a marker architecture
+    (:mod:`.marker`), so that no engine without megamoe-convert serves the directory's missing experts."""
     def unit(src: Path) -> Unit:
+        if src.name == CONFIG_NAME:
+            try:
+                marked = marker.mark(src.read_bytes(), str(src))
+            except marker.MarkerError as e:
+                raise CheckpointError(str(e)) from None
+
+            def write_marked() -> FileRecord:
+                with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:
+                    w.write(marked)
+                    return w.commit()
+            return Unit(src.name, len(marked), write_marked, "small")
+
         def run() -> FileRecord:
             with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
                 while block := f.read(COPY_CHUNK_BYTES):

@@ -19,6 +19,7 @@ Problems are collected, not raised: a report lists everything that is wrong.
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formats, layout
+from . import formats, layout, marker
 from .checkpoint import Checkpoint, CheckpointError, MoELayer
 from .convert import ExpertReader, NoProgress, Progress
 from .layout import KernelWeights
@@ -114,6 +115,38 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
         in_rank_dir = "/" in rel and rel.startswith("rank-")
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
+
+
+def check_marker(out: Path, report: VerifyReport) -> None:
+    """``config.json`` names the marker architectures of the ones it moved to its ``megamoe``
+    section (``marker.py``): without them an engine lacking megamoe-convert would serve no experts."""
+    try:
+        config = json.loads((out / "config.json").read_bytes())
+        if not isinstance(config, dict) or marker.section_of(config) is None:
+            report.problem("config.json", "has no megamoe marker (converted by an older megamoe-convert): an engine "
+                                          "without megamoe-convert would serve no experts; rerun the same convert command")
+        else:
+            marker.original(config)
+            report.count("marker")
+    except (OSError, ValueError) as e:  # a missing file is reported by check_files
+        if not isinstance(e, FileNotFoundError):
+            report.problem("config.json", str(e))
+
+
+def compare_small_files(out: Path, ckpt: Checkpoint, report: VerifyReport) -> None:
+    """The source's small files, byte for byte; ``config.json`` as :func:`marker.mark` writes it."""
+    for src in ckpt.small_files():
+        want = src.read_bytes()
+        if src.name == "config.json":
+            want = marker.mark(want, str(src))
+        dst = out / src.name
+        if not dst.is_file():
+            report.problem(src.name, "small file of the source is missing")
+        elif dst.read_bytes() != want:
+            report.problem(src.name, "differs from the source" + (" marked by megamoe-convert"
+                                                                  if src.name == "config.json" else ""))
+        else:
+            report.count("small files vs source")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
@@ -480,6 +513,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     chosen = [r for r in chosen if r in manifest.ranks]
     check_files(out, manifest, report, chosen, progress)
     check_unlisted_files(out, manifest, report)
+    check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if source is not None:
         ckpt = Checkpoint.open(source)
@@ -488,6 +522,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
             start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
+            compare_small_files(out, ckpt, report)
             with FileCache() as files:
                 compare_experts(out, manifest, ckpt, files, report, slots, progress)
                 if not manifest.experts_only:
