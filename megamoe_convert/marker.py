@@ -87,14 +87,15 @@ def original(config: dict[str, Any], where: str = "config.json") -> dict[str, An
 
 def restore(config: Any) -> dict[str, Any] | None:
     """An engine's parsed config object (attributes, ``PretrainedConfig``-like): put the original
-    architectures (and ``auto_map``) back in place; returns the section, or None when the config
-    is not a conversion's. The section stays on the object, so the model knows it is one."""
+    architectures (and ``auto_map``) back in place of the markers; returns the section, or None
+    when the config is not a conversion's. The section stays on the object, so the model knows it
+    is one. Idempotent; architectures the user overrode (no longer the markers) are left alone."""
     section = getattr(config, SECTION, None)
     if not isinstance(section, dict) or section.get("converted_by") != TOOL:
         return None
-    marked = {"architectures": getattr(config, "architectures", None), SECTION: section}
-    restored = original(marked)
-    for key in MOVED:
-        if key in restored:
-            setattr(config, key, restored[key])
+    originals = section.get("architectures")
+    if isinstance(originals, list) and getattr(config, "architectures", None) == [marker_name(a) for a in originals]:
+        for key in MOVED:
+            if key in section:
+                setattr(config, key, section[key])
     return section

@@ -7,11 +7,14 @@ and never fetches the rank folders of a hub repo.
 from __future__ import annotations
 
 import copy
+import json
 import re
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
+from .. import marker
 from .driver import Installed
 
 LOAD_FORMAT = "megamoe"
@@ -20,6 +23,19 @@ LOAD_FORMAT = "megamoe"
 RANK_FILES_PATTERN = "rank-*-of-*/*"
 #: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
+#: Set on a model once its conversion's experts are installed (by the load format or by the
+#: model's own ``load_weights``), so that the other does not install them again.
+INSTALLED_ATTR = "megamoe_installed"
+
+
+def is_unmarked_conversion(path: Any) -> bool:
+    """A local directory converted before the marker existed: a megamoe manifest, no marker."""
+    manifest = Path(str(path)) / marker.MANIFEST_NAME
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "layout_version" in data and "placement" in data
 
 
 def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,

@@ -16,8 +16,8 @@ from torch import nn
 
 from ..loader import prepare_gpu_staging
 from .driver import Installed
-from .vllm_models import INSTALLED_ATTR, register_models
-from .load_format import LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, \
+from .vllm_models import register_models
+from .load_format import INSTALLED_ATTR, LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, \
     without_expert_tensors
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]

@@ -13,6 +13,8 @@ entry point in every vLLM process, before any config is read) does two things:
   refuses a model that does not match) and then loads the rest as vLLM would. Every loader that
   calls ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ``fastsafetensors``, ...)
   therefore serves the experts. On a directory that is no conversion the subclass is vLLM's class.
+- vLLM's Transformers-backend classes (``--model-impl transformers``) are registered again as
+  subclasses that refuse a conversion before they are built: they have no MegaMoE experts.
 
 A conversion made before the marker existed (no ``megamoe`` section, a ``manifest.json``) is
 recognised by its manifest and served the same way (a bare vLLM would serve it without experts:
@@ -23,16 +25,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import logging
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from .. import marker
-from .load_format import without_expert_tensors
+from .load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 #: is the speculative config's draft model config).
 TARGETS = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "KimiK3ForConditionalGeneration")
 DRAFTS = ("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel", "KimiK3MTPModel")
-#: Set on a model by ``--load-format megamoe``, which installs before ``load_weights`` runs.
-INSTALLED_ATTR = "megamoe_installed"
 #: Where the subclass keeps the conversion it serves (``None``: vLLM's class, unchanged).
 CONVERSION_ATTR = "megamoe_conversion"
 
@@ -55,16 +53,6 @@ def conversion_of(model_config: Any) -> str | None:
     if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is not None:
         return str(model_config.model)
     return str(model_config.model) if is_unmarked_conversion(model_config.model) else None
-
-
-def is_unmarked_conversion(path: Any) -> bool:
-    """A local directory converted before the marker existed: a megamoe manifest, no marker."""
-    manifest = Path(str(path)) / marker.MANIFEST_NAME
-    try:
-        data = json.loads(manifest.read_bytes())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "layout_version" in data and "placement" in data
 
 
 def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> set[str]:
@@ -102,6 +90,29 @@ def make_model_class(base: type, draft: bool) -> type:
     return MegaMoEModel
 
 
+def make_refusing_class(base: type, arch: str) -> type:
+    """vLLM's Transformers-backend ``base`` (``--model-impl transformers``): it has no MegaMoE experts
+    modules, so on a conversion it is refused before it is built."""
+    from . import InstallError
+
+    class NoMegaMoEModel(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+            out = conversion_of(vllm_config.model_config)
+            if out is not None:
+                raise InstallError(f"{out}: vLLM would build {arch} (its Transformers backend), which has no MegaMoE "
+                                   "experts to install the conversion into; serve it with vLLM's own implementation "
+                                   "(drop --model-impl transformers)")
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+    NoMegaMoEModel.__name__ = NoMegaMoEModel.__qualname__ = base.__name__
+    NoMegaMoEModel.__module__ = __name__
+    return NoMegaMoEModel
+
+
+#: The attribute suffix of the Transformers-backend classes that refuse a conversion.
+REFUSE = "__refuse"
+
+
 def _vllm_suffix() -> str:
     import vllm
 
@@ -114,9 +125,12 @@ def model_class(attribute: str) -> type:
     from vllm.model_executor.models import registry
 
     arch = attribute.partition("__vllm_")[0]
+    refuse = arch.endswith(REFUSE)
+    arch = arch.removesuffix(REFUSE)
     module, cls = registry._VLLM_MODELS[arch]
     module = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
-    return make_model_class(getattr(importlib.import_module(module), cls), draft=arch in DRAFTS)
+    base = getattr(importlib.import_module(module), cls)
+    return make_refusing_class(base, arch) if refuse else make_model_class(base, draft=arch in DRAFTS)
 
 
 def __getattr__(name: str) -> type:  # the lazy "module:class" vLLM's registry imports
@@ -153,3 +167,8 @@ def register_models() -> None:
     for arch in TARGETS + DRAFTS:
         if arch in ModelRegistry.models:
             ModelRegistry.register_model(arch, f"{__name__}:{arch}{suffix}")
+    from vllm.model_executor.models import registry
+
+    for arch in getattr(registry, "_TRANSFORMERS_BACKEND_MODELS", {}):
+        if arch in ModelRegistry.models:
+            ModelRegistry.register_model(arch, f"{__name__}:{arch}{REFUSE}{suffix}")

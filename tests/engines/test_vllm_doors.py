@@ -235,3 +235,18 @@ def test_vllm_without_megamoe_convert_refuses_the_converted_directory(engine_con
     name = marker.marker_name("DeepseekV4ForCausalLM")
     assert name in whole["auto"] and "are not supported" in whole["auto"]
     assert name in whole["transformers"]
+
+
+def test_the_transformers_backend_is_refused_for_a_conversion(engine_converted, engine_ckpt):
+    """``--model-impl transformers``: vLLM's real ``ModelConfig`` picks its Transformers backend
+    (Hugging Face's DeepSeek-V4 modeling: no MegaMoE experts) for the restored architecture; the
+    plugin's registration of that class refuses the conversion before building anything."""
+    from vllm.config import ModelConfig
+    from vllm.model_executor.models import ModelRegistry
+
+    plugins()
+    config = ModelConfig(model=str(engine_converted), model_impl="transformers")
+    cls, arch = ModelRegistry.resolve_model_cls(config.architectures, config)
+    assert arch.startswith("Transformers") and cls.__module__ == vllm_models.__name__
+    with pytest.raises(InstallError, match="drop --model-impl transformers"):
+        cls(vllm_config=types.SimpleNamespace(model_config=config))
