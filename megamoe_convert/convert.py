@@ -109,6 +109,9 @@ class Unit:
     kind: str  # "small" | "non_expert" | "experts"
     layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
     rank: int | None = None
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
+    #: other bytes (an older conversion's unmarked config) is redone.
+    content: bytes | None = None
 
 
 @dataclass
@@ -435,7 +438,7 @@ def small_file_units(plan: Plan) -> list[Unit]:
                 with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:
                     w.write(marked)
                     return w.commit()
-            return Unit(src.name, len(marked), write_marked, "small")
+            return Unit(src.name, len(marked), write_marked, "small", content=marked)
 
         def run() -> FileRecord:
             with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
@@ -597,7 +600,8 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     todo: list[Unit] = []
     progress.start(sum(u.nbytes for u in plan.units), len(plan.units))
     for unit in plan.units:
-        if is_done(out, journal.get(unit.path)):
+        if is_done(out, journal.get(unit.path)) and (unit.content is None
+                                                     or (out / unit.path).read_bytes() == unit.content):
             records[unit.path] = journal[unit.path]
             progress.advance(unit.nbytes, unit.path, skipped=True)
         else:

@@ -70,3 +70,23 @@ def test_convert_refuses_a_config_it_cannot_mark_in_one_line(tmp_path, tiny_ckpt
     assert proc.returncode != 0 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_rerunning_convert_marks_an_older_conversion(tiny_ckpt, tmp_path):
+    """An older megamoe-convert copied config.json verbatim (and journaled it so): the same command
+    rewrites just that file, and the conversion then verifies."""
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    journal = out / ".megamoe" / "journal.jsonl"
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    from megamoe_convert.writer import file_checksum
+
+    shutil.copy(tiny_ckpt / "config.json", out / "config.json")
+    for line in lines:
+        if line["path"] == "config.json":
+            line.update(size=(out / "config.json").stat().st_size, checksum=file_checksum(out / "config.json"))
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    assert "1 files written" in proc.stdout + proc.stderr
+    assert (out / "config.json").read_bytes() == marker.mark((tiny_ckpt / "config.json").read_bytes())
+    run_cli("verify", out, "--source", tiny_ckpt)
