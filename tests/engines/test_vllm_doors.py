@@ -26,6 +26,10 @@ from megamoe_convert.vllm_integration import InstallError
 import bare_env
 import vllm_harness as h
 
+if h.KERNEL_LAYOUT:  # Kimi-K3 and DeepSeek-V4.1 are proven from vLLM 0.33 on
+    import models_harness as mh
+    from test_vllm_models import kimi, v41  # noqa: F401  (module fixtures: converted checkpoints)
+
 EP_SIZE, REDUNDANT = 4, 4
 
 
@@ -250,3 +254,43 @@ def test_the_transformers_backend_is_refused_for_a_conversion(engine_converted, 
     assert arch.startswith("Transformers") and cls.__module__ == vllm_models.__name__
     with pytest.raises(InstallError, match="drop --model-impl transformers"):
         cls(vllm_config=types.SimpleNamespace(model_config=config))
+
+
+def recording_parent(cls, seen: list[str]):
+    """vLLM's ``load_weights`` of ``cls`` records what it is fed (the tree has nowhere to put it)."""
+    return mock.patch.object(cls, "load_weights", lambda self, weights: seen.extend(n for n, _ in weights) or set())
+
+
+@pytest.mark.only_kernel_layout
+@pytest.mark.parametrize("family", ["kimi-k3", "deepseek-v4.1", "deepseek-v4.1-dspark"])
+def test_kimi_k3_and_deepseek_v41_serve_their_experts_through_the_default_loader(family, request):
+    """The plugin's subclasses of ``KimiK3ForConditionalGeneration``, ``DeepseekV41ForCausalLM`` and
+    the DSpark draft, loaded by vLLM's default loader (``vllm serve OUT``), against vLLM's own loading."""
+    ckpt, out = request.getfixturevalue("kimi" if family == "kimi-k3" else "v41")
+    config = model_config(out)
+    arch = {"kimi-k3": "KimiK3ForConditionalGeneration", "deepseek-v4.1": "DeepseekV41ForCausalLM",
+            "deepseek-v4.1-dspark": "DSparkV41DraftModel"}[family]
+    assert config.hf_config.architectures == [arch.replace("DSparkV41DraftModel", "DeepseekV41ForCausalLM")]
+    seen: list[str] = []
+    with mh.patched(1, EP_SIZE):
+        if family == "kimi-k3":
+            cfg = mh.kimi_config(ckpt)
+            build = lambda: mh.build_kimi(cfg, 1, EP_SIZE)  # noqa: E731
+        elif family == "deepseek-v4.1":
+            cfg = mh.v41_config(ckpt)
+            build = lambda: mh.build_v41(cfg, 1, EP_SIZE, 4)  # noqa: E731
+        else:
+            cfg = mh.v41_config(ckpt)
+            build = lambda: mh.build_v41_dspark(cfg, 1, EP_SIZE, 4)  # noqa: E731
+        reference = build()
+        reference.load_weights(mh.weights(ckpt, shared=family != "kimi-k3"))
+        model = build()
+        vllms_class = type(model)
+        megamoe_model(model, vllm_models.conversion_of(config), draft=arch in vllm_models.DRAFTS)
+        with recording_parent(vllms_class, seen):
+            load("auto", model, config)
+        assert mh.experts_of(model)
+        for prefix, module in mh.experts_of(model).items():
+            want = mh.experts_of(reference)[prefix]
+            h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want), prefix)
+    assert seen and not [n for n in seen if ".experts." in n and ".shared_experts." not in n]
