@@ -281,7 +281,7 @@ def test_kimi_k3_and_deepseek_v41_serve_their_experts_through_the_default_loader
             build = lambda: mh.build_v41(cfg, 1, EP_SIZE, 4)  # noqa: E731
         else:
             cfg = mh.v41_config(ckpt)
-            build = lambda: mh.build_v41_dspark(cfg, 1, EP_SIZE, 4)  # noqa: E731
+            build = lambda: mh.build_v41_dspark(cfg, 1, EP_SIZE, 4, True)  # noqa: E731
         reference = build()
         reference.load_weights(mh.weights(ckpt, shared=family != "kimi-k3"))
         model = build()
