@@ -86,7 +86,7 @@ def make_model_class(base: type, draft: bool) -> type:
             return loaded | names if isinstance(loaded, set) else loaded
 
     MegaMoEModel.__name__ = MegaMoEModel.__qualname__ = base.__name__
-    MegaMoEModel.__module__ = __name__
+    MegaMoEModel.__module__ = __name__  # model_class() sets the qualname vLLM's registry (and pickle) looks up
     return MegaMoEModel
 
 
@@ -130,7 +130,9 @@ def model_class(attribute: str) -> type:
     module, cls = registry._VLLM_MODELS[arch]
     module = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
     base = getattr(importlib.import_module(module), cls)
-    return make_refusing_class(base, arch) if refuse else make_model_class(base, draft=arch in DRAFTS)
+    made = make_refusing_class(base, arch) if refuse else make_model_class(base, draft=arch in DRAFTS)
+    made.__qualname__ = attribute  # what vLLM's registry imports (and pickle finds) in any process
+    return made
 
 
 def __getattr__(name: str) -> type:  # the lazy "module:class" vLLM's registry imports

@@ -294,3 +294,21 @@ def test_kimi_k3_and_deepseek_v41_serve_their_experts_through_the_default_loader
             want = mh.experts_of(reference)[prefix]
             h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want), prefix)
     assert seen and not [n for n in seen if ".experts." in n and ".shared_experts." not in n]
+
+
+def test_the_subclass_reads_its_own_model_config_target_or_draft(engine_converted, engine_ckpt):
+    """What the subclass's ``__init__`` takes off vLLM's config: the target reads ``model_config``,
+    a draft the speculative config's ``draft_model_config`` (vLLM hands drafts the target's
+    ``VllmConfig``). vLLM's own ``__init__`` (GPU layers) is replaced by an empty one here."""
+    converted, source = model_config(engine_converted), model_config(engine_ckpt)
+    vllm_config = types.SimpleNamespace(model_config=source,
+                                        speculative_config=types.SimpleNamespace(draft_model_config=converted))
+    for base, draft, want in ((h.model_py.DeepseekV4ForCausalLM, False, None),
+                              (h.mtp_py.DeepSeekV4MTP, True, str(engine_converted))):
+        cls = vllm_models.make_model_class(base, draft=draft)
+        with mock.patch.object(base, "__init__", lambda self, **kwargs: torch.nn.Module.__init__(self)):
+            model = cls(vllm_config=vllm_config, prefix="")
+        assert getattr(model, vllm_models.CONVERSION_ATTR) == want and type(model).__name__ == base.__name__
+    arch_attr = "DeepSeekV4MTPModel" + vllm_models._vllm_suffix()
+    made = getattr(vllm_models, arch_attr)  # what vLLM's registry imports
+    assert made.__qualname__ == arch_attr and getattr(vllm_models, arch_attr) is made
