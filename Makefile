@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/megamoe inspect demo-out/checkpoint --ep-size 4
 	$(VENV)/bin/megamoe convert demo-out/checkpoint demo-out/converted --ep-size 4 --num-redundant-experts 4
 	$(VENV)/bin/megamoe verify demo-out/converted --source demo-out/checkpoint --numerics
-	$(PY) -m megamoe_convert.demo demo-out/converted
+	$(PY) -m megamoe_convert.cli.demo demo-out/converted
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider

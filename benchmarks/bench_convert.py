@@ -55,7 +55,7 @@ COPY_BUFFER_BYTES = 16 << 20
 # --------------------------------------------------------------------------------------
 
 def bench_config(preset: str, layers: int, experts: int, mtp: int, vocab: int) -> dict:
-    from megamoe_convert.synth import load_preset
+    from megamoe_convert.synth.tensors import load_preset
 
     config = dict(load_preset(preset))
     config.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=mtp,
@@ -103,7 +103,7 @@ def ensure_checkpoint(path: Path, config: dict) -> float:
 
 def expert_ranges(src: Path) -> list[tuple[str, list[tuple[int, int]]]]:
     """Per source file, the byte ranges of its routed-expert tensors, adjacent ones merged."""
-    from megamoe_convert.checkpoint import UNDER_EXPERTS, Checkpoint
+    from megamoe_convert.source.checkpoint import UNDER_EXPERTS, Checkpoint
 
     ckpt = Checkpoint.open(src)
     by_file: dict[str, list[tuple[int, int]]] = {}
@@ -158,7 +158,8 @@ def plain_copy(ranges: list[tuple[str, list[tuple[int, int]]]], out: Path, worke
 
 
 def run_convert(src: Path, out: Path, ep_size: int, workers: int, fsync: bool) -> int:
-    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
 
     summary = convert(src, out, ConvertOptions(ep_size=ep_size, experts_only=True, workers=workers, fsync=fsync))
     return summary.bytes_written

@@ -107,7 +107,7 @@ def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> t
     from safetensors import safe_open
 
     from megamoe_convert import layout
-    from megamoe_convert.checkpoint import MoELayer
+    from megamoe_convert.source.layers import MoELayer
     from megamoe_convert.placement import Placement
 
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -156,7 +156,7 @@ def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> t
 
 
 def ours(out: Path, rank: int, device: torch.device) -> dict:
-    from megamoe_convert.loader import load_rank
+    from megamoe_convert.serve.loader import load_rank
 
     layers = load_rank(out, rank, device=device)
     if device.type == "cpu":  # lazy mmap views: touch every byte, as a device copy would
@@ -219,7 +219,7 @@ class HostRead:
     def run(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from megamoe_convert.safetensors_io import read_into
+        from megamoe_convert.source.safetensors_io import read_into
 
         def worker(k: int) -> None:
             fds: dict[Path, int] = {}
@@ -291,7 +291,7 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
         h2d = H2D(rank_bytes, device)
         methods["h2d_pinned"] = h2d.pinned_copy
         methods["h2d_pageable"] = h2d.pageable_copy
-        from megamoe_convert import loader
+        from megamoe_convert.serve import loader
 
         host_read = HostRead(files, loader.READ_THREADS, loader.RING_BUFFER_BYTES)
         methods["host_read"] = host_read.run
@@ -368,7 +368,7 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
 
 def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:
     """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (module defaults)."""
-    from megamoe_convert import loader
+    from megamoe_convert.serve import loader
 
     defaults = (loader.READ_THREADS, loader.PinnedRing.__init__.__defaults__)
     rows = []
@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
                                           [c for _, c in jobs.values()])))
     log(f"synthesised {len(jobs)} checkpoints ({', '.join(f'{s:.0f}s' for s in synth_s.values())})")
 
-    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
 
     results = []
     for layers in sizes:

@@ -65,7 +65,7 @@ def read_files_parallel(files: list[Path], threads: int) -> int:
 
 
 def rank_files(out: Path, rank: int) -> list[Path]:
-    from megamoe_convert.manifest import read_manifest
+    from megamoe_convert.output.manifest import read_manifest
 
     return [out / record.path for record in read_manifest(out).rank_files(rank).values()]
 
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--save")
     args = p.parse_args(argv)
 
-    from megamoe_convert import writer
-    from megamoe_convert.loader import load_rank
+    from megamoe_convert.output import writer
+    from megamoe_convert.serve.loader import load_rank
     from megamoe_convert.verify import verify
 
     started = time.perf_counter()

@@ -89,8 +89,9 @@ def chunked(files: list[Path], dests: list[torch.Tensor], stream: torch.cuda.Str
 
 
 def main() -> None:
-    from megamoe_convert.convert import ConvertOptions, convert
-    from megamoe_convert.loader import load_rank
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
+    from megamoe_convert.serve.loader import load_rank
 
     work = Path("/tmp/probe")
     src = work / "src"

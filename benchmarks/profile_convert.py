@@ -134,7 +134,7 @@ def hash_cost(src: Path, out: Path, fsync: bool, repeats: int = 6) -> tuple[floa
 
     from bench_convert import run_convert
 
-    from megamoe_convert import writer
+    from megamoe_convert.output import writer
 
     real = writer.new_hasher
     times: dict[bool, list[float]] = {True: [], False: []}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import jsonio
+from megamoe_convert import jsonio
 
 #: Bounds checked before anything is expanded (DeepSeek-V4: 256-384 experts, EP up to a few hundred).
 MAX_EP_SIZE = 1 << 16

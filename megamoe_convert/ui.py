@@ -7,8 +7,16 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn, TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 #: Status and progress go to stderr so that ``--json`` output on stdout stays clean.
 err_console = Console(stderr=True)

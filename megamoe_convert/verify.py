@@ -7,7 +7,7 @@ Four levels, each optional beyond the first:
    rank shard's tensors (names, dtypes, shapes), and the logical experts each shard says it
    holds against the manifest's placement;
 2. ``source``: every (or a random sample of) expert slot re-derived from the source
-   checkpoint and compared byte for byte; non-expert tensors compared too;
+   checkpoint and compared byte for byte; non-expert tensors and small files (config.json marked) too;
 3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
    the format's dequantisation, ``formats.dequantize``) equals the one computed from the
    source's ``w1/w2/w3``, for every weight format; so does the pre-baked fused shared expert;
@@ -18,8 +18,8 @@ Problems are collected, not raised: a report lists everything that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,16 +28,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import formats, layout, marker
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .convert import ExpertReader, NoProgress, Progress
-from .layout import KernelWeights
-from .devices import usable_device
-from .loader import LoadError, check_logical_ids, check_shard, load_rank
-from .manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest, rank_file
-from .placement import parse_ranks
-from .safetensors_io import FileCache, SafetensorsError, read_header
-from .writer import file_problems
+from megamoe_convert import layout
+from megamoe_convert.convert.gather import ExpertReader
+from megamoe_convert.devices import usable_device
+from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output import marker
+from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, rank_file, read_manifest
+from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import parse_ranks
+from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 
 
 @dataclass
@@ -118,35 +123,15 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
 
 
 def check_marker(out: Path, report: VerifyReport) -> None:
-    """``config.json`` names the marker architectures of the ones it moved to its ``megamoe``
-    section (``marker.py``): without them an engine lacking megamoe-convert would serve no experts."""
-    try:
-        config = json.loads((out / "config.json").read_bytes())
-        if not isinstance(config, dict) or marker.section_of(config) is None:
-            report.problem("config.json", "has no megamoe marker (converted by an older megamoe-convert): an engine "
-                                          "without megamoe-convert would serve no experts; rerun the same convert command")
-        else:
-            marker.original(config)
-            report.count("marker")
-    except (OSError, ValueError) as e:  # a missing file is reported by check_files
-        if not isinstance(e, FileNotFoundError):
-            report.problem("config.json", str(e))
+    """``config.json`` carries the serving marker (``output/marker.py``; a missing file: ``check_files``)."""
+    with contextlib.suppress(FileNotFoundError):
+        problem = marker.problem((out / "config.json").read_bytes())
+        report.problem("config.json", problem) if problem else report.count("marker")
 
 
 def compare_small_files(out: Path, ckpt: Checkpoint, report: VerifyReport) -> None:
-    """The source's small files, byte for byte; ``config.json`` as :func:`marker.mark` writes it."""
-    for src in ckpt.small_files():
-        want = src.read_bytes()
-        if src.name == "config.json":
-            want = marker.mark(want, str(src))
-        dst = out / src.name
-        if not dst.is_file():
-            report.problem(src.name, "small file of the source is missing")
-        elif dst.read_bytes() != want:
-            report.problem(src.name, "differs from the source" + (" marked by megamoe-convert"
-                                                                  if src.name == "config.json" else ""))
-        else:
-            report.count("small files vs source")
+    for name, problem in marker.small_file_problems(out, ckpt.small_files()):
+        report.problem(name, problem) if problem else report.count("small files vs source")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:

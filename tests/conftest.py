@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_convert.synth import synthesize
+from megamoe_convert.synth.write import synthesize
 
 REPO = Path(__file__).resolve().parent.parent
 #: tests/engines runs only inside an engine's environment (tests/test_engines_real.py).

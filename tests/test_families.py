@@ -11,10 +11,11 @@ import pytest
 from safetensors import safe_open
 
 from conftest import run_cli
-from megamoe_convert import families
-from megamoe_convert.checkpoint import Checkpoint, CheckpointError, MoELayer
-from megamoe_convert.loader import load_rank
-from megamoe_convert.synth import load_preset
+from megamoe_convert.source import families
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.synth.tensors import load_preset
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +185,7 @@ def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line
 def test_a_manifest_whose_dspark_count_vllm_could_not_place_is_refused(v41_ckpt, tmp_path):
     """The manifest's ``dims.mtp_n_routed_experts`` fixes the MTP layer's placement and file sizes:
     a count that does not divide over the EP size is a manifest problem, not a crash."""
-    from megamoe_convert.manifest import ManifestError, read_manifest, seal
+    from megamoe_convert.output.manifest import ManifestError, read_manifest, seal
 
     out = tmp_path / "out"
     run_cli("convert", v41_ckpt, out, "--ep-size", 4, "--layers", "mtp", "--experts-only")

@@ -16,10 +16,13 @@ import threading
 import pytest
 
 from conftest import REPO, output_files, run_cli
-from megamoe_convert.convert import (ConvertError, ConvertOptions, build_plan, convert, parse_shard)
-from megamoe_convert.fleet import MergeError, merge
-from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.safetensors_io import FileCache
+from megamoe_convert.output.state import ConvertError
+from megamoe_convert.convert.plan import ConvertOptions, parse_shard
+from megamoe_convert.convert.run import build_plan, convert
+from megamoe_convert.convert.fleet import MergeError, merge
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.source.safetensors_io import FileCache
 
 EP4 = ("--ep-size", 4, "--num-redundant-experts", 4)
 

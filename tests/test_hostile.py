@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 from conftest import REPO, run_cli
 from typer.testing import CliRunner
 
-from megamoe_convert.cli import _known_errors, app
-from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import ManifestError, read_manifest, seal
-from megamoe_convert.output_state import OutputState
+from megamoe_convert.cli.commands import _known_errors, app
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.output.manifest import ManifestError, read_manifest, seal
+from megamoe_convert.output.state import OutputState
 from megamoe_convert.placement import Placement, PlacementError
-from megamoe_convert.synth import synthesize
+from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
 
 EP2 = ("--ep-size", 2)

@@ -23,11 +23,13 @@ from typer.testing import CliRunner
 
 from conftest import REPO
 from hub_fake import FakeHub, cache_put
-from megamoe_convert.cli import app
-from megamoe_convert.convert import ConvertOptions, convert
-from megamoe_convert.hub import HubError, parse_repo_ref, pull, push, resolve_source
-from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import ManifestError
+from megamoe_convert.cli.commands import app
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
+from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, push, resolve_source
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.output.manifest import ManifestError
 
 REPO_ID = "team/tiny-ep4"
 SMALL = {"config.json", "tokenizer_config.json"}

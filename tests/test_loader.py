@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from megamoe_convert import layout, loader
-from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import read_manifest, seal
-from megamoe_convert.synth import synthesize
+from megamoe_convert import layout
+from megamoe_convert.serve import loader
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.output.manifest import read_manifest, seal
+from megamoe_convert.synth.write import synthesize
 from test_convert import assert_rank_matches_source
 
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from megamoe_convert import marker
+from megamoe_convert.output import marker
 from conftest import run_cli
 
 
@@ -79,7 +79,7 @@ def test_rerunning_convert_marks_an_older_conversion(tiny_ckpt, tmp_path):
     run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
     journal = out / ".megamoe" / "journal.jsonl"
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
-    from megamoe_convert.writer import file_checksum
+    from megamoe_convert.output.writer import file_checksum
 
     shutil.copy(tiny_ckpt / "config.json", out / "config.json")
     for line in lines:

@@ -26,15 +26,16 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
-from megamoe_convert.cli import run_command
-from megamoe_convert.output_state import OutputBusy, part_name
-from megamoe_convert.fleet import auto_merge, merge
-from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.manifest import Manifest, ManifestError, read_manifest, seal
-from megamoe_convert.safetensors_io import SafetensorsError, read_header
-from megamoe_convert.synth import synthesize
+from megamoe_convert.cli.commands import run_command
+from megamoe_convert.output.state import OutputBusy, part_name
+from megamoe_convert.convert.fleet import auto_merge, merge
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.output.manifest import Manifest, ManifestError, read_manifest, seal
+from megamoe_convert.source.safetensors_io import SafetensorsError, read_header
+from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
-from megamoe_convert.writer import AtomicWriter, partial_path
+from megamoe_convert.output.writer import AtomicWriter, partial_path
 
 CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
 
@@ -148,8 +149,8 @@ def test_commit_errors_name_the_file_and_leave_no_temporary_file(tmp_path, monke
 
 
 def test_journal_write_errors_name_the_journal(tmp_path, monkeypatch):
-    from megamoe_convert.output_state import OutputState
-    from megamoe_convert.writer import FileRecord
+    from megamoe_convert.output.state import OutputState
+    from megamoe_convert.output.writer import FileRecord
 
     state = OutputState(tmp_path)
     state.dir.mkdir()
@@ -468,7 +469,7 @@ def test_corrupted_manifest_text_is_refused(tiny_converted, tmp_path):
 
 def test_source_shrinking_during_the_run_is_an_error_naming_the_file(tiny_ckpt, tmp_path, monkeypatch):
     """Headers were fine when the plan was made; the file is cut short before its bytes are read."""
-    from megamoe_convert import convert as convert_module
+    from megamoe_convert.convert import run as convert_module
 
     src, out = tmp_path / "src", tmp_path / "out"
     shutil.copytree(tiny_ckpt, src)

@@ -8,9 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megamoe_convert.checkpoint import Checkpoint
+from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.layout import check_dims
-from megamoe_convert.synth import load_preset, synthesize
+from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.synth.write import synthesize
 
 from conftest import run_cli
 

@@ -14,8 +14,8 @@ import xxhash
 
 from conftest import run_cli
 from megamoe_convert import layout, verify as verify_module
-from megamoe_convert.manifest import seal
-from megamoe_convert.safetensors_io import read_header
+from megamoe_convert.output.manifest import seal
+from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.verify import verify
 
 

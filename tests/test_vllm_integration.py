@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from conftest import run_cli
-from megamoe_convert.loader import load_rank
-from megamoe_convert.vllm_integration import InstallError, install, layer_key
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.engines import InstallError
+from megamoe_convert.vllm_integration import install
+from megamoe_convert.engines.vllm_common import layer_key
 from vllm_stand_in import STAND_INS, experts_of, kernel_tensors, stand_in_model
 
 KEYS = ["layers.0", "layers.1", "mtp.0"]

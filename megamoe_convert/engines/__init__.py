@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Protocol
 from torch import nn
 
 if TYPE_CHECKING:
-    from ..families import ModelFamily
-    from ..checkpoint import MoELayer
-    from ..loader import ConvertedModel, Destinations, ExpertLayer
+    from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+    from megamoe_convert.source.families import ModelFamily
+    from megamoe_convert.source.layers import MoELayer
 
 
 #: Each engine's MegaMoE shape rule: (hidden_size multiple, moe_intermediate_size multiple).

@@ -15,9 +15,11 @@ from typing import Protocol, Sequence
 
 from torch import nn
 
-from ..checkpoint import SHARED_PROJECTIONS, MoELayer
-from ..loader import ConvertedModel, LoadError, load_rank, open_converted
-from . import Contract, InstallError, require_engine
+from megamoe_convert.engines import Contract, InstallError, require_engine
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
+from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
+from megamoe_convert.source.layers import MoELayer
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .. import marker
-from .driver import Installed
+from megamoe_convert.engines.driver import Installed
+from megamoe_convert.output import marker
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import layout
-from ..checkpoint import MoELayer
-from ..loader import ConvertedModel, Destinations, ExpertLayer
-from . import SHAPE_RULES, Contract, InstallError, driver
+from megamoe_convert import layout
+from megamoe_convert.engines import SHAPE_RULES, Contract, InstallError, driver
+from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.source.layers import MoELayer
 
 #: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.
 SGLANG_PREFIX = re.compile(r"^model\.(?:layers\.(?P<index>\d+)|(?P<mtp>decoder))\.mlp\.experts$")

@@ -21,9 +21,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..loader import prepare_gpu_staging
-from .load_format import INSTALLED_ATTR, LOAD_FORMAT, as_safetensors_config, without_expert_tensors
-from .sglang_models import register_hooks
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, LOAD_FORMAT, as_safetensors_config, \
+    without_expert_tensors
+from megamoe_convert.engines.sglang_models import register_hooks
+from megamoe_convert.serve.loader import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def loader_class() -> type:
     """SGLang's ``DefaultModelLoader``, installing the experts before the other weights load."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
-    from .sglang import install_layers
+    from megamoe_convert.engines.sglang import install_layers
 
     class MegaMoEModelLoader(DefaultModelLoader):
         """``--load-format megamoe``: experts from the rank's shards, everything else as usual."""

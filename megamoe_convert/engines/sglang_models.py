@@ -1,6 +1,6 @@
 """Every SGLang load format serves a conversion's pre-baked experts, or refuses (SGLang 0.5.23).
 
-A converted directory's ``config.json`` names a marker architecture (:mod:`..marker`) that a bare
+A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
 SGLang refuses when it resolves the model class. With megamoe-convert installed, the
 ``sglang.srt.plugins`` entry point (:func:`.sglang_loader.register`) adds two hooks through
 SGLang's own ``HookRegistry``:
@@ -31,9 +31,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .. import marker
-from . import InstallError
-from .load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.output import marker
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
     out = conversion_of(model)
     if out is None:
         return load_weights(model, weights, *args, **kwargs)
-    from .sglang import install_layers
+    from megamoe_convert.engines.sglang import install_layers
 
     installed = getattr(model, INSTALLED_ATTR, None)
     if installed is None:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import formats
-from ..checkpoint import MoELayer
-from ..loader import ConvertedModel, Destinations, ExpertLayer
-from . import InstallError
-from .vllm_common import EP_ATTRIBUTES, expect_kernel_tensors, require
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.vllm_common import EP_ATTRIBUTES, expect_kernel_tensors, require
+from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.source import formats
+from megamoe_convert.source.layers import MoELayer
 
 #: Registered by every weight format; the scales only by the scaled ones (checked per format).
 ROUTED_WEIGHTS = ("w13_weight", "w2_weight")

@@ -16,12 +16,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .. import formats
-from ..checkpoint import MoELayer
-from ..loader import ConvertedModel
-from ..manifest import rank_shard_specs
-from . import Contract, InstallError, driver
-from .driver import classify
+from megamoe_convert.engines import Contract, InstallError, driver
+from megamoe_convert.engines.driver import classify
+from megamoe_convert.output.manifest import rank_shard_specs
+from megamoe_convert.serve.loader import ConvertedModel
+from megamoe_convert.source import formats
+from megamoe_convert.source.layers import MoELayer
 
 #: ``model.layers.7.ffn.experts``, ``model.layers.43.mtp_block.ffn.experts``, ``model.mtp.0.ffn.experts``,
 #: ``language_model.model.layers.7.ffn.experts``, ``language_model.model.layers.7.block_sparse_moe.experts``.

@@ -35,12 +35,11 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from torch import nn
 
-from .. import layout
-from ..checkpoint import MoELayer
-from .. import formats
-from ..loader import ConvertedModel, Destinations, ExpertLayer
-from . import InstallError
-from .vllm_common import EP_ATTRIBUTES, expect_tensor, require
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.vllm_common import EP_ATTRIBUTES, expect_tensor, require
+from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.source import formats
+from megamoe_convert.source.layers import MoELayer
 
 LOADER_PARAMETERS = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
 MARKERS = (*EP_ATTRIBUTES, "finalize_weights", "_check_runtime_supported", "_transformed_l1_weights",

@@ -14,11 +14,17 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..loader import prepare_gpu_staging
-from .driver import Installed
-from .vllm_models import register_models
-from .load_format import INSTALLED_ATTR, LOAD_FORMAT, RANK_FILES_PATTERN, as_safetensors_config, \
-    without_expert_tensors
+from megamoe_convert.engines.driver import Installed
+from megamoe_convert.engines.load_format import (
+    INSTALLED_ATTR,
+    LOAD_FORMAT,
+    RANK_FILES_PATTERN,
+    as_safetensors_config,
+    without_expert_tensors,
+)
+from megamoe_convert.engines.vllm_install import install_layers
+from megamoe_convert.engines.vllm_models import register_models
+from megamoe_convert.serve.loader import prepare_gpu_staging
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
 
@@ -27,8 +33,6 @@ log = logging.getLogger(__name__)
 
 def make_loader_class(default_loader: type) -> type:
     """A ``DefaultModelLoader`` subclass: experts from the shards, everything else as usual."""
-    from ..vllm_integration import install_layers
-
     class MegaMoEModelLoader(default_loader):  # type: ignore[misc, valid-type]
         """``--load-format megamoe``: ``vllm serve OUT`` where OUT is a ``megamoe convert`` output."""
 

@@ -1,6 +1,6 @@
 """Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
 
-A converted directory's ``config.json`` names a marker architecture (:mod:`..marker`) that a bare
+A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
 vLLM refuses. With megamoe-convert installed, :func:`register` (run by the ``vllm.general_plugins``
 entry point in every vLLM process, before any config is read) does two things:
 
@@ -9,7 +9,7 @@ entry point in every vLLM process, before any config is read) does two things:
   setting of vLLM applies); the ``megamoe`` section stays on the config.
 - Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
   drafts) is registered again as a thin subclass of vLLM's own class whose ``load_weights``
-  first installs the rank's pre-baked experts (:func:`..vllm_integration.install_layers`, which
+  first installs the rank's pre-baked experts (``engines/vllm_install.py``'s ``install_layers``, which
   refuses a model that does not match) and then loads the rest as vLLM would. Every loader that
   calls ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ``fastsafetensors``, ...)
   therefore serves the experts. On a directory that is no conversion the subclass is vLLM's class.
@@ -31,8 +31,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from .. import marker
-from .load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.output import marker
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> 
 
 def make_model_class(base: type, draft: bool) -> type:
     """vLLM's ``base`` with a ``load_weights`` that installs a conversion's experts first."""
-    from ..vllm_integration import CONTRACTS, install_layers
+    from megamoe_convert.engines.vllm_install import CONTRACTS, install_layers
 
     class MegaMoEModel(base):  # type: ignore[misc, valid-type]
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
@@ -93,8 +94,6 @@ def make_model_class(base: type, draft: bool) -> type:
 def make_refusing_class(base: type, arch: str) -> type:
     """vLLM's Transformers-backend ``base`` (``--model-impl transformers``): it has no MegaMoE experts
     modules, so on a conversion it is refused before it is built."""
-    from . import InstallError
-
     class NoMegaMoEModel(base):  # type: ignore[misc, valid-type]
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
             out = conversion_of(vllm_config.model_config)

@@ -64,7 +64,8 @@ def test_the_mtp_layer_holds_two_experts_per_rank_as_sglang_builds_it(sglang_ckp
 
 
 def test_a_vllm_placement_conversion_is_refused_before_any_module_changes(sglang_ckpt, tmp_path):
-    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
 
     out = tmp_path / "vllm"
     convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, experts_only=True))
@@ -114,7 +115,8 @@ def test_contract_detects_sglangs_real_fused_moe(sglang_ckpt):
 
 
 def test_a_hidden_size_sglangs_megamoe_cannot_serve_is_refused(tiny_ckpt, tmp_path):
-    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
 
     out = tmp_path / "h256"
     convert(tiny_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang", experts_only=True))

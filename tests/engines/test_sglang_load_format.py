@@ -94,7 +94,8 @@ def test_load_format_refuses_a_model_of_another_ep_size_before_reading_a_weight(
 
 
 def test_load_format_refuses_an_experts_only_conversion(sglang_ckpt, tmp_path):
-    from megamoe_convert.convert import ConvertOptions, convert
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
 
     out = tmp_path / "experts-only"
     convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang", experts_only=True))

@@ -19,7 +19,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megamoe_convert import marker
+from megamoe_convert.output import marker
 from megamoe_convert.engines import vllm_models
 from megamoe_convert.vllm_integration import InstallError
 

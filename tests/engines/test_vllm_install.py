@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from megamoe_convert import vllm_integration
-from megamoe_convert.vllm_integration import InstallError, install
+from megamoe_convert.engines import InstallError
+from megamoe_convert.vllm_integration import install
 
 import vllm_harness as h
 

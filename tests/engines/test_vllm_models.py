@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megamoe_convert.convert import ConvertOptions, convert
-from megamoe_convert.synth import synthesize
-from megamoe_convert.vllm_integration import InstallError, install
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
+from megamoe_convert.synth.write import synthesize
+from megamoe_convert.engines import InstallError
+from megamoe_convert.vllm_integration import install
 
 import vllm_harness as vh
 

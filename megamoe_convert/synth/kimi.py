@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from . import families
-from .checkpoint import MoELayer
-from .formats import WeightFormat
-from .synth import SynthTensor, expert_tensors
+from megamoe_convert.source import families
+from megamoe_convert.source.formats import WeightFormat
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.synth.tensors import SynthTensor, expert_tensors
 
 ROOT = "language_model.model"
 

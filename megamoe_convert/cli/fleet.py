@@ -1,4 +1,4 @@
-"""`megamoe` commands for fleet (registered into the main app by cli.py): push, pull, merge."""
+"""`megamoe` commands for fleet (registered into the main app by cli/commands.py): push, pull, merge."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from .ui import ByteProgress, err_console, human_bytes
+from megamoe_convert.ui import ByteProgress, err_console, human_bytes
 
 
 def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
@@ -28,7 +28,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
     ) -> None:
         """Upload a conversion to the Hugging Face hub: data first (resumable), then manifest.json and a
         generated model card (README.md) in one last commit. Rerun the same command to resume."""
-        from .hub import push as hub_push
+        from megamoe_convert.serve.hub import push as hub_push
 
         def body() -> None:
             result = hub_push(out, repo_id, revision=revision, private=private, verify=verify)
@@ -56,7 +56,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
     ) -> None:
         """Download the manifest, small files, non-expert shards and just the named ranks' shards of a
         pushed conversion, then verify them against manifest.json. Honours HF_HUB_OFFLINE and the cache."""
-        from .hub import pull as hub_pull
+        from megamoe_convert.serve.hub import pull as hub_pull
 
         def body() -> None:
             result = hub_pull(repo_id, ranks, local_dir, revision, non_expert=not experts_only, verify=verify,
@@ -87,7 +87,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
     ) -> None:
         """Assemble the N parts of a split conversion into one: files hard-linked (or copied) into OUT and
         re-checked, then the non-expert index and manifest.json, byte for byte what one machine writes."""
-        from .fleet import merge as run_merge
+        from megamoe_convert.convert.fleet import merge as run_merge
 
         def body() -> None:
             with ByteProgress("merge", quiet=False) as progress:

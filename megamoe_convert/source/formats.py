@@ -28,8 +28,8 @@ from typing import Any, Iterator
 
 import torch
 
-from . import jsonio, layout
-from .safetensors_io import DTYPE_BITS, TensorSpec
+from megamoe_convert import jsonio, layout
+from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
 SCALES_PER_WORD = 4

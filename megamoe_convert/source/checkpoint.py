@@ -22,12 +22,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import formats, jsonio
-from .families import FamilyError, ModelFamily, TensorNames, detect
-from .formats import FormatError, WeightFormat
-from .layout import LayoutError, check_dims
-from .placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
-from .safetensors_io import DTYPE_BITS, SafetensorsError, SafetensorsHeader, TensorEntry, read_header
+from megamoe_convert import jsonio
+from megamoe_convert.layout import LayoutError, check_dims
+from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
+from megamoe_convert.source import formats
+from megamoe_convert.source.families import FamilyError, ModelFamily, TensorNames, detect
+from megamoe_convert.source.formats import FormatError, WeightFormat
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import (
+    DTYPE_BITS,
+    SafetensorsError,
+    SafetensorsHeader,
+    TensorEntry,
+    read_header,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -77,36 +85,6 @@ class ModelDims:
 
     def bytes_per_expert(self) -> int:
         return sum(math.prod(shape) for shape in self.expert_byte_shapes().values())
-
-
-@dataclass(frozen=True, order=True)
-class MoELayer:
-    """One MoE layer of the checkpoint, by its key ``layers.7`` or ``mtp.0``."""
-
-    is_mtp: bool
-    index: int
-
-    @classmethod
-    def parse(cls, key: str) -> "MoELayer":
-        kind, _, number = key.partition(".")
-        if kind not in ("layers", "mtp") or not re.fullmatch(_NUMBER, number):
-            raise ValueError(f"not a layer key: {key!r} (expected 'layers.N' or 'mtp.N')")
-        return cls(kind == "mtp", int(number))
-
-    @property
-    def key(self) -> str:
-        return f"{'mtp' if self.is_mtp else 'layers'}.{self.index}"
-
-    @property
-    def prefix(self) -> str:
-        """The layer's tensors in the rank files and the loader's dict key, e.g.
-        ``layers.7.ffn.experts`` (DeepSeek-V4's module name, kept for every family)."""
-        return f"{self.key}.ffn.experts"
-
-    @property
-    def vllm_prefix(self) -> str:
-        """What manifests before model families recorded: ``model.layers.7.ffn.experts`` (checked when read)."""
-        return f"model.{self.prefix}"
 
 
 def _config_int(config: Any, key: str, path: Path, default: int | None = None, hi: int = MAX_DIM,

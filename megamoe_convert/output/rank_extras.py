@@ -19,9 +19,11 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import formats, layout
-from .checkpoint import Checkpoint, CheckpointError, MoELayer
-from .safetensors_io import FileCache
+from megamoe_convert import layout
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache
 
 
 def _scalar_bytes(ckpt: Checkpoint, files: FileCache, layer: MoELayer, expert: int, proj: str, kind: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``python -m megamoe_convert.demo OUT``: load every rank of a conversion and check it.
+"""``python -m megamoe_convert.cli.demo OUT``: load every rank of a conversion and check it.
 
 The last step of ``make demo``: shows what a serving rank receives (dtype, shape, strides)
 and proves, against the source checkpoint, that the bytes are exactly the MegaMoE layout.
@@ -11,11 +11,12 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import Checkpoint, MoELayer
-from .loader import load_rank
-from .manifest import read_manifest
-from .safetensors_io import FileCache
-from .verify import expected_rank_layer
+from megamoe_convert.output.manifest import read_manifest
+from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache
+from megamoe_convert.verify import expected_rank_layer
 
 
 def main(out: str) -> int:

@@ -18,8 +18,8 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import xxhash
 
-from . import faults
-from .safetensors_io import TensorSpec, encode_header, tensor_bytes
+from megamoe_convert import faults
+from megamoe_convert.source.safetensors_io import TensorSpec, encode_header, tensor_bytes
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 PARTIAL_SUFFIX = ".partial"

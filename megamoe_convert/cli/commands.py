@@ -1,4 +1,5 @@
-"""The ``megamoe`` command line."""
+"""The ``megamoe`` command line: the app, its shared error handling and output, and the core commands
+(synth, inspect, plan, convert). ``cli/__init__.py`` adds the commands kept in modules of their own."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 import typer
 from rich.table import Table
 
-from . import __version__
-from .devices import Device
-from .jsonio import one_line
-from .ui import ByteProgress, err_console, human_bytes, out_console
+from megamoe_convert import __version__
+from megamoe_convert.devices import Device
+from megamoe_convert.jsonio import one_line
+from megamoe_convert.ui import ByteProgress, err_console, human_bytes, out_console
 
 if TYPE_CHECKING:
-    from .placement import Placement
+    from megamoe_convert.placement import Placement
 
 app = typer.Typer(
     name="megamoe",
@@ -37,18 +38,18 @@ RESUMABLE_COMMANDS = frozenset({"convert", "merge"})
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from .checkpoint import CheckpointError
-    from .convert import ConvertError
-    from .devices import DeviceError
-    from .families import FamilyError
-    from .formats import FormatError
-    from .hub import HubError
-    from .layout import LayoutError
-    from .loader import LoadError
-    from .manifest import ManifestError
-    from .placement import PlacementError
-    from .safetensors_io import SafetensorsError
-    from .synth import SynthError
+    from megamoe_convert.devices import DeviceError
+    from megamoe_convert.layout import LayoutError
+    from megamoe_convert.output.manifest import ManifestError
+    from megamoe_convert.output.state import ConvertError
+    from megamoe_convert.placement import PlacementError
+    from megamoe_convert.serve.errors import LoadError
+    from megamoe_convert.serve.hub import HubError
+    from megamoe_convert.source.checkpoint import CheckpointError
+    from megamoe_convert.source.families import FamilyError
+    from megamoe_convert.source.formats import FormatError
+    from megamoe_convert.source.safetensors_io import SafetensorsError
+    from megamoe_convert.synth.write import SynthError
     return (CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
             PlacementError, SafetensorsError, SynthError, FamilyError, OSError)
 
@@ -135,8 +136,8 @@ def synth(
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
 ) -> None:
     """Write a random checkpoint of a supported model family (real tensor names, FP4 experts, size-cut shards)."""
-    from .families import detect
-    from .synth import synthesize
+    from megamoe_convert.source.families import detect
+    from megamoe_convert.synth.write import synthesize
 
     def body() -> None:
         with ByteProgress(f"synth {preset.value}") as progress:
@@ -182,9 +183,9 @@ def inspect(
 ) -> None:
     """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank,
     and which engines can serve its shapes."""
-    from .checkpoint import Checkpoint
-    from .engines import describe_engines, shape_refusals
-    from .placement import Placement
+    from megamoe_convert.engines import describe_engines, shape_refusals
+    from megamoe_convert.placement import Placement
+    from megamoe_convert.source.checkpoint import Checkpoint
 
     def body() -> None:
         ckpt = Checkpoint.open(resolve_source(src, revision))
@@ -245,10 +246,10 @@ def plan(
     """Print which logical experts every rank's slots hold, per layer where the engine's rule
     differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
     the checkpoint's shapes."""
-    from .checkpoint import Checkpoint
-    from .convert import ConvertOptions, make_placement
-    from .engines import describe_engines, shape_refusals
-    from .placement import layer_placement
+    from megamoe_convert.convert.plan import ConvertOptions, make_placement
+    from megamoe_convert.engines import describe_engines, shape_refusals
+    from megamoe_convert.placement import layer_placement
+    from megamoe_convert.source.checkpoint import Checkpoint
 
     def body() -> None:
         ckpt = Checkpoint.open(resolve_source(src, revision))
@@ -292,7 +293,7 @@ def resolve_source(src: str, revision: str | None = None) -> Path:
     if path.exists():
         return path
     try:
-        from .hub import resolve_source as hub_resolve
+        from megamoe_convert.serve.hub import resolve_source as hub_resolve
     except ImportError:
         return path
     return hub_resolve(src, revision)
@@ -341,7 +342,8 @@ def convert(
     Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
     manifest last) and resumable: rerun the same command after a crash or Ctrl-C.
     """
-    from .convert import ConvertOptions, convert as run_convert, parse_shard
+    from megamoe_convert.convert.plan import ConvertOptions, parse_shard
+    from megamoe_convert.convert.run import convert as run_convert
 
     options = ConvertOptions(ep_size=ep_size, num_redundant_experts=num_redundant_experts,
                              placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
@@ -367,18 +369,3 @@ def convert(
                               f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "
                               f"{data['seconds']:.1f} s)")
     run_command(body)
-
-
-# Commands that live in modules of their own (one concept each).
-from . import cli_fleet, cli_verify  # noqa: E402
-
-cli_verify.register(app, run_command, print_json)
-cli_fleet.register(app, run_command, print_json)
-
-
-def main() -> None:
-    app(prog_name="megamoe")  # also under `python -m megamoe_convert.cli`
-
-
-if __name__ == "__main__":
-    main()

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
-from . import jsonio
+from megamoe_convert import jsonio
 
 if TYPE_CHECKING:
-    from .checkpoint import MoELayer
+    from megamoe_convert.source.layers import MoELayer
 
 #: The canonical kinds of one expert projection's tensors (``formats.checkpoint_byte_shapes``).
 KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
@@ -146,7 +146,7 @@ class TensorNames:
         return out
 
     def _layer_of(self, name: str) -> tuple["MoELayer", str] | None:
-        from .checkpoint import MoELayer
+        from megamoe_convert.source.layers import MoELayer
 
         for pattern, is_mtp in self._patterns:
             m = pattern.match(name)

@@ -1,4 +1,4 @@
-"""``megamoe verify`` (registered into the main app by cli.py)."""
+"""``megamoe verify`` (registered into the main app by cli/commands.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 from rich.table import Table
 
-from .devices import Device
-from .ui import ByteProgress, human_bytes, out_console
+from megamoe_convert.devices import Device
+from megamoe_convert.ui import ByteProgress, human_bytes, out_console
 
 
 def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
@@ -34,7 +34,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
     ) -> None:
         """Check a converted directory: files and checksums, shard tensors, placement; optionally
         bytes and numerics against the source. Exit 0 if all is well, 1 if problems were found."""
-        from .verify import verify as run_verify
+        from megamoe_convert.verify import verify as run_verify
 
         if source is None:
             for flag, given in (("--numerics", numerics), ("--deep-gemm", deep_gemm), ("--sample", sample is not None)):

@@ -18,7 +18,8 @@ checkpoint's own remote code for the marker name.
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 #: The ``config.json`` key of the section (also the attribute engines' config objects carry).
 SECTION = "megamoe"
@@ -99,3 +100,32 @@ def restore(config: Any) -> dict[str, Any] | None:
             if key in section:
                 setattr(config, key, section[key])
     return section
+
+
+def problem(config_bytes: bytes) -> str | None:
+    """What is wrong with a conversion's ``config.json`` as a marker, or None (``verify``)."""
+    try:
+        config = json.loads(config_bytes)
+        if not isinstance(config, dict) or section_of(config) is None:
+            return ("has no megamoe marker (converted by an older megamoe-convert): an engine without "
+                    "megamoe-convert would serve no experts; rerun the same convert command")
+        original(config)
+    except (UnicodeDecodeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def small_file_problems(out: Path, sources: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
+    """Each of the source's small files against ``out``'s, byte for byte (``config.json`` as
+    :func:`mark` writes it): (name, problem or None)."""
+    for src in sources:
+        want = src.read_bytes()
+        if src.name == "config.json":
+            want = mark(want, str(src))
+        dst = out / src.name
+        if not dst.is_file():
+            yield src.name, "small file of the source is missing"
+        elif dst.read_bytes() != want:
+            yield src.name, "differs from the source" + (" marked by megamoe-convert" if src.name == "config.json" else "")
+        else:
+            yield src.name, None

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import jsonio
+from megamoe_convert import jsonio
 
 #: Bytes per element of each safetensors dtype (F4 packs two elements per byte).
 DTYPE_BITS: dict[str, int] = {

@@ -2,7 +2,7 @@
 
 The files look like a released checkpoint where it matters to the converter: the family's real
 tensor names (``families.py``; DeepSeek-V4's have no ``model.`` prefix and ``mtp.{k}.`` for MTP
-blocks; Kimi-K3's are ``synth_kimi.py``'s), routed experts of any MegaMoE
+blocks; Kimi-K3's are ``kimi.py``'s), routed experts of any MegaMoE
 weight format (``formats.py``; DeepSeek-V4's is MXFP4: FP4 with ``float8_e8m0fnu`` 1x32 scales),
 FP8 e4m3 linears and shared experts with 128x128 ``float8_e8m0fnu`` block scales (what
 DeepSeek-V4's FP4 checkpoints ship: vLLM's ``is_scale_e8m0``; V4.1's are 32x32), and shards cut by size,
@@ -15,120 +15,27 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from . import families, formats
-from .checkpoint import CONFIG_NAME, INDEX_NAME, MoELayer
-from .families import ModelFamily, TensorNames
-from .formats import WeightFormat
-from .layout import check_dims
-from .safetensors_io import DTYPE_BITS, TensorSpec
-from .writer import write_json_atomic, write_safetensors
-
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
-#: DeepSeek-V4 (tiny, and the published Flash / Pro dims), DeepSeek-V4.1 (v4.1-flash: the published
-#: V4.1-Flash dims), Kimi-K3 (the published dims): see README "Presets".
-PRESETS = ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3")
-
-#: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
-SCALE_BYTE_RANGE = (110, 136)
-#: Positive E4M3 block scales 2**-2 .. 2**3 (NVFP4).
-E4M3_SCALE_BYTE_RANGE = (0x28, 0x58)
-#: FP8 linear block size (weights and scales of attention and shared experts).
-FP8_BLOCK = 128
-
-WEIGHT_DTYPES = {"int8": "I8", "uint8": "U8", "float4": "F4"}
-SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8"}
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    """A preset's ``config.json`` fields, from ``configs/{name}.json`` (or a path to a JSON file)."""
-    path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}: no {path} (presets: {', '.join(PRESETS)})")
-    return json.loads(path.read_text())
-
-
-@dataclass(frozen=True)
-class SynthTensor:
-    """One tensor to generate: name, dtype, logical shape, and how its bytes are drawn."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "e4m3" (finite
-    #: FP8 values), "bf16" (small finite values), "ones" (bf16 1.0), or "value" (F32 ``value``).
-    fill: str = "random"
-    value: float = 0.0
-
-    @property
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return (numel * DTYPE_BITS[self.dtype] + 7) // 8
-
-    def spec(self) -> TensorSpec:
-        return TensorSpec(self.name, self.dtype, self.shape, self.nbytes)
-
-
-#: How each checkpoint weight / scale dtype is filled.
-WEIGHT_FILLS = {"F8_E4M3": "e4m3", "BF16": "bf16"}
-SCALE_FILLS = {"F8_E4M3": "e4m3_scale"}
-
-
-def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: int, inter: int, fmt: WeightFormat,
-                   weight_dtype: str, scale_dtype: str) -> Iterator[SynthTensor]:
-    """One layer's routed experts in ``fmt`` with the family's names (NVFP4: w1 and w3 share their
-    global scale)."""
-    shapes = formats.expert_matrix_shapes(hidden, inter)
-    for e in range(experts):
-        for proj in ("w1", "w2", "w3"):
-            n, k = shapes[proj]
-            cols = k if weight_dtype == "F4" else fmt.weight_row_bytes(k) * 8 // DTYPE_BITS[weight_dtype]
-            yield SynthTensor(names.expert(layer, e, proj, "weight"), weight_dtype, (n, cols),
-                              WEIGHT_FILLS.get(weight_dtype, "random"))
-            if fmt.scaled:
-                yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (n, fmt.scale_row_bytes(k)),
-                                  SCALE_FILLS.get(scale_dtype, "scale"))
-            if fmt.global_scales:
-                yield SynthTensor(names.expert(layer, e, proj, "weight_scale_2"), "F32", (), "value",
-                                  1 / (1 + e % 7) if proj != "w2" else 1 / (2 + e % 5))
-                if proj == "w2":
-                    yield SynthTensor(names.expert(layer, e, proj, "input_scale"), "F32", (), "value", 0.5 + e % 9 / 8)
-
-
-def _fp8_linear(name: str, n: int, k: int, block: int = FP8_BLOCK) -> Iterator[SynthTensor]:
-    """An FP8 e4m3 ``[n, k]`` linear with ``block`` x ``block`` UE8M0 block scales."""
-    yield SynthTensor(f"{name}.weight", "F8_E4M3", (n, k), "e4m3")
-    yield SynthTensor(f"{name}.scale", "F8_E8M0", (-(-n // block), -(-k // block)), "scale")
-
-
-def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool,
-                   block: int = FP8_BLOCK) -> Iterator[SynthTensor]:
-    """Non-expert tensors of one DeepSeek block: norms, attention, router, FP8 shared experts
-    (``config``: the text model's fields)."""
-    h, i = config["hidden_size"], config["moe_intermediate_size"]
-    q_lora, kv = config.get("q_lora_rank", 128), config.get("head_dim", 128)
-    yield SynthTensor(f"{key}.attn_norm.weight", "BF16", (h,), "ones")
-    yield from _fp8_linear(f"{key}.attn.wq_a", q_lora, h, block)
-    yield from _fp8_linear(f"{key}.attn.wkv", kv, h, block)
-    yield SynthTensor(f"{key}.attn.wo.weight", "BF16", (h, kv))
-    yield SynthTensor(f"{key}.ffn_norm.weight", "BF16", (h,), "ones")
-    n_routed = config["dspark_n_routed_experts"] if is_mtp and config.get("dspark_n_routed_experts") \
-        else config["n_routed_experts"]
-    if not is_mtp and layer_index < config.get("num_hash_layers", 0):
-        yield SynthTensor(f"{key}.ffn.gate.tid2eid", "I32", (config["vocab_size"], config["num_experts_per_tok"]))
-    else:
-        yield SynthTensor(f"{key}.ffn.gate.weight", "BF16", (n_routed, h))
-        yield SynthTensor(f"{key}.ffn.gate.bias", "F32", (n_routed,))
-    shared_i = i * config.get("n_shared_experts", 1)
-    for proj, (n, k) in (("w1", (shared_i, h)), ("w2", (h, shared_i)), ("w3", (shared_i, h))):
-        yield from _fp8_linear(f"{key}.ffn.shared_experts.{proj}", n, k, block)
+from megamoe_convert.layout import check_dims
+from megamoe_convert.output.writer import write_json_atomic, write_safetensors
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.checkpoint import CONFIG_NAME, INDEX_NAME
+from megamoe_convert.source.formats import WeightFormat
+from megamoe_convert.synth.kimi import kimi_k3_tensors
+from megamoe_convert.synth.tensors import (
+    E4M3_SCALE_BYTE_RANGE,
+    FAMILY_DTYPES,
+    SCALE_BYTE_RANGE,
+    SCALE_DTYPES,
+    WEIGHT_DTYPES,
+    SynthTensor,
+    deepseek_tensors,
+    load_preset,
+)
 
 
 def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4, weight_dtype: str | None = None,
@@ -141,41 +48,9 @@ def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4
     scale_dtype = scale_dtype or (FAMILY_DTYPES.get(family.name, {}).get("scale") or fmt.scale_dtypes[0]
                                   if fmt.scaled else "")
     if family is families.KIMI_K3:
-        from .synth_kimi import kimi_k3_tensors
-
         yield from kimi_k3_tensors(config, fmt, weight_dtype, scale_dtype)
         return
-    yield from _deepseek_tensors(family, config, fmt, weight_dtype, scale_dtype)
-
-
-#: Expert dtypes a family's releases store (the default for ``synth``).
-FAMILY_DTYPES = {"kimi_k3": {"weight": "U8", "scale": "U8"}}
-
-
-def _deepseek_tensors(family: ModelFamily, config: dict[str, Any], fmt: WeightFormat, weight_dtype: str,
-                      scale_dtype: str) -> Iterator[SynthTensor]:
-    """DeepSeek-V4 and V4.1: the same names; V4.1's sizes under ``text_config``, 32x32 FP8 blocks
-    (``quantization_config.weight_block_size``) and DSpark MTP blocks with their own expert count."""
-    text = family.text(config)
-    h, n_layers = text["hidden_size"], text["num_hidden_layers"]
-    block = ((config.get("quantization_config") or {}).get("weight_block_size") or [FP8_BLOCK])[0]
-    names = family.names(n_layers)
-    expert_args = (text["hidden_size"], text["moe_intermediate_size"], fmt, weight_dtype, scale_dtype)
-    yield SynthTensor("embed.weight", "BF16", (text["vocab_size"], h))
-    for index in range(n_layers):
-        yield from _block_tensors(f"layers.{index}", index, text, False, block)
-        yield from expert_tensors(names, MoELayer(False, index), text["n_routed_experts"], *expert_args)
-    for index in range(text.get("num_nextn_predict_layers", 0)):
-        key = f"mtp.{index}"
-        yield SynthTensor(f"{key}.e_proj.weight", "BF16", (h, h))
-        yield SynthTensor(f"{key}.h_proj.weight", "BF16", (h, h))
-        yield SynthTensor(f"{key}.enorm.weight", "BF16", (h,), "ones")
-        yield SynthTensor(f"{key}.hnorm.weight", "BF16", (h,), "ones")
-        yield from _block_tensors(key, index, text, True, block)
-        experts = text.get("dspark_n_routed_experts") or text["n_routed_experts"]
-        yield from expert_tensors(names, MoELayer(True, index), experts, *expert_args)
-    yield SynthTensor("norm.weight", "BF16", (h,), "ones")
-    yield SynthTensor("head.weight", "BF16", (text["vocab_size"], h))
+    yield from deepseek_tensors(family, config, fmt, weight_dtype, scale_dtype)
 
 
 def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:

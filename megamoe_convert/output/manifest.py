@@ -8,11 +8,20 @@ from typing import Any
 
 import xxhash
 
-from . import __version__, families, formats, jsonio
-from .checkpoint import MAX_DIM, ModelDims, MoELayer
-from .placement import ENGINES, MAX_EP_SIZE, MAX_PHYSICAL_EXPERTS, Placement, PlacementError, layer_placement
-from .safetensors_io import TensorSpec, encode_header
-from .writer import CHECKSUM_ALGORITHM, FileRecord
+from megamoe_convert import __version__, jsonio
+from megamoe_convert.output.writer import CHECKSUM_ALGORITHM, FileRecord
+from megamoe_convert.placement import (
+    ENGINES,
+    MAX_EP_SIZE,
+    MAX_PHYSICAL_EXPERTS,
+    Placement,
+    PlacementError,
+    layer_placement,
+)
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.checkpoint import MAX_DIM, ModelDims
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import TensorSpec, encode_header
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "megamoe-convert"

@@ -37,12 +37,13 @@ import huggingface_hub.errors
 import huggingface_hub.file_download
 import huggingface_hub.utils
 
-from . import __version__, families
-from .checkpoint import INDEX_NAME
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
-from .output_state import ConvertError, hold_whole_output, owned_path
-from .placement import PlacementError, parse_ranks
-from .writer import FileRecord, file_problem, partial_path
+from megamoe_convert import __version__
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
+from megamoe_convert.output.state import ConvertError, hold_whole_output, owned_path
+from megamoe_convert.output.writer import FileRecord, file_problem, partial_path
+from megamoe_convert.placement import PlacementError, parse_ranks
+from megamoe_convert.source import families
+from megamoe_convert.source.checkpoint import INDEX_NAME
 
 CARD_NAME = "README.md"
 REPO_TYPE = "model"
@@ -304,12 +305,12 @@ def resolve_converted(out_or_repo: Path | str, ranks: Iterable[int] | None = Non
     manifest, the small files and those ranks' shards (``non_expert=True`` adds the non-expert
     shards), sizes checked (``verify``: checksums too), and the snapshot directory returned.
 
-    Raises :class:`megamoe_convert.loader.LoadError` on any hub problem.
+    Raises :class:`megamoe_convert.serve.errors.LoadError` on any hub problem.
     """
     path = Path(out_or_repo)
     if path.exists() or parse_repo_ref(str(out_or_repo)) is None:
         return path
-    from .loader import LoadError
+    from megamoe_convert.serve.errors import LoadError
     try:
         return pull(str(out_or_repo), None if ranks is None else list(ranks), None, revision,
                     non_expert=non_expert, verify=verify).path
@@ -332,7 +333,7 @@ def _source_label(source: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def _ranges(values: Sequence[int]) -> str:
-    from .checkpoint import _ranges as ranges
+    from megamoe_convert.source.checkpoint import _ranges as ranges
     return ranges(list(values))
 
 

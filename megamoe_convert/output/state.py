@@ -28,10 +28,10 @@ from typing import Any, Iterable, Iterator
 import xxhash
 from filelock import FileLock, Timeout
 
-from . import jsonio
-from .checkpoint import INDEX_NAME
-from .manifest import MANIFEST_NAME, RANK_DIR, STATE_DIR, is_own_path, is_shard_path
-from .writer import PARTIAL_SUFFIX, FileRecord, file_checksum, partial_path, write_json_atomic
+from megamoe_convert import jsonio
+from megamoe_convert.output.manifest import MANIFEST_NAME, RANK_DIR, STATE_DIR, is_own_path, is_shard_path
+from megamoe_convert.output.writer import PARTIAL_SUFFIX, FileRecord, file_checksum, partial_path, write_json_atomic
+from megamoe_convert.source.checkpoint import INDEX_NAME
 
 
 class ConvertError(RuntimeError):

@@ -23,18 +23,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from . import jsonio
-from .checkpoint import INDEX_NAME
-from .convert import NoProgress, Progress, index_text, non_expert_index
-from .manifest import MANIFEST_NAME, Manifest, ManifestError, is_own_path
-from .output_state import (MERGED_PARTS_DIR, PART_GLOB, ConvertError, OutputBusy, OutputState, check_output_dir,
-                           differing_keys, forget_replaced_conversion, hold_whole_output, part_manifest_name,
-                           remove_named)
-from .writer import (AtomicWriter, FileRecord, file_checksum, file_problem, fsync_dir, new_hasher, partial_path,
-                     write_json_atomic)
+from megamoe_convert import jsonio
+from megamoe_convert.convert.plan import index_text, non_expert_index
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, ManifestError, is_own_path
+from megamoe_convert.output.state import (
+    MERGED_PARTS_DIR,
+    PART_GLOB,
+    ConvertError,
+    OutputBusy,
+    OutputState,
+    check_output_dir,
+    differing_keys,
+    forget_replaced_conversion,
+    hold_whole_output,
+    part_manifest_name,
+    remove_named,
+)
+from megamoe_convert.output.writer import (
+    AtomicWriter,
+    FileRecord,
+    file_checksum,
+    file_problem,
+    fsync_dir,
+    new_hasher,
+    partial_path,
+    write_json_atomic,
+)
+from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.source.checkpoint import INDEX_NAME
 
 if TYPE_CHECKING:
-    from .convert import Plan
+    from megamoe_convert.convert.plan import Plan
 
 PART_FORMAT = "megamoe-convert-part"
 PART_FORMAT_VERSION = 1
@@ -181,7 +200,7 @@ def select_parts(parts: Sequence[Part], prefer: Path | None = None) -> tuple[lis
 
 
 def _ranges(values: list[int]) -> str:
-    from .checkpoint import _ranges as ranges
+    from megamoe_convert.source.checkpoint import _ranges as ranges
     return ranges(values)
 
 

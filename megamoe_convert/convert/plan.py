@@ -1,0 +1,205 @@
+"""The conversion plan: options, the MoE layers and ranks to write, one unit per output file, and
+how a split conversion (``--shard I/N``) divides the units. Pure bookkeeping: no bytes are read here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from megamoe_convert.output.manifest import FORMAT_VERSION, LAYOUT_VERSION, Manifest
+from megamoe_convert.output.state import ConvertError, stamp_files
+from megamoe_convert.output.writer import FileRecord
+from megamoe_convert.placement import Placement, PlacementError, layer_placement
+from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError, parse_layer_spec
+from megamoe_convert.source.layers import MoELayer
+
+DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
+
+
+# --------------------------------------------------------------------------------------
+# Options and plan
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class ConvertOptions:
+    ep_size: int
+    num_redundant_experts: int = 0
+    placement_file: Path | None = None
+    device: str = "cpu"
+    workers: int = 0  # 0: one per CPU core, at most 8
+    ranks: str | None = None
+    layers: str | None = None
+    experts_only: bool = False
+    overwrite: bool = False
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    fsync: bool = True
+    #: ``(index, count)``: convert only part ``index`` (0-based) of ``count`` (see :func:`shard_units`).
+    shard: tuple[int, int] | None = None
+    shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
+    auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
+    engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
+
+    def worker_count(self) -> int:
+        return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
+
+
+def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
+    """``--layers``: ``"0-3,7,mtp"`` style (:func:`checkpoint.parse_layer_spec`)."""
+    try:
+        return parse_layer_spec(ckpt.layers, spec, ckpt.root)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
+
+
+def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
+    family = ckpt.family
+    assert family is not None
+    if options.engine not in family.engines:
+        raise ConvertError(f"{ckpt.root}: {family.title} conversions are for {', '.join(family.engines)} only, "
+                           f"not {options.engine} ({family.engine_note}); drop --engine {options.engine}")
+    if not family.redundant_experts and (options.num_redundant_experts or options.placement_file is not None):
+        raise ConvertError(f"{ckpt.root}: vLLM builds {family.title}'s MegaMoE layers with its "
+                           f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "
+                           "drop --num-redundant-experts / --placement")
+    n = ckpt.dims.n_routed_experts
+    if options.placement_file is not None:
+        if options.num_redundant_experts:
+            raise PlacementError("give either --placement or --num-redundant-experts, not both")
+        return Placement.from_file(options.placement_file, n, options.ep_size)
+    return Placement.default(n, options.ep_size, options.num_redundant_experts)
+
+
+@dataclass
+class Unit:
+    """One output file and how to produce it."""
+
+    path: str  # relative to OUT
+    nbytes: int  # approximate output size, for progress
+    run: Callable[[], FileRecord]
+    kind: str  # "small" | "non_expert" | "experts"
+    layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
+    rank: int | None = None
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
+    #: other bytes (an older conversion's unmarked config) is redone.
+    content: bytes | None = None
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    out: Path
+    options: ConvertOptions
+    placement: Placement
+    ranks: list[int]
+    layers: list[MoELayer]
+    units: list[Unit] = field(default_factory=list)
+    non_expert_index: dict[str, str] = field(default_factory=dict)
+    all_paths: list[str] = field(default_factory=list)  # --shard: every file of the whole conversion, in order
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that determines the output bytes (not workers, device or verbosity)."""
+        source = self.ckpt.source_record()
+        return {"format_version": FORMAT_VERSION, "layout_version": LAYOUT_VERSION,
+                "source_files": source["files"], "source_index_sha256": source["index_sha256"],
+                "source_tensors_sha256": source["tensors_sha256"], "source_revision": source["revision"],
+                "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
+                "ranks": self.ranks, "layers": [l.key for l in self.layers],
+                "experts_only": self.options.experts_only, "engine": self.options.engine}
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement the engine builds ``layer`` with (SGLang's MTP layer, and MTP layers with
+        an expert count of their own, have their own)."""
+        try:
+            return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer))
+        except PlacementError as e:
+            raise PlacementError(f"{layer.key}: {e}") from None
+
+    def source_paths(self) -> dict[str, Path]:
+        """Every source file read: shards and copied small files."""
+        paths = {name: self.ckpt.root / name for name in self.ckpt.headers}
+        paths.update((p.name, p) for p in self.ckpt.small_files())
+        return paths
+
+    def source_stamp(self) -> dict[str, list[int]]:
+        """:func:`output_state.stamp_files` of the source. It is kept out of :meth:`fingerprint`,
+        which machines with their own copies of the source share (``--shard``)."""
+        return stamp_files(self.source_paths())
+
+    def manifest(self, records: dict[str, FileRecord], extra: Sequence[FileRecord] = ()) -> Manifest:
+        """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
+        return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
+                        ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
+                        files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine,
+                        family=self.family)
+
+    @property
+    def family(self) -> str:
+        assert self.ckpt.family is not None
+        return self.ckpt.family.name
+
+
+# --------------------------------------------------------------------------------------
+# Splitting one conversion over machines (--shard I/N)
+# --------------------------------------------------------------------------------------
+
+SHARD_BY = ("layer", "rank")
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    """``"2/8"`` -> ``(2, 8)``: part 2 of 8, numbered from 0 (a Kubernetes completion index)."""
+    index, sep, count = spec.strip().partition("/")
+    try:
+        i, n = int(index), int(count)
+    except ValueError:
+        raise ConvertError(f"--shard: cannot parse {spec!r} (expected I/N, e.g. 0/8 for the first of 8 parts)") from None
+    if not sep or n < 1 or not 0 <= i < n:
+        raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
+    return i, n
+
+
+def _block(items: Sequence[Any], index: int, count: int) -> Sequence[Any]:
+    return items[index * len(items) // count:(index + 1) * len(items) // count]
+
+
+def shard_units(plan: Plan, index: int, count: int, by: str = "layer") -> list[Unit]:
+    """Part ``index`` of ``count`` of the plan's units; every unit lands in exactly one part.
+
+    Rank shards are split into ``count`` contiguous, balanced blocks of MoE layers
+    (``by="layer"``: each machine reads only its layers' source bytes) or of ranks
+    (``by="rank"``); non-expert shards go round-robin from the last part, small files to
+    part 0. The split depends only on the plan, so every machine computes the same one.
+    """
+    if by not in SHARD_BY:
+        raise ConvertError(f"--shard-by {by!r}: expected one of {', '.join(SHARD_BY)}")
+    mine = set(_block(plan.layers if by == "layer" else plan.ranks, index, count))
+    non_expert = [u.path for u in plan.units if u.kind == "non_expert"]
+    chosen = []
+    for unit in plan.units:
+        if unit.kind == "small":
+            take = index == 0
+        elif unit.kind == "non_expert":
+            take = (count - 1 - non_expert.index(unit.path)) % count == index
+        else:
+            take = (unit.layer if by == "layer" else unit.rank) in mine
+        if take:
+            chosen.append(unit)
+    return chosen
+
+
+
+def non_expert_index(plan: Plan) -> dict[str, Any] | None:
+    """``model.safetensors.index.json`` of the non-expert shards (``None`` with ``--experts-only``)."""
+    if plan.options.experts_only:
+        return None
+    return {"metadata": {"total_size": sum(e.nbytes for e in plan.ckpt.non_expert_tensors()),
+                         "megamoe": "routed experts are in rank-*/ (see manifest.json)"},
+            "weight_map": dict(sorted(plan.non_expert_index.items()))}
+
+
+def index_text(index: dict[str, Any]) -> str:
+    return json.dumps(index, indent=2)
+
+

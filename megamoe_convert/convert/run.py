@@ -1,0 +1,187 @@
+"""``megamoe convert``: a checkpoint -> per-rank MegaMoE shards + non-expert shards + manifest.
+
+The job is a list of *units*, each producing exactly one output file: a small file copy,
+a non-expert shard, or one rank's shard of one MoE layer. Units run on a thread pool
+(file I/O and torch kernels release the GIL); each streams its file in order, in chunks
+of a few experts, so memory is bounded by ``workers x chunk`` whatever the checkpoint
+size. Every file is written to a hidden temporary name and renamed when complete, then
+recorded in a journal; a rerun skips journaled files whose size and checksum still match.
+The manifest is written last and removed first: a directory without one is unfinished.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megamoe_convert import faults
+from megamoe_convert.convert.gather import ExpertReader, non_expert_units, rank_shard_unit, small_file_units
+from megamoe_convert.convert.plan import (
+    ConvertOptions,
+    Plan,
+    Unit,
+    index_text,
+    make_placement,
+    non_expert_index,
+    select_layers,
+    shard_units,
+)
+from megamoe_convert.devices import DeviceError, usable_device
+from megamoe_convert.output.manifest import MANIFEST_NAME
+from megamoe_convert.output.state import (
+    ConvertError,
+    OutputState,
+    PartState,
+    SourceWatch,
+    check_output_dir,
+    is_done,
+    remove_named,
+)
+from megamoe_convert.output.writer import FileRecord, write_json_atomic
+from megamoe_convert.placement import parse_ranks
+from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.source.checkpoint import INDEX_NAME, Checkpoint
+from megamoe_convert.source.safetensors_io import FileCache
+
+# --------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Summary:
+    out: str
+    ep_size: int
+    ranks: list[int]
+    layers: list[str]
+    files_written: int
+    files_skipped: int
+    bytes_written: int
+    expert_bytes: int
+    seconds: float
+    shard: str | None = None  # "i/n" for a part of a split conversion
+    merged: bool | None = None  # a part: whether it found all parts in OUT and merged them
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["gb_per_s"] = round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds > 0 else None
+        return data
+
+
+def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
+               cancelled: threading.Event) -> Plan:
+    ckpt = Checkpoint.open(src)
+    placement = make_placement(ckpt, options)
+    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, options.ep_size),
+                select_layers(ckpt, options.layers))
+    plan.units.extend(small_file_units(plan))
+    if not options.experts_only:
+        plan.units.extend(non_expert_units(plan, files, cancelled))
+    reader_factory = lambda: ExpertReader(ckpt, files, options.device)  # noqa: E731
+    for layer in plan.layers:  # layer-major: a layer's source bytes are read while hot
+        for rank in plan.ranks:
+            plan.units.append(rank_shard_unit(plan, reader_factory, rank, layer, cancelled))
+    if options.shard is not None:
+        plan.all_paths = [u.path for u in plan.units]
+        plan.units = shard_units(plan, *options.shard, options.shard_by)
+    return plan
+
+
+def convert(src: Path | str, out: Path | str, options: ConvertOptions,
+            progress: Progress | None = None) -> Summary:
+    """Run (or resume) a conversion. Raises on any problem; OUT then has no manifest."""
+    src, out = Path(src), Path(out)
+    progress = progress or NoProgress()
+    try:
+        usable_device(options.device)
+    except DeviceError as e:
+        raise ConvertError(f"--device: {e}") from None
+    cancelled = threading.Event()
+    started = time.perf_counter()
+    with FileCache() as files:
+        plan = build_plan(src, out, options, files, cancelled)
+        watch = SourceWatch(plan.source_paths(), {n: h.file_size for n, h in plan.ckpt.headers.items()})
+        check_output_dir(out)
+        state = make_state(plan)
+        with state.locked():
+            summary = _run_locked(plan, state, progress, cancelled, started, watch)
+    if options.shard is not None and options.auto_merge:
+        from megamoe_convert.convert.fleet import (
+            auto_merge,  # the last part to finish in a shared OUT writes the manifest
+        )
+        summary.merged = auto_merge(out, fsync=options.fsync)
+    return summary
+
+
+def make_state(plan: Plan) -> OutputState:
+    if plan.options.shard is None:
+        return OutputState(plan.out, plan.options.fsync)
+    index, count = plan.options.shard
+    shard = {"index": index, "count": count, "by": plan.options.shard_by}
+    return PartState(plan.out, shard, [u.path for u in plan.units], plan.options.fsync)
+
+
+def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: threading.Event,
+                started: float, watch: SourceWatch) -> Summary:
+    out = plan.out
+    # Refuses (a different plan, a changed source) before anything is touched.
+    state.prepare(plan.fingerprint(), plan.options.overwrite, plan.source_stamp())
+    remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
+    state.remove_partials()
+    journal = state.journal()
+    records: dict[str, FileRecord] = {}
+    todo: list[Unit] = []
+    progress.start(sum(u.nbytes for u in plan.units), len(plan.units))
+    for unit in plan.units:
+        if is_done(out, journal.get(unit.path)) and (unit.content is None
+                                                     or (out / unit.path).read_bytes() == unit.content):
+            records[unit.path] = journal[unit.path]
+            progress.advance(unit.nbytes, unit.path, skipped=True)
+        else:
+            todo.append(unit)
+    written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
+    watch.check()  # every source byte was read: were they the bytes of one unchanged source?
+    shard = plan.options.shard
+    if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
+        from megamoe_convert.convert.fleet import write_part_manifest
+        write_part_manifest(plan, records)
+    else:
+        index = non_expert_index(plan)
+        extra = [] if index is None else [write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)]
+        write_json_atomic(out / MANIFEST_NAME, plan.manifest(records, extra).dumps(), fsync=plan.options.fsync)
+    return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
+                   files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
+                   expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
+                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None)
+
+
+def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,
+               cancelled: threading.Event, workers: int) -> int:
+    written = 0
+
+    def run(unit: Unit) -> FileRecord:
+        record = unit.run()
+        state.record(record)
+        faults.committed_file()
+        return record
+
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megamoe")
+    try:
+        futures = {pool.submit(run, u): u for u in units}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION, timeout=0.5)
+            for future in done:
+                record = future.result()  # re-raises the first failure
+                records[record.path] = record
+                written += record.size
+                progress.advance(futures[future].nbytes, record.path, skipped=False)
+    except BaseException:
+        cancelled.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
+    return written

@@ -1,0 +1,4 @@
+"""The serving stage: reading a conversion back. ``loader`` (a rank's experts into tensors, locally),
+``hub`` (conversions and sources on the Hugging Face Hub), ``errors`` (``LoadError``).
+Imports ``output`` and below; ``engines`` builds on it.
+"""

@@ -1,0 +1,494 @@
+"""Serving side: one rank's pre-laid-out experts, straight into the kernel's tensors.
+
+On the CPU the tensors are zero-copy views of memory-mapped shard files: nothing is read
+until touched. On a GPU, a small ring of pinned buffers is filled by parallel reads while
+earlier buffers are copied to the device on a side stream, so disk/page-cache reads and
+host-to-device copies overlap; each destination tensor is allocated once, in its final
+strided form. Either way the result needs no transform: it is what ``finalize_weights``
+would have produced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from megamoe_convert import jsonio, layout
+from megamoe_convert.devices import DeviceError, usable_device
+from megamoe_convert.jsonio import Fields, one_line
+from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    rank_file,
+    rank_shard_specs,
+    read_manifest,
+)
+from megamoe_convert.output.writer import FileRecord, file_problems
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.checkpoint import CheckpointError, parse_layer_spec
+from megamoe_convert.source.families import FamilyError, ModelFamily, TensorNames
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import (
+    SafetensorsError,
+    SafetensorsHeader,
+    TensorEntry,
+    read_header,
+    read_into,
+)
+
+
+def _tunable(name: str, default: int, low: int, high: int) -> int:
+    """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
+    raw = os.environ.get(f"MEGAMOE_{name}")
+    if raw is None:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
+    return int(raw)
+
+
+#: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
+#: memory copies done by the kernel, one core each: it takes many in flight to keep up with
+#: a PCIe 5 host-to-device copy (benchmarks/bench_load.py; docs/benchmarks.md).
+RING_BUFFERS = _tunable("RING_BUFFERS", 24, 2, 1024)
+RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
+#: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
+#: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
+WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
+
+
+@dataclass
+class ExpertLayer:
+    """One MoE layer of one rank, as the fused kernel takes it."""
+
+    key: str  # "layers.7" / "mtp.0"
+    #: Every loaded tensor by its key (:data:`formats.FILE_NAMES`), scales (``*_sf``) in the kernel's
+    #: MN-major view: ``l1_weight`` (MXFP4: int8 [E, 2I, H/2]), ``l1_sf`` (int32 [E, 2I, H/128]), ...
+    tensors: dict[str, torch.Tensor]
+    logical_ids: tuple[int, ...]  # logical expert of each local slot
+    experts_start_idx: int  # first physical slot of this rank
+
+    def _operand(self, name: str) -> KernelWeights:
+        return KernelWeights(self.tensors[f"{name}_weight"], self.tensors.get(f"{name}_sf"))
+
+    @property
+    def l1(self) -> KernelWeights:
+        """``(weight, MN-major scales)``; the scales are ``None`` for an unscaled format (BF16)."""
+        return self._operand("l1")
+
+    @property
+    def l2(self) -> KernelWeights:
+        return self._operand("l2")
+
+    @property
+    def shared(self) -> tuple[KernelWeights, KernelWeights] | None:
+        """The pre-baked fused shared expert's ``(l1, l2)``, if converted and loaded."""
+        return (self._operand("shared_l1"), self._operand("shared_l2")) if "shared_l1_weight" in self.tensors else None
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.logical_ids)
+
+
+@dataclass
+class ConvertedModel:
+    """A converted directory opened once: its manifest read and validated, passed on from there."""
+
+    path: Path
+    manifest: Manifest
+
+    @property
+    def weight_format(self) -> str:
+        """The routed experts' MegaMoE weight format, as the manifest records it (``formats.FORMATS``)."""
+        return self.manifest.dims.weight_format
+
+    @cached_property
+    def family(self) -> ModelFamily:
+        """The model family the manifest records (``families.py``)."""
+        return families.by_name(self.manifest.family)
+
+    @cached_property
+    def num_hidden_layers(self) -> int:
+        """Decoder layers of the model, from the copied ``config.json`` (engines number MTP
+        blocks after them)."""
+        where = self.path / "config.json"
+        try:
+            text = self.family.text(jsonio.read(where, LoadError, "config.json"))
+        except FamilyError as e:
+            raise LoadError(f"{where}: {e}") from None
+        return Fields(where, LoadError).int(text, self.family.keys["layers"], 0, 1 << 20)
+
+    @cached_property
+    def names(self) -> TensorNames:
+        """The source checkpoint's tensor names (its family's naming)."""
+        return self.family.names(self.num_hidden_layers)
+
+
+def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:
+    """A local directory or hub repo id (just ``ranks`` pulled), opened once."""
+    if isinstance(out, ConvertedModel):
+        return out
+    if Path(out).is_dir():  # a local directory: no hub client to import (a first call pays imports)
+        path = Path(out)
+    else:
+        from megamoe_convert.serve.hub import resolve_converted
+
+        path = resolve_converted(out, None if ranks is None else list(ranks))
+    try:
+        return ConvertedModel(path, read_manifest(path))
+    except ManifestError as e:
+        raise LoadError(str(e)) from None
+
+
+# --------------------------------------------------------------------------------------
+# Checks before any byte is read
+# --------------------------------------------------------------------------------------
+
+def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> list[MoELayer]:
+    """Manifest layers, or the subset named by key (``layers.7``), prefix (``layers.7.ffn.experts``),
+    or as on the command line: ``"0,7,mtp"`` (decoder indices, ``mtp`` for every MTP layer)."""
+    if layers is None:
+        return list(manifest.layers)
+    if isinstance(layers, str):
+        try:
+            return parse_layer_spec(manifest.layers, layers, "this conversion")
+        except CheckpointError as e:
+            raise LoadError(str(e)) from None
+    try:  # any iterable, read once and only as far as a valid selection can reach
+        names = list(itertools.islice(layers, 2 * len(manifest.layers) + 1))
+    except TypeError:
+        raise LoadError(f"layers must be a string or an iterable of layer names, got {type(layers).__name__}") from None
+    by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
+    missing = [name for name in names if not isinstance(name, str) or name not in by_name]
+    if missing:
+        raise LoadError(f"layer {missing[0]!r} is not in this conversion "
+                        f"(layers: {', '.join(l.key for l in manifest.layers)})")
+    if not names or len(names) > 2 * len(manifest.layers):
+        raise LoadError(f"layers={'[]' if not names else 'more names than the conversion has'}: select at least one "
+                        f"of {', '.join(l.key for l in manifest.layers)} (or layers=None for all)")
+    return sorted({by_name[name] for name in names})
+
+
+def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
+                     verify: bool) -> dict[MoELayer, FileRecord]:
+    """The manifest must list this rank's files; every file must exist with its recorded size."""
+    if not 0 <= rank < manifest.ep_size:
+        raise LoadError(f"rank {rank} is out of range: {out} was converted for ep_size={manifest.ep_size} "
+                        f"(ranks 0..{manifest.ep_size - 1})")
+    if rank not in manifest.ranks:
+        raise LoadError(f"rank {rank} was not converted into {out} (converted ranks: {manifest.ranks})")
+    chosen = {}
+    for layer in layers:
+        path = rank_file(rank, manifest.ep_size, layer)
+        try:
+            chosen[layer] = manifest.file(path)
+        except ManifestError:
+            raise LoadError(f"{out / path}: not listed in {out / MANIFEST_NAME} (the manifest is incomplete "
+                            "or was edited)") from None
+    records = list(chosen.values())
+    for record, problem in zip(records, file_problems([(out / r.path, r) for r in records], "manifest.json", verify)):
+        if problem:
+            raise LoadError(f"{out / record.path}: {problem}")
+    return chosen
+
+
+def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
+    """The shard must hold exactly the tensors the manifest's dims and placement imply; they are
+    returned by key (:data:`formats.FILE_NAMES`)."""
+    dims = manifest.dims
+    experts = manifest.placement_for(layer).experts_per_rank
+    expected = formats.spec_keys(rank_shard_specs(layer, experts, dims), layer.prefix)
+    entries = {}
+    for key, spec in expected.items():
+        entry = header.tensors.get(spec.name)
+        if entry is None:
+            raise LoadError(f"{header.path}: missing tensor {spec.name}")
+        if entry.dtype != spec.dtype or entry.shape != spec.shape:
+            raise LoadError(f"{header.path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected "
+                            f"{spec.dtype}{list(spec.shape)} (hidden_size={dims.hidden_size}, moe_intermediate_size="
+                            f"{dims.moe_intermediate_size}, {experts} experts per rank, {dims.weight_format})")
+        entries[key] = entry
+    meta = header.metadata
+    if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \
+            or meta.get("ep_size") != str(manifest.ep_size):
+        raise LoadError(f"{header.path}: shard metadata (rank={meta.get('rank')}, ep_size={meta.get('ep_size')}, "
+                        f"layout_version={meta.get('layout_version')}) does not match rank={rank}, "
+                        f"ep_size={manifest.ep_size}, layout_version={manifest.layout_version}")
+    return entries
+
+
+def check_logical_ids(path: Path, entry: TensorEntry, expected: tuple[int, ...]) -> None:
+    """The shard says which logical experts it holds; it must be what the placement says."""
+    # Host memory even under an engine's ``with torch.device(...)`` context.
+    stored = torch.empty(entry.shape, dtype=torch.int32, device="cpu")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_into(fd, entry.begin, stored, path)
+    finally:
+        os.close(fd)
+    if tuple(stored.tolist()) != expected:
+        raise LoadError(f"{path}: holds logical experts {stored.tolist()}, but manifest.json's placement gives "
+                        f"this rank {list(expected)}")
+
+
+# --------------------------------------------------------------------------------------
+# CPU: zero-copy memory maps
+# --------------------------------------------------------------------------------------
+
+def _mmap_tensor(mapped: mmap.mmap, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    count = entry.nbytes // dtype.itemsize
+    flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=entry.begin)
+    return flat.view(entry.shape)
+
+
+def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
+    with open(path, "rb") as f:
+        # Private (copy-on-write) mapping: pages load lazily on first touch; writes never reach the file.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return {key: _mmap_tensor(mapped, entries[key], formats.torch_dtype(entries[key].dtype)) for key in _data_keys(entries)}
+
+
+# --------------------------------------------------------------------------------------
+# GPU: pipelined page cache -> pinned ring -> device
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class _Piece:
+    fd: int
+    file_offset: int
+    dest: torch.Tensor  # flat uint8 view of the destination, on the GPU
+
+
+class PinnedRing:
+    """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
+
+    def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+        self.events: list[torch.cuda.Event | None] = [None] * count
+        self.nbytes = nbytes
+
+
+_RING: PinnedRing | None = None
+_READERS: ThreadPoolExecutor | None = None
+_RING_LOCK = threading.Lock()
+
+
+def shared_ring() -> PinnedRing:
+    """One pinned ring per process: pinning host memory is slow (~2.3 GB/s: 24 x 16 MB take
+    ~170 ms), so it is paid once, ideally early (:func:`prepare_gpu_staging`), never per call.
+    Calls that use it hold ``_RING_LOCK``."""
+    global _RING
+    with _RING_LOCK:
+        if _RING is None:
+            _RING = PinnedRing()
+        return _RING
+
+
+def shared_readers() -> ThreadPoolExecutor:
+    """The process's reader threads (idle ones cost nothing; starting them per call did)."""
+    global _READERS
+    with _RING_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read")
+        return _READERS
+
+
+def prepare_gpu_staging() -> threading.Thread | None:
+    """Pin the staging ring in the background, now. Engines call this when their loader is made,
+    so the pinning overlaps building the model instead of delaying the first load; a load that
+    starts before it is done waits for it. Does nothing without CUDA."""
+    if not torch.cuda.is_available() or _RING is not None:
+        return None
+    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
+    thread.start()
+    return thread
+
+
+def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[_Piece]:
+    flat = dest.view(torch.uint8).reshape(-1)
+    for start in range(0, entry.nbytes, piece_bytes):
+        n = min(piece_bytes, entry.nbytes - start)
+        yield _Piece(fd, entry.begin + start, flat[start:start + n])
+
+
+def copy_pieces_to_device(pieces: list[_Piece], ring: PinnedRing, stream: torch.cuda.Stream,
+                          readers: ThreadPoolExecutor) -> None:
+    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream)."""
+    slots = len(ring.buffers)
+
+    def read(i: int) -> int:
+        slot = i % slots
+        event = ring.events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last used this buffer has finished
+        n = pieces[i].dest.numel()
+        read_into(pieces[i].fd, pieces[i].file_offset, ring.buffers[slot][:n])
+        return slot
+
+    futures = {i: readers.submit(read, i) for i in range(min(slots, len(pieces)))}
+    for i, piece in enumerate(pieces):
+        slot = futures.pop(i).result()
+        with torch.cuda.stream(stream):
+            piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        ring.events[slot] = event
+        if i + slots < len(pieces):
+            futures[i + slots] = readers.submit(read, i + slots)
+    stream.synchronize()
+
+
+#: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
+#: tensors go, scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
+Destinations = dict[str, torch.Tensor]
+
+
+def _data_keys(entries: dict[str, TensorEntry]) -> list[str]:
+    """The keys of a shard's tensors that are loaded (all but the placement check's logical ids)."""
+    return [key for key in entries if key != "logical_ids"]
+
+
+def _empty_destinations(entries: dict[str, TensorEntry], device: torch.device) -> Destinations:
+    return {key: torch.empty(entries[key].shape, dtype=formats.torch_dtype(entries[key].dtype), device=device)
+            for key in _data_keys(entries)}
+
+
+def check_destinations(where: str, dests: Destinations, entries: dict[str, TensorEntry]) -> None:
+    """Caller-owned tensors must take the file bytes as they are: same bytes, shape and a
+    contiguous layout (a scale's storage form is contiguous in the kernel layout)."""
+    for key, dest in dests.items():
+        entry = entries.get(key)
+        if entry is None:
+            raise LoadError(f"{where}: the conversion has no {key} (its tensors: {', '.join(_data_keys(entries))})")
+        want = formats.torch_dtype(entry.dtype)
+        if dest.dtype.itemsize != want.itemsize or tuple(dest.shape) != tuple(entry.shape) or not dest.is_contiguous():
+            raise LoadError(f"{where}: {key} destination is {dest.dtype}{list(dest.shape)} with strides "
+                            f"{list(dest.stride())}, but {entry.name} is a contiguous {want}{list(entry.shape)}")
+
+
+def _read_cpu(fd: int, path: Path, entries: dict[str, TensorEntry], dests: Destinations) -> None:
+    for key, dest in dests.items():
+        read_into(fd, entries[key].begin, dest, path)
+
+
+def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
+               dests: dict[MoELayer, Destinations]) -> None:
+    """Fill every destination (all on one CUDA device) through the pinned ring."""
+    device = next(iter(next(iter(dests.values())).values())).device
+    ring = shared_ring()
+    stream = torch.cuda.Stream(device=device)
+    pieces: list[_Piece] = []
+    fds = []
+    try:
+        for layer, record in files.items():
+            fd = os.open(out / record.path, os.O_RDONLY)
+            fds.append(fd)
+            if WILLNEED:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            for key, dest in dests[layer].items():
+                pieces.extend(_pieces(fd, headers[layer][key], dest, ring.nbytes))
+        readers = shared_readers()
+        with _RING_LOCK:
+            copy_pieces_to_device(pieces, ring, stream, readers)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
+          dests: dict[MoELayer, Destinations]) -> None:
+    """Read every layer's file tensors into its destinations: CUDA ones through the pinned ring,
+    CPU ones with one ``preadv`` each."""
+    by_device: dict[torch.device, dict[MoELayer, Destinations]] = {}
+    on_cpu: dict[MoELayer, Destinations] = {}
+    for layer, d in dests.items():
+        for key, t in d.items():
+            part = by_device.setdefault(t.device, {}) if t.device.type == "cuda" else on_cpu
+            part.setdefault(layer, {})[key] = t
+    for group in by_device.values():
+        _load_cuda(out, {layer: records[layer] for layer in group}, headers, group)
+    for layer, d in on_cpu.items():
+        path = out / records[layer].path
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _read_cpu(fd, path, headers[layer], d)
+        finally:
+            os.close(fd)
+
+
+def _kernel_form(d: Destinations) -> dict[str, torch.Tensor]:
+    """File tensors -> the kernel's views (scales MN-major)."""
+    return {key: layout.sf_from_storage(t) if key.endswith("_sf") else t for key, t in d.items()}
+
+
+# --------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------
+
+def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch.device = "cpu", *,
+              layers: str | Iterable[str] | None = None, verify: bool = False,
+              ep_size: int | None = None, into: Mapping[str, Destinations] | None = None,
+              ) -> dict[str, ExpertLayer]:
+    """Load one EP rank's MegaMoE expert tensors from a converted directory.
+
+    Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
+    prefix. ``device="cpu"`` gives lazy memory-mapped tensors; a CUDA device gives device
+    tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
+    given, must be the one converted for (a serving job states what it expects). ``out`` may also
+    be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
+
+    ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,
+    e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,
+    and no second copy of a layer is ever allocated. ``device`` is then ignored.
+    """
+    for name, value in (("rank", rank), ("ep_size", 0 if ep_size is None else ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LoadError(f"{name} must be an int, got {value!r}")
+    try:
+        device = usable_device(device)
+    except DeviceError as e:
+        raise LoadError(str(e)) from None
+    converted = open_converted(out, [rank])
+    out, manifest = converted.path, converted.manifest
+    if ep_size is not None and ep_size != manifest.ep_size:
+        raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
+                        f"convert again with --ep-size {ep_size}")
+    chosen = resolve_layers(manifest, list(into) if into is not None else layers)
+    records = check_rank_files(out, manifest, rank, chosen, verify)
+    headers: dict[MoELayer, dict[str, TensorEntry]] = {}
+    for layer, record in records.items():
+        try:
+            header = read_header(out / record.path)
+        except SafetensorsError as e:
+            raise LoadError(one_line(str(e))) from None
+        headers[layer] = check_shard(header, manifest, layer, rank)
+        check_logical_ids(out / record.path, headers[layer]["logical_ids"],
+                          manifest.placement_for(layer).rank_logical_ids(rank))
+    if into is not None:
+        by_prefix = {layer.prefix: layer for layer in records}
+        dests = {by_prefix[prefix]: d for prefix, d in into.items()}
+        for layer, d in dests.items():
+            check_destinations(layer.prefix, d, headers[layer])
+        _fill(out, records, headers, dests)
+    elif device.type == "cuda":
+        dests = {layer: _empty_destinations(headers[layer], device) for layer in records}
+        _fill(out, records, headers, dests)
+    else:
+        dests = {layer: _cpu_layer(out / rec.path, headers[layer]) for layer, rec in records.items()}
+    placements = {layer: manifest.placement_for(layer) for layer in dests}
+    return {layer.prefix: ExpertLayer(layer.key, _kernel_form(d), placements[layer].rank_logical_ids(rank),
+                                      placements[layer].experts_start(rank)) for layer, d in dests.items()}
