@@ -33,7 +33,7 @@ from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
 from megamoe_convert.layout import KernelWeights
 from megamoe_convert.output import marker
-from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, rank_file, read_manifest
+from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Progress
@@ -93,11 +93,11 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
                 progress: Progress) -> None:
     """Every listed file (of the chosen ranks) present, with its size and checksum (files checked
     on several threads, reported in manifest order)."""
-    wanted_rank_files = {rank_file(r, manifest.ep_size, l) for r in ranks for l in manifest.layers}
+    wanted_rank_files = {manifest.expert_file(l, r) for r in ranks for l in manifest.layers}
     listed = {f.path for f in manifest.files}
     for path in sorted(wanted_rank_files - listed):
         report.problem(path, "missing from manifest.json")
-    records = [r for r in manifest.files if not r.path.startswith("rank-") or r.path in wanted_rank_files]
+    records = [r for r in manifest.files if "/" not in r.path or r.path in wanted_rank_files]
     checks = [(out / record.path, record) for record in records]
     progress.start(sum(r.size for r in records), len(records))
     for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True)):
@@ -117,7 +117,7 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
     found = [p for p in out.rglob("*") if p.is_file() and STATE_DIR not in p.relative_to(out).parts]
     for path in sorted(found):
         rel = path.relative_to(out).as_posix()
-        in_rank_dir = "/" in rel and rel.startswith("rank-")
+        in_rank_dir = "/" in rel and rel.startswith(("rank-", "experts/"))
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
 
@@ -138,7 +138,7 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
     """Tensors of every rank shard, and the logical experts it says it holds."""
     for rank in ranks:
         for layer in manifest.layers:
-            path = out / rank_file(rank, manifest.ep_size, layer)
+            path = out / manifest.expert_file(layer, rank)
             if not path.is_file():
                 continue  # already reported by check_files
             try:

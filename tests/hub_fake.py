@@ -62,6 +62,7 @@ class FakeHub:
         self.repos: dict[str, dict[str, Any]] = {}  # repo_id -> {"refs": {...}, "private": bool}
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths changed), in order
         self.downloaded: list[str] = []  # every file path a download brought into a cache or local dir
+        self.ranged: list[tuple[str, int, int]] = []  # every range request: (path, offset, bytes)
 
     # ------------------------------------------------------------------ server side
     def _repo(self, repo_id: str) -> dict[str, Any]:
@@ -150,7 +151,21 @@ class FakeHub:
         return str(Path(self.snapshot_download(repo_id, revision=revision, allow_patterns=[filename], **kw))
                    / filename)
 
+    def cat_file(self, url: str, start: int, end: int) -> bytes:
+        """``HfFileSystem.cat_file``: one HTTP range request of ``owner/name@revision/path``."""
+        repo_ref, rel = "/".join(url.split("/")[:2]), "/".join(url.split("/")[2:])
+        repo_id, _, revision = repo_ref.partition("@")
+        files = self.files(repo_id, self.resolve(repo_id, revision or None))
+        if rel not in files:
+            raise FileNotFoundError(f"404: {rel} not in {repo_id}")
+        with open(files[rel], "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        self.ranged.append((rel, start, len(data)))
+        return data
+
     def install(self, monkeypatch: Any, cache: Path) -> "FakeHub":
+        monkeypatch.setattr(huggingface_hub, "HfFileSystem", lambda *a, **k: self)
         monkeypatch.setattr(huggingface_hub, "HfApi", self.api)
         monkeypatch.setattr(huggingface_hub, "snapshot_download", self.snapshot_download)
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", self.hf_hub_download)

@@ -175,7 +175,7 @@ RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo i
 
 @app.command()
 def inspect(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a store (what each rank reads of it).")],
     ep_size: Annotated[int, typer.Option(min=1, help="EP size used for the bytes-per-rank column.")] = 8,
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
@@ -188,6 +188,8 @@ def inspect(
     from megamoe_convert.source.checkpoint import Checkpoint
 
     def body() -> None:
+        if _store_reads(src, as_json, ep_size, num_redundant_experts):
+            return
         ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
         per_expert = ckpt.dims.bytes_per_expert()
@@ -234,7 +236,7 @@ def inspect(
 
 @app.command()
 def plan(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a store (what each rank reads of it).")],
     ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
@@ -252,6 +254,8 @@ def plan(
     from megamoe_convert.source.checkpoint import Checkpoint
 
     def body() -> None:
+        if _store_reads(src, as_json, ep_size, num_redundant_experts, placement_file, engine.value):
+            return
         ckpt = Checkpoint.open(resolve_source(src, revision))
         placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file,
                                                         engine=engine.value))
@@ -268,6 +272,21 @@ def plan(
             out_console.print(_placement_table(p, f"{key} ({engine.value})"))
         out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
     run_command(body)
+
+
+def _store_reads(src: str, as_json: bool, *args: Any) -> bool:
+    """``inspect`` / ``plan`` of a store: what each rank reads of it (``cli/store.py``); False for anything else."""
+    from megamoe_convert.cli.store import reads_table, store_manifest, store_reads
+
+    manifest = store_manifest(src)
+    if manifest is None:
+        return False
+    data = store_reads(src, manifest, *args)
+    if as_json:
+        print_json(data)
+    else:
+        out_console.print(reads_table(data))
+    return True
 
 
 def _placement_table(placement: "Placement", what: str) -> Table:
@@ -314,7 +333,9 @@ def convert(
                                             "safetensors index), "
                                             "or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
-    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size the model will be served with.")],
+    ep_size: Annotated[Optional[int], typer.Option(min=1, help="Expert-parallel size the model will be served with "
+                                                               "(per-rank files). Without it: a store of every "
+                                                               "logical expert once, served at any EP size.")] = None,
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB); n_routed + this must "
                                                             "divide by --ep-size.")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
@@ -337,7 +358,8 @@ def convert(
                                                   "the manifest (merges all parts).")] = True,
     engine: EngineOption = Engine.vllm,
 ) -> None:
-    """Convert a checkpoint into per-rank MegaMoE shards, non-expert shards and manifest.json.
+    """Convert a checkpoint into per-rank MegaMoE shards (--ep-size) or a rank-agnostic store (experts/,
+    every logical expert once), non-expert shards and manifest.json.
 
     Streaming (memory bounded by --workers x --chunk-mb), atomic (temp file + rename,
     manifest last) and resumable: rerun the same command after a crash or Ctrl-C.

@@ -53,10 +53,24 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         force_download: Annotated[bool, typer.Option(help="Download again even if present (after a checksum "
                                                           "failure).")] = False,
         as_json: Annotated[bool, typer.Option("--json", help="Print a machine-readable summary on stdout.")] = False,
+        ep_size: Annotated[Optional[int], typer.Option(min=1, help="A store: the EP size the node serves at; just "
+                                                                   "the byte ranges --ranks read are fetched "
+                                                                   "(needs --local-dir).")] = None,
+        num_redundant_experts: Annotated[int, typer.Option(min=0, help="With --ep-size: redundant experts.")] = 0,
+        placement_file: Annotated[Optional[Path], typer.Option("--placement", help="With --ep-size: JSON list, "
+                                                                                 "logical expert of every slot.")] = None,
+        engine: Annotated[str, typer.Option(help="With --ep-size: whose per-layer placement rule (vllm, sglang).")]
+            = "vllm",
     ) -> None:
         """Download the manifest, small files, non-expert shards and just the named ranks' shards of a
-        pushed conversion, then verify them against manifest.json. Honours HF_HUB_OFFLINE and the cache."""
+        pushed conversion, then verify them against manifest.json. Honours HF_HUB_OFFLINE and the cache.
+        A store with --ep-size: just the byte ranges of its expert files that --ranks read."""
         from megamoe_convert.serve.hub import pull as hub_pull
+
+        if ep_size is not None:
+            _pull_ranges(repo_id, ranks, local_dir, revision, experts_only, verify, as_json, ep_size,
+                         num_redundant_experts, placement_file, engine)
+            return
 
         def body() -> None:
             result = hub_pull(repo_id, ranks, local_dir, revision, non_expert=not experts_only, verify=verify,
@@ -69,6 +83,29 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
                                   f"{','.join(map(str, result.ranks))} into {result.path} ({data['files']} files, "
                                   f"{human_bytes(data['bytes'])}, {data['verified']}s verified)")
                 print(result.path)
+        run_command(body)
+
+    def _pull_ranges(repo_id: str, ranks: Optional[str], local_dir: Optional[Path], revision: Optional[str],
+                     experts_only: bool, verify: bool, as_json: bool, ep_size: int, redundant: int,
+                     placement_file: Optional[Path], engine: str) -> None:
+        from megamoe_convert.serve.hub import HubError
+        from megamoe_convert.serve.hub_ranges import pull_ranges
+
+        def body() -> None:
+            if local_dir is None:
+                raise HubError("pull --ep-size writes the store's ranges into --local-dir (partial files do not "
+                               "belong in the Hugging Face cache): give --local-dir")
+            data = pull_ranges(repo_id, local_dir, ep_size, ranks, num_redundant=redundant,
+                               placement_file=placement_file, engine=engine, revision=revision,
+                               non_expert=not experts_only, verify=verify)
+            if as_json:
+                print_json(data)
+            else:
+                err_console.print(f"[green]pulled[/green] {repo_id}@{data['commit'][:12]} ranks "
+                                  f"{','.join(map(str, data['ranks']))} of EP {ep_size} into {local_dir}: "
+                                  f"{human_bytes(data['fetched_bytes'])} of the store's "
+                                  f"{human_bytes(data['store_expert_bytes'])} in {data['requests']} ranged reads")
+                print(local_dir)
         run_command(body)
 
     @app.command()

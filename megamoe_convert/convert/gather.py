@@ -15,7 +15,7 @@ import torch
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import Plan, Unit
 from megamoe_convert.output import marker, rank_extras
-from megamoe_convert.output.manifest import rank_file, rank_shard_metadata, rank_shard_specs
+from megamoe_convert.output.manifest import rank_file, rank_shard_metadata, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.state import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
 from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
@@ -226,8 +226,11 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
     dims = plan.ckpt.dims
     ids = plan.placement_for(layer).rank_logical_ids(rank)
     specs = rank_shard_specs(layer, len(ids), dims)
-    rel = rank_file(rank, plan.placement.ep_size, layer)
-    metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size, dims)
+    if plan.options.store:  # the layer's logical experts once, in order: a range of it is any rank's tensor
+        rel, metadata = store_file(layer), store_metadata(layer, dims)
+    else:
+        rel = rank_file(rank, plan.placement.ep_size, layer)
+        metadata = rank_shard_metadata(layer, rank, plan.placement.ep_size, dims)
 
     def run() -> FileRecord:
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)

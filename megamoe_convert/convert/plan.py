@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from megamoe_convert.output.manifest import FORMAT_VERSION, LAYOUT_VERSION, Manifest
+from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, LAYOUT_VERSION, Manifest
 from megamoe_convert.output.state import ConvertError, stamp_files
 from megamoe_convert.output.writer import FileRecord
 from megamoe_convert.placement import Placement, PlacementError, layer_placement
@@ -25,7 +25,8 @@ DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in
 
 @dataclass
 class ConvertOptions:
-    ep_size: int
+    #: ``None``: a store (every logical expert once, for any EP size, placement and engine).
+    ep_size: int | None
     num_redundant_experts: int = 0
     placement_file: Path | None = None
     device: str = "cpu"
@@ -41,6 +42,10 @@ class ConvertOptions:
     shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
     auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
     engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
+
+    @property
+    def store(self) -> bool:
+        return self.ep_size is None
 
     def worker_count(self) -> int:
         return self.workers if self.workers > 0 else min(8, os.cpu_count() or 1)
@@ -65,6 +70,17 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                            f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "
                            "drop --num-redundant-experts / --placement")
     n = ckpt.dims.n_routed_experts
+    if options.store:  # every logical expert once; the engine's placement is read at install
+        given = [flag for flag, on in (("--num-redundant-experts", options.num_redundant_experts),
+                                       ("--placement", options.placement_file is not None),
+                                       ("--ranks", options.ranks is not None), ("--engine", options.engine != "vllm"),
+                                       ("--shard-by rank", options.shard is not None and options.shard_by == "rank"))
+                 if on]
+        if given:
+            raise ConvertError(f"{given[0]} needs --ep-size: without it, convert writes a store of every logical "
+                               "expert once, which serves any EP size, redundant experts, placement and engine")
+        return Placement.default(n, 1)
+    assert options.ep_size is not None
     if options.placement_file is not None:
         if options.num_redundant_experts:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
@@ -107,11 +123,19 @@ class Plan:
                 "source_tensors_sha256": source["tensors_sha256"], "source_revision": source["revision"],
                 "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
                 "ranks": self.ranks, "layers": [l.key for l in self.layers],
-                "experts_only": self.options.experts_only, "engine": self.options.engine}
+                "experts_only": self.options.experts_only, "engine": self.engine,
+                **({"store": True} if self.options.store else {})}
+
+    @property
+    def engine(self) -> str:
+        """The manifest's ``engine``: a store holds none's placement."""
+        return ANY_ENGINE if self.options.store else self.options.engine
 
     def placement_for(self, layer: MoELayer) -> Placement:
         """The placement the engine builds ``layer`` with (SGLang's MTP layer, and MTP layers with
         an expert count of their own, have their own)."""
+        if self.options.store:
+            return Placement.default(self.ckpt.dims.experts_of(layer), 1)
         try:
             return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer))
         except PlacementError as e:
@@ -132,8 +156,8 @@ class Plan:
         """The manifest of the finished run: every unit's file, then ``extra`` (the index)."""
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
-                        files=[records[u.path] for u in self.units] + list(extra), engine=self.options.engine,
-                        family=self.family)
+                        files=[records[u.path] for u in self.units] + list(extra), engine=self.engine,
+                        family=self.family, store=self.options.store)
 
     @property
     def family(self) -> str:
@@ -195,7 +219,8 @@ def non_expert_index(plan: Plan) -> dict[str, Any] | None:
     if plan.options.experts_only:
         return None
     return {"metadata": {"total_size": sum(e.nbytes for e in plan.ckpt.non_expert_tensors()),
-                         "megamoe": "routed experts are in rank-*/ (see manifest.json)"},
+                         "megamoe": "routed experts are in " + ("experts/" if plan.options.store else "rank-*/")
+                                    + " (see manifest.json)"},
             "weight_map": dict(sorted(plan.non_expert_index.items()))}
 
 

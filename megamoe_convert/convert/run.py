@@ -64,6 +64,7 @@ class Summary:
     seconds: float
     shard: str | None = None  # "i/n" for a part of a split conversion
     merged: bool | None = None  # a part: whether it found all parts in OUT and merged them
+    store: bool = False  # every logical expert once (no --ep-size): serves any EP size
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -75,7 +76,7 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
                cancelled: threading.Event) -> Plan:
     ckpt = Checkpoint.open(src)
     placement = make_placement(ckpt, options)
-    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, options.ep_size),
+    plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, placement.ep_size),
                 select_layers(ckpt, options.layers))
     plan.units.extend(small_file_units(plan))
     if not options.experts_only:
@@ -155,7 +156,8 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
-                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None)
+                   seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None,
+                   store=plan.options.store)
 
 
 def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,

@@ -9,15 +9,17 @@ error in one module never leaves another half-installed.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence
 
 from torch import nn
 
 from megamoe_convert.engines import Contract, InstallError, require_engine
+from megamoe_convert.placement import Placement, PlacementError
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
+from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
 from megamoe_convert.source.layers import MoELayer
 
@@ -45,6 +47,12 @@ class Engine(Protocol):
     def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None: ...
 
+    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+        """Serving from a store: the placement the engine built ``module`` with (EP size, redundant
+        slots, the logical expert of every physical slot), from its own module and configuration, over
+        the store's logical experts of ``layer``. Refuses numbers that cannot be that."""
+        ...
+
 
 @dataclass(frozen=True)
 class Installed:
@@ -67,7 +75,8 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         converted = open_converted(out, [rank])
     except LoadError as e:
         raise InstallError(str(e)) from None
-    require_engine(converted, engine.name)
+    if not converted.manifest.store:
+        require_engine(converted, engine.name)
     if serving and converted.manifest.experts_only:
         raise InstallError(f"{converted.path}: converted with --experts-only, so it holds no non-expert weights to "
                            "serve; convert without --experts-only for --load-format megamoe")
@@ -78,8 +87,11 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         if key not in layers:
             raise InstallError(f"{engine.prefix(module)}: layer {key} is not in {converted.path} "
                                f"(converted layers: {', '.join(sorted(layers))})")
-        engine.check(module, contract, layers[key], converted, rank)
         planned.append((module, contract, layers[key]))
+    if converted.manifest.store:  # each layer's placement is the engine's own, read from its modules
+        converted = replace(converted, placements=_engine_placements(engine, planned, converted, rank))
+    for module, contract, layer in planned:
+        engine.check(module, contract, layer, converted, rank)
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
     skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned
@@ -87,12 +99,34 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
     # Every layer in one pipelined read: the bytes go into each module's own storage, so no
     # second copy of any layer is made, and the reads never drain between layers.
     into = {layer.prefix: contract.destinations(module, converted) for module, contract, layer in planned}
-    loaded = load_rank(converted, rank, verify=verify, into=into)
+    if converted.manifest.store:
+        placements = converted.placements
+        loaded = load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in placements},
+                            starts={layer: p.experts_start(rank) for layer, p in placements.items()},
+                            into={layer: into[layer.prefix] for layer in placements}, verify=verify)
+    else:
+        loaded = load_rank(converted, rank, verify=verify, into=into)
     for module, contract, layer in planned:
         contract.finish(module, loaded[layer.prefix])
     log.info("megamoe: installed %d MegaMoE layers (%d with their shared expert) for %s EP rank %d from %s",
              len(planned), len(shared), engine.name, rank, converted.path)
     return Installed(tuple(layer.key for _, _, layer in planned), shared, skip)
+
+
+def _engine_placements(engine: Engine, planned: list[tuple[nn.Module, Contract, MoELayer]],
+                       converted: ConvertedModel, rank: int) -> dict[MoELayer, Placement]:
+    """Every module's placement (the engine's), checked against the store's layer dims and ``rank``."""
+    placements: dict[MoELayer, Placement] = {}
+    for module, _, layer in planned:
+        try:
+            placement = engine.placement(module, layer, converted)
+            placement.check_rank(rank)
+        except PlacementError as e:
+            raise InstallError(f"{engine.prefix(module)}: cannot be served from the store {converted.path} "
+                               f"({layer.key}: {converted.manifest.dims.experts_of(layer)} logical experts): {e}") from None
+        if placements.setdefault(layer, placement) != placement:
+            raise InstallError(f"{engine.prefix(module)}: a second module of {layer.key} with another placement")
+    return placements
 
 
 def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix: str = "prefix",

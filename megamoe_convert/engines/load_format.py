@@ -21,6 +21,8 @@ LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
 #: (``install`` pulls just this rank's shards itself).
 RANK_FILES_PATTERN = "rank-*-of-*/*"
+#: Nor a store's expert files (``install`` reads just this rank's slots of them itself).
+STORE_FILES_PATTERN = "experts/*"
 #: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 #: Set on a model once its conversion's experts are installed (by the load format or by the
@@ -54,5 +56,6 @@ def as_safetensors_config(load_config: Any) -> Any:
     config = copy.copy(load_config)
     config.load_format = "safetensors"  # both engines' LoadFormat values compare equal to their strings
     ignore = config.ignore_patterns
-    config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN]
+    config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN,
+                             STORE_FILES_PATTERN]
     return config

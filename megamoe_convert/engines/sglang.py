@@ -29,6 +29,7 @@ from torch import nn
 
 from megamoe_convert import layout
 from megamoe_convert.engines import SHAPE_RULES, Contract, InstallError, driver
+from megamoe_convert.placement import Placement, PlacementError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source.layers import MoELayer
 
@@ -60,6 +61,22 @@ def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
 
     table = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
     return tuple(int(x) for x in table[start:start + module.num_local_experts])
+
+
+def module_placement(module: nn.Module, n_logical: int) -> Placement:
+    """The placement SGLang built a module with over ``n_logical`` logical experts: its layer's row of
+    the expert-location table (``--init-expert-location``, EPLB's redundant slots), or for a module
+    without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``."""
+    if module.uses_expert_location:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        row = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
+        table = [int(x) for x in row]
+    else:
+        table = list(range(module.num_experts))
+    if len(table) != module.num_experts:
+        raise PlacementError(f"its expert-location table has {len(table)} slots, the module {module.num_experts}")
+    return Placement.from_list(table, n_logical, module.moe_ep_size, source="SGLang's expert location")
 
 
 def refusal(module: nn.Module) -> str | None:
@@ -103,7 +120,7 @@ class MegaMoEContract:
         if converted.weight_format != "mxfp4":
             raise InstallError(f"{where}: SGLang's fp8.py MegaMoE build takes MXFP4 experts, but {converted.path} "
                                f"holds {converted.weight_format}")
-        placement, dims = converted.manifest.placement_for(layer), converted.manifest.dims
+        placement, dims = converted.placement_for(layer), converted.manifest.dims
         h_rule, i_rule = SHAPE_RULES["sglang"]
         if dims.hidden_size % h_rule or dims.moe_intermediate_size % i_rule:
             raise InstallError(f"{where}: SGLang's MegaMoE needs hidden_size % {h_rule} == 0 and "
@@ -181,6 +198,9 @@ class SglangEngine:
 
     def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
         return layer_key(module.layer_name)
+
+    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+        return module_placement(module, converted.manifest.dims.experts_of(layer))
 
     def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from megamoe_convert.engines import Contract, InstallError, driver
 from megamoe_convert.engines.driver import classify
 from megamoe_convert.output.manifest import rank_shard_specs
+from megamoe_convert.placement import Placement, PlacementError
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
@@ -51,7 +52,7 @@ def looks_like_megamoe_experts(module: nn.Module) -> bool:
 def check_ep_numbers(module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
     """Every number the module was built with must be the one the layer's shards were built for
     (DeepSeek-V4.1's DSpark MTP layers: their own expert count)."""
-    placement, dims = converted.manifest.placement_for(layer), converted.manifest.dims
+    placement, dims = converted.placement_for(layer), converted.manifest.dims
     expected = {
         "experts_start_idx": placement.experts_start(rank),
         "num_local_experts": placement.experts_per_rank,
@@ -69,6 +70,16 @@ def check_ep_numbers(module: nn.Module, layer: MoELayer, converted: ConvertedMod
         raise InstallError(f"{module.prefix}: the conversion uses an explicit expert placement, but "
                            f"{type(module).__name__} maps physical slot p to logical p % num_logical_experts; "
                            "convert with the default placement to serve it with vLLM")
+
+
+def module_placement(module: nn.Module, n_logical: int) -> Placement:
+    """The placement vLLM built a module with over ``n_logical`` logical experts: its ``num_experts``
+    physical slots (EPLB's redundant ones included), ``num_local_experts`` per rank, slot ``p`` holding
+    ``p % n_logical`` (``_map_global_expert_id``; MTP layers alike, with their own numbers)."""
+    n_physical, local = module.num_experts, module.num_local_experts
+    if not isinstance(local, int) or local <= 0 or n_physical % local:
+        raise PlacementError(f"num_experts {n_physical} is not a whole number of ranks of {local} local experts")
+    return Placement.default(n_logical, n_physical // local, n_physical - n_logical)
 
 
 def current_ep_rank() -> int:
@@ -105,6 +116,9 @@ class VllmEngine:
     def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
         return layer_key(module.prefix, converted.num_hidden_layers)
 
+    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+        return module_placement(module, converted.manifest.dims.experts_of(layer))
+
     def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:
         check_ep_numbers(module, layer, converted, rank)
@@ -139,7 +153,7 @@ def expect_kernel_tensors(module: nn.Module, parameters: dict[str, str], layer: 
     """Each ``{rank-file key: parameter}`` must be exactly the tensor the conversion wrote for it:
     its dtype and shape, contiguous, or for scales (``*_sf``) the MN-major view of a contiguous array."""
     dims = converted.manifest.dims
-    specs = formats.spec_keys(rank_shard_specs(layer, converted.manifest.placement_for(layer).experts_per_rank, dims),
+    specs = formats.spec_keys(rank_shard_specs(layer, converted.placement_for(layer).experts_per_rank, dims),
                               layer.prefix)
     for key, name in parameters.items():
         shape = specs[key].shape

@@ -54,10 +54,22 @@ def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
     return f"{rank_dir_name(rank, ep_size)}/{layer.key}.safetensors"
 
 
-#: The only paths this tool writes below OUT: a rank shard, or a plain top-level name.
-_RANK_FILE = re.compile(r"rank-\d{5,}-of-\d{5,}/(?:layers|mtp)\.(?:0|[1-9]\d*)\.safetensors")
+#: The store's folder (``convert`` without ``--ep-size``): one file per MoE layer holding its
+#: logical experts once, expert-major, in the kernel layout (any rank's tensors are ranges of it).
+STORE_DIR = "experts"
+#: A store's ``engine``: it holds no engine's placement; the engine's own one is read at install.
+ANY_ENGINE = "any"
+
+
+def store_file(layer: MoELayer) -> str:
+    """Relative path of one MoE layer's file in a store."""
+    return f"{STORE_DIR}/{layer.key}.safetensors"
+
+
+#: The only paths this tool writes below OUT: a rank shard, a store's layer file, or a plain top-level name.
+_RANK_FILE = re.compile(r"(?:rank-\d{5,}-of-\d{5,}|experts)/(?:layers|mtp)\.(?:0|[1-9]\d*)\.safetensors")
 _TOP_LEVEL = re.compile(r"[^/\\\x00-\x1f\x7f]+")
-RANK_DIR = re.compile(r"rank-\d{5,}-of-\d{5,}")
+RANK_DIR = re.compile(r"rank-\d{5,}-of-\d{5,}|experts")
 
 
 _NON_EXPERT_SHARD = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
@@ -99,10 +111,17 @@ def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int, dims: ModelDim
     return metadata
 
 
-def rank_shard_size(layer: MoELayer, rank: int, placement: Placement, dims: ModelDims) -> int:
-    """The exact size of a rank shard: its header (aligned) plus its tensors."""
+def store_metadata(layer: MoELayer, dims: ModelDims) -> dict[str, str]:
+    """A store file's safetensors metadata: no rank, no EP size (its experts are every logical one, in order)."""
+    return {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key, "store": "logical-experts",
+            "weight_format": dims.weight_format, "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
+
+
+def rank_shard_size(layer: MoELayer, rank: int, placement: Placement, dims: ModelDims, store: bool = False) -> int:
+    """The exact size of a rank shard (or with ``store``, a store file): its header (aligned) plus its tensors."""
     specs = rank_shard_specs(layer, placement.experts_per_rank, dims)
-    return len(encode_header(specs, rank_shard_metadata(layer, rank, placement.ep_size, dims))) + sum(s.nbytes for s in specs)
+    metadata = store_metadata(layer, dims) if store else rank_shard_metadata(layer, rank, placement.ep_size, dims)
+    return len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs)
 
 
 def _canonical(data: dict[str, Any]) -> bytes:
@@ -132,14 +151,24 @@ class Manifest:
     engine: str = "vllm"
     #: The source's model family (``families.py``): how its checkpoint names its tensors.
     family: str = "deepseek_v4"
+    #: A store (``convert`` without ``--ep-size``): one file per layer of its logical experts in order
+    #: (:func:`store_file`); ``placement`` is then EP 1's, ``engine`` :data:`ANY_ENGINE`.
+    store: bool = False
 
     @property
     def ep_size(self) -> int:
         return self.placement.ep_size
 
     def placement_for(self, layer: MoELayer) -> Placement:
-        """The placement ``layer``'s rank files were built for (the engine's rule for that layer)."""
+        """The placement ``layer``'s rank files were built for (the engine's rule for that layer);
+        a store's layer file: every logical expert of the layer once, in order."""
+        if self.store:
+            return Placement.default(self.dims.experts_of(layer), 1)
         return layer_placement(self.engine, self.placement, layer.is_mtp, self.dims.experts_of(layer))
+
+    def expert_file(self, layer: MoELayer, rank: int = 0) -> str:
+        """The file holding ``layer``'s experts for ``rank`` (a store's one file for every rank)."""
+        return store_file(layer) if self.store else rank_file(rank, self.ep_size, layer)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -163,6 +192,7 @@ class Manifest:
             "placement": self.placement.to_json(),
             "layers": [{"key": l.key, "prefix": l.prefix} for l in self.layers],
             "experts_only": self.experts_only,
+            **({"store": True} if self.store else {}),
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "files": [f.to_json() for f in self.files],
         }
@@ -202,7 +232,7 @@ class Manifest:
         raise ManifestError(f"{MANIFEST_NAME}: no entry for {path}")
 
     def rank_files(self, rank: int) -> dict[MoELayer, FileRecord]:
-        return {layer: self.file(rank_file(rank, self.ep_size, layer)) for layer in self.layers}
+        return {layer: self.file(self.expert_file(layer, rank)) for layer in self.layers}
 
 
 def _check_seal(data: dict[str, Any], f: jsonio.Fields) -> None:
@@ -256,7 +286,11 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
     engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's
-    if engine not in ENGINES:
+    store = f.bool(data, "store") if "store" in data else False
+    if store != (engine == ANY_ENGINE):
+        raise f.fail(f"engine {jsonio.short(engine)} with store={store}: a store (and only a store) "
+                     f"holds engine {ANY_ENGINE!r}")
+    if engine not in (*ENGINES, ANY_ENGINE):
         raise f.fail(f"unknown engine {jsonio.short(engine)} (known: {', '.join(ENGINES)})")
     family = f.str(data, "family") if "family" in data else "deepseek_v4"  # before model families
     try:
@@ -271,7 +305,8 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
-                    format_version=versions[0], layout_version=versions[1], engine=engine, family=family)
+                    format_version=versions[0], layout_version=versions[1], engine=engine, family=family,
+                    store=store)
 
 
 def _duplicates(items: list[Any]) -> list[Any]:
@@ -291,6 +326,8 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
         problems.append("no ranks listed")
     if not m.layers:
         problems.append("no layers listed")
+    if m.store and (m.ranks != [0] or not m.placement.is_default() or m.ep_size != 1):
+        problems.append("a store's placement is every logical expert once (ep_size 1, ranks [0])")
     if m.placement.n_logical != m.dims.n_routed_experts:
         problems.append(f"placement has {m.placement.n_logical} logical experts, dims say {m.dims.n_routed_experts}")
         return problems  # sizes below follow from dims and placement
@@ -303,11 +340,11 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
         if rank >= m.ep_size:
             continue
         for layer in sorted(set(m.layers)):
-            path = rank_file(rank, m.ep_size, layer)
+            path = m.expert_file(layer, rank)
             record = listed.pop(path, None)
             if record is None:
-                problems.append(f"{path}: rank {rank} x {layer.key} is not listed")
-            elif record.size != (size := rank_shard_size(layer, rank, placements[layer], m.dims)):
+                problems.append(f"{path}: {'the store' if m.store else f'rank {rank}'} x {layer.key} is not listed")
+            elif record.size != (size := rank_shard_size(layer, rank, placements[layer], m.dims, m.store)):
                 problems.append(f"{path}: listed with size {record.size}, its dims and placement give {size}")
     problems += [f"{path}: not a rank x layer of this conversion" for path in sorted(listed)]
     if m.experts_only:

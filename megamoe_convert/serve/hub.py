@@ -38,7 +38,14 @@ import huggingface_hub.file_download
 import huggingface_hub.utils
 
 from megamoe_convert import __version__
-from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, ManifestError, rank_dir_name, read_manifest
+from megamoe_convert.output.manifest import (
+    MANIFEST_NAME,
+    STORE_DIR,
+    Manifest,
+    ManifestError,
+    rank_dir_name,
+    read_manifest,
+)
 from megamoe_convert.output.state import ConvertError, hold_whole_output, owned_path
 from megamoe_convert.output.writer import FileRecord, file_problem, partial_path
 from megamoe_convert.placement import PlacementError, parse_ranks
@@ -154,7 +161,7 @@ class PullResult:
 
 
 def _parse_pull_ranks(ranks: str | Iterable[int] | None, manifest: Manifest, where: str) -> list[int]:
-    if ranks is None:
+    if ranks is None or manifest.store:  # a store's ranks are the engine's: whole (or `pull --ep-size`)
         return list(manifest.ranks)
     try:
         chosen = parse_ranks(ranks, manifest.ep_size) if isinstance(ranks, str) else sorted(set(ranks))
@@ -169,13 +176,16 @@ def _parse_pull_ranks(ranks: str | Iterable[int] | None, manifest: Manifest, whe
     return chosen
 
 
-def select_files(manifest: Manifest, ranks: Sequence[int], non_expert: bool = True) -> tuple[list[FileRecord], list[str]]:
+def select_files(manifest: Manifest, ranks: Sequence[int], non_expert: bool = True,
+                 experts: bool = True) -> tuple[list[FileRecord], list[str]]:
     """The manifest's files a pull of ``ranks`` needs, and the allow-patterns that fetch them.
 
     Always the small files (config, tokenizer...); the non-expert shards if ``non_expert``;
-    every layer's shard of each rank. Never ``README.md`` (on the hub: the model card).
+    every layer's shard of each rank (a store: its whole ``experts/``; ``experts=False``: no
+    expert file, as :mod:`.hub_ranges` fetches just ranges of them). Never ``README.md``.
     """
-    rank_dirs = {rank_dir_name(r, manifest.ep_size) for r in ranks}
+    rank_dirs = {STORE_DIR} if manifest.store else {rank_dir_name(r, manifest.ep_size) for r in ranks}
+    rank_dirs = rank_dirs if experts else set()
     chosen = []
     for record in manifest.files:
         top, _, rest = record.path.partition("/")
@@ -213,7 +223,7 @@ def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, whe
 
 def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path | str | None = None,
          revision: str | None = None, *, non_expert: bool = True, verify: bool = True,
-         force_download: bool = False, max_workers: int = 8) -> PullResult:
+         force_download: bool = False, max_workers: int = 8, experts: bool = True) -> PullResult:
     """Download a pushed conversion's manifest, small files, non-expert shards (unless
     ``non_expert=False``) and the shards of ``ranks`` (``"0-7"``, a list, or ``None`` for all);
     then check sizes and (``verify``) checksums of everything downloaded.
@@ -238,7 +248,7 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
         raise HubError(f"{where}: {e}") from None
     commit = first.name if huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name) else (revision or "main")
     chosen_ranks = _parse_pull_ranks(ranks, manifest, where)
-    records, patterns = select_files(manifest, chosen_ranks, non_expert)
+    records, patterns = select_files(manifest, chosen_ranks, non_expert, experts)
     # 2. Everything else, at that commit. Offline, huggingface_hub looks only inside local_dir,
     #    so the files are taken from the cache and linked into local_dir after the checks.
     with nullcontext() if local_dir is None else _holding(Path(local_dir)):

@@ -15,7 +15,7 @@ import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -30,11 +30,11 @@ from megamoe_convert.output.manifest import (
     MANIFEST_NAME,
     Manifest,
     ManifestError,
-    rank_file,
     rank_shard_specs,
     read_manifest,
 )
 from megamoe_convert.output.writer import FileRecord, file_problems
+from megamoe_convert.placement import Placement
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CheckpointError, parse_layer_spec
@@ -109,6 +109,12 @@ class ConvertedModel:
 
     path: Path
     manifest: Manifest
+    #: Serving from a store: each layer's placement as the engine built it (the install driver's).
+    placements: dict[MoELayer, Placement] = field(default_factory=dict)
+
+    def placement_for(self, layer: MoELayer) -> Placement:
+        """The placement ``layer`` is served with: the engine's (a store), else the conversion's."""
+        return self.placements.get(layer) or self.manifest.placement_for(layer)
 
     @property
     def weight_format(self) -> str:
@@ -192,7 +198,7 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
         raise LoadError(f"rank {rank} was not converted into {out} (converted ranks: {manifest.ranks})")
     chosen = {}
     for layer in layers:
-        path = rank_file(rank, manifest.ep_size, layer)
+        path = manifest.expert_file(layer, rank)
         try:
             chosen[layer] = manifest.file(path)
         except ManifestError:
@@ -222,6 +228,11 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
                             f"{dims.moe_intermediate_size}, {experts} experts per rank, {dims.weight_format})")
         entries[key] = entry
     meta = header.metadata
+    if manifest.store:  # every logical expert once: no rank, no EP size
+        if meta.get("store") != "logical-experts" or meta.get("layout_version") != str(manifest.layout_version):
+            raise LoadError(f"{header.path}: metadata (store={meta.get('store')}, layout_version="
+                            f"{meta.get('layout_version')}) is not a store file of layout_version {manifest.layout_version}")
+        return entries
     if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \
             or meta.get("ep_size") != str(manifest.ep_size):
         raise LoadError(f"{header.path}: shard metadata (rank={meta.get('rank')}, ep_size={meta.get('ep_size')}, "
@@ -450,6 +461,8 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
     given, must be the one converted for (a serving job states what it expects). ``out`` may also
     be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
+    A store (``convert`` without ``--ep-size``) loads as its EP 1 view, rank 0: every logical
+    expert in order (:mod:`.store` reads any other rank's slots from it).
 
     ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,
     e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,

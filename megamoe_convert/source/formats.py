@@ -212,6 +212,12 @@ def rank_tensor_specs(fmt: WeightFormat, prefix: str, experts: int, hidden: int,
     return specs + (shared_specs(prefix, hidden, shared_inter) if shared_inter else [])
 
 
+#: The rank-file tensors with one block per expert slot, expert-major (``E`` outermost, scales' storage
+#: too): a rank's is its slots' blocks of a store's, in slot order. The others (``l2_input_scale_all``,
+#: ``shared_*``) are per layer: the same in every rank's file.
+PER_SLOT_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf", *GLOBAL_SCALE_KEYS, "logical_ids")
+
+
 def shared_specs(prefix: str, hidden: int, shared_inter: int) -> list[TensorSpec]:
     """The fused shared expert's tensors, laid out like one routed expert of :data:`SHARED_FORMAT`."""
     names = tensor_names(prefix)

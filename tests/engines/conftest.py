@@ -102,3 +102,15 @@ def sglang_converted(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("converted") / "sglang-ep4"
     convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang"))
     return out
+
+
+@pytest.fixture(scope="session")
+def engine_store(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``engine_ckpt`` as a store (no --ep-size): every logical expert once, for any EP size."""
+    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "store")
+
+
+@pytest.fixture(scope="session")
+def sglang_store(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``sglang_ckpt`` as a store: the same files serve SGLang's placement (and vLLM's)."""
+    return run_convert(sglang_ckpt, tmp_path_factory.mktemp("converted") / "sglang-store")

@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""One store vs the per-rank form: a rank's experts into preallocated device tensors, side by side.
+
+For a checkpoint (real expert dims from a preset, fewer layers, ``--experts-only``) this converts
+a store (no ``--ep-size``) and, for each ``--ep-sizes``, the per-rank form of the benchmarked
+ranks; then, for each (EP size, rank, form), times the **first call in a fresh process**: a child
+process imports the package, allocates the rank's destination tensors on the device (as an engine
+does when it builds the model), and times filling them (``load_rank(..., into=)`` for the
+per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same pinned ring).
+
+  warm   the files in the page cache (a throwaway child reads them first), ``--repeats`` children,
+         median; the ceiling beside it is ``host_read``: the rank's bytes read from the page cache
+         into pinned buffers with the loader's thread count and piece size, no device copy, and
+         ``h2d_pinned``: one pinned buffer of the rank's bytes copied to the device;
+  cold   the page cache dropped before each child (needs root; otherwise the rows say so).
+
+Correctness is checked once per (EP size, rank): the store's tensors equal the per-rank form's.
+On-disk size: the store's expert bytes against the per-rank form's for every rank of each EP size
+(from the manifests' exact sizes). The last line printed is JSON (``--save FILE`` writes it too).
+
+    PYTHONPATH=. python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16   # GPU
+    PYTHONPATH=. python3 benchmarks/bench_store.py --quick        # CPU smoke test (tests/test_store.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def drop_page_cache() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# The child: one measurement, in a fresh process
+# --------------------------------------------------------------------------------------
+
+def destinations(store_dir: Path, ep_size: int, rank: int, device: str) -> tuple[dict, dict, int]:
+    """The rank's destination tensors by layer (shapes from the store's dims), its slots, and its bytes."""
+    import torch
+
+    from megamoe_convert.placement import Placement
+    from megamoe_convert.serve import store
+    from megamoe_convert.serve.loader import open_converted
+    from megamoe_convert.source import formats
+
+    converted = open_converted(store_dir)
+    manifest = converted.manifest
+    dests, slots = {}, {}
+    for layer in manifest.layers:
+        ids = Placement.default(manifest.dims.experts_of(layer), ep_size).rank_logical_ids(rank)
+        slots[layer] = ids
+        dests[layer] = {key: torch.empty(spec.shape, dtype=formats.torch_dtype(spec.dtype), device=device)
+                        for key, spec in store.slot_specs(manifest, layer, len(ids)).items()}
+    nbytes = sum(t.numel() * t.element_size() for d in dests.values() for t in d.values())
+    return dests, slots, nbytes
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    import torch
+
+    from megamoe_convert.serve import store
+    from megamoe_convert.serve.loader import load_rank, open_converted
+
+    imported = time.perf_counter() - started
+    device = torch.device(args.device)
+    dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    if args.child == "store":
+        t0 = time.perf_counter()
+        store.load_slots(open_converted(args.store), slots, into=dests)
+    elif args.child == "per_rank":
+        t0 = time.perf_counter()
+        load_rank(args.per_rank, args.rank, into={layer.prefix: d for layer, d in dests.items()})
+    elif args.child == "h2d_pinned":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        t0 = time.perf_counter()
+        flat.copy_(host, non_blocking=True)
+    elif args.child == "host_read":
+        from concurrent.futures import ThreadPoolExecutor
+
+        from megamoe_convert.serve import loader
+        from megamoe_convert.source.safetensors_io import read_into
+
+        converted = open_converted(args.per_rank)
+        ring = [torch.empty(loader.RING_BUFFER_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                for _ in range(loader.READ_THREADS)]
+        pieces = []
+        for layer, record in converted.manifest.rank_files(args.rank).items():
+            size = (Path(args.per_rank) / record.path).stat().st_size
+            pieces += [(Path(args.per_rank) / record.path, off, min(loader.RING_BUFFER_BYTES, size - off))
+                       for off in range(0, size, loader.RING_BUFFER_BYTES)]
+        t0 = time.perf_counter()
+
+        def read(i: int) -> None:
+            path, off, n = pieces[i]
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                read_into(fd, off, ring[i % len(ring)][:n])
+            finally:
+                os.close(fd)
+
+        with ThreadPoolExecutor(loader.READ_THREADS) as pool:
+            list(pool.map(read, range(len(pieces))))
+    elif args.child == "check":
+        other = {layer: {k: torch.empty_like(t) for k, t in d.items()} for layer, d in dests.items()}
+        store.load_slots(open_converted(args.store), slots, into=dests)
+        load_rank(args.per_rank, args.rank, into={layer.prefix: d for layer, d in other.items()})
+        same = all(torch.equal(dests[l][k], other[l][k]) for l in dests for k in dests[l])
+        return {"same": same, "bytes": nbytes}
+    else:
+        raise SystemExit(f"unknown child {args.child}")
+    sync()
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9, "import_s": imported}
+
+
+def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Path, ep: int, rank: int,
+              cold: bool = False) -> dict[str, Any]:
+    if cold and not drop_page_cache():
+        return {"skipped": "cannot drop the page cache (needs root)"}
+    cmd = [sys.executable, __file__, "--child", kind, "--store", str(store_dir), "--per-rank", str(per_rank),
+           "--ep", str(ep), "--rank", str(rank), "--device", args.device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode:
+        raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if any("skipped" in r for r in rows):
+        return rows[0]
+    seconds = statistics.median(r["seconds"] for r in rows)
+    return {"seconds": round(seconds, 4), "gb_per_s": round(rows[0]["bytes"] / seconds / 1e9, 2),
+            "runs": [round(r["seconds"], 4) for r in rows]}
+
+
+# --------------------------------------------------------------------------------------
+# The parent: checkpoint, conversions, measurements
+# --------------------------------------------------------------------------------------
+
+def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path, dict[int, Path]]:
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
+    from megamoe_convert.synth import synthesize
+    from megamoe_convert.synth.tensors import load_preset
+
+    config = dict(load_preset(args.preset))
+    config.update(num_hidden_layers=args.layers, num_nextn_predict_layers=0, vocab_size=1024,
+                  num_hash_layers=min(config.get("num_hash_layers", 0), args.layers),
+                  **({"n_routed_experts": args.experts} if args.experts else {}))
+    src = work / "ckpt"
+    marker = work / "ckpt.config.json"
+    if not (marker.exists() and json.loads(marker.read_text()) == config and (src / "config.json").exists()):
+        import shutil
+
+        shutil.rmtree(src, ignore_errors=True)
+        (work / "preset.json").write_text(json.dumps(config))
+        synthesize(src, str(work / "preset.json"), seed=1)
+        marker.write_text(json.dumps(config))
+    store_dir = work / "store"
+    convert(src, store_dir, ConvertOptions(ep_size=None, experts_only=True, fsync=False))
+    per_rank = {}
+    for ep in args.ep_sizes:
+        per_rank[ep] = work / f"ep{ep}"
+        convert(src, per_rank[ep], ConvertOptions(ep_size=ep, experts_only=True, fsync=False,
+                                                  ranks=",".join(map(str, ranks_of(args, ep)))))
+    return src, store_dir, per_rank
+
+
+def ranks_of(args: argparse.Namespace, ep: int) -> list[int]:
+    return sorted({r % ep for r in args.ranks} | ({ep - 1} if args.last_rank else set()))
+
+
+def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
+    """The store's expert bytes, and the per-rank form's for every rank of ``ep`` (exact sizes)."""
+    from megamoe_convert.output.manifest import rank_shard_size, read_manifest
+    from megamoe_convert.placement import Placement
+
+    manifest = read_manifest(store_dir)
+    store_bytes = sum(manifest.file(manifest.expert_file(l)).size for l in manifest.layers)
+    per_rank = sum(rank_shard_size(l, r, Placement.default(manifest.dims.experts_of(l), ep), manifest.dims)
+                   for l in manifest.layers for r in range(ep))
+    return {"store_expert_bytes": store_bytes, "per_rank_expert_bytes_all_ranks": per_rank}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return {}
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    _, store_dir, per_rank = prepare(args, work)
+    rows = []
+    for ep in args.ep_sizes:
+        for rank in ranks_of(args, ep):
+            pr = per_rank[ep]
+            check = run_child("check", args, store_dir, pr, ep, rank)
+            row: dict[str, Any] = {"ep_size": ep, "rank": rank, "bytes": check["bytes"], "same_bytes": check["same"]}
+            for form in ("per_rank", "store"):
+                if not args.quick:
+                    run_child(form, args, store_dir, pr, ep, rank)  # the page cache warm
+                row[f"{form}_warm"] = median_of([run_child(form, args, store_dir, pr, ep, rank)
+                                                 for _ in range(args.repeats)])
+                if args.cold:
+                    row[f"{form}_cold"] = median_of([run_child(form, args, store_dir, pr, ep, rank, cold=True)
+                                                     for _ in range(args.cold_repeats)])
+            for ceiling in ("host_read", "h2d_pinned"):
+                if not args.quick:
+                    run_child(ceiling, args, store_dir, pr, ep, rank)
+                row[ceiling] = median_of([run_child(ceiling, args, store_dir, pr, ep, rank) for _ in range(args.repeats)])
+            limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
+            for form in ("per_rank", "store"):
+                row[f"{form}_warm_vs_ceiling"] = round(row[f"{form}_warm"]["gb_per_s"] / limit, 3)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    summary = {"benchmark": "bench_store", "device": args.device, "preset": args.preset, "layers": args.layers,
+               "experts": args.experts or None, "rows": rows,
+               "on_disk": {ep: on_disk(store_dir, ep) for ep in args.ep_sizes},
+               "host": {"cpus": os.cpu_count()}}
+    if args.device.startswith("cuda"):
+        import torch
+
+        summary["host"]["gpu"] = torch.cuda.get_device_name(0)
+    if args.save:
+        Path(args.save).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
+    return summary
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="flash")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=0, help="routed experts (0: the preset's)")
+    p.add_argument("--ep-sizes", default="8,16", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--ranks", default="0", type=lambda s: [int(x) for x in s.split(",")],
+                   help="ranks to time (mod each EP size); the last rank too unless --no-last-rank")
+    p.add_argument("--no-last-rank", dest="last_rank", action="store_false")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cold", action="store_true", help="also cold runs (drops the page cache: root)")
+    p.add_argument("--cold-repeats", type=int, default=2)
+    p.add_argument("--workdir", default="/tmp/megamoe-bench-store")
+    p.add_argument("--save", default=None)
+    p.add_argument("--quick", action="store_true", help="CPU smoke test: the tiny preset, rank 1 of EP 2, one run")
+    # the child's own arguments
+    p.add_argument("--child", default=None)
+    p.add_argument("--store", default=None)
+    p.add_argument("--per-rank", default=None)
+    p.add_argument("--ep", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.layers, args.experts, args.device = "tiny", 1, 0, "cpu"
+        args.ep_sizes, args.ranks, args.last_rank, args.repeats, args.cold = [2], [1], False, 1, False
+    return args
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""``inspect`` / ``plan`` on a store (``convert`` without ``--ep-size``): for an EP size, redundant
+count (or explicit placement) and engine, what each rank reads of it: bytes, reads and file ranges."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, read_manifest
+from megamoe_convert.placement import Placement, layer_placement
+from megamoe_convert.serve import store
+from megamoe_convert.ui import human_bytes
+
+
+def store_manifest(src: str) -> Manifest | None:
+    """The manifest of ``src`` if it is a store, else ``None`` (a checkpoint, a per-rank conversion)."""
+    path = Path(src)
+    if not (path / MANIFEST_NAME).is_file():
+        return None
+    manifest = read_manifest(path)
+    return manifest if manifest.store else None
+
+
+def store_reads(src: str, manifest: Manifest, ep_size: int, num_redundant: int = 0,
+                placement_file: Path | None = None, engine: str = "vllm") -> dict[str, Any]:
+    """Every rank's reads of the store at ``ep_size`` (the engine's per-layer placement rule)."""
+    n = manifest.dims.n_routed_experts
+    if placement_file is not None:
+        placement = Placement.from_file(placement_file, n, ep_size)
+    else:
+        placement = Placement.default(n, ep_size, num_redundant)
+    placements = {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer))
+                  for layer in manifest.layers}
+    expert_bytes = sum(manifest.file(manifest.expert_file(layer)).size for layer in manifest.layers)
+    ranks = [store.rank_reads(manifest, placements, rank) for rank in range(ep_size)]
+    return {"store": src, "ep_size": ep_size, "num_redundant": placement.num_redundant, "engine": engine,
+            "placement": "explicit" if placement_file is not None else "default",
+            "store_expert_bytes": expert_bytes, "layers": [l.key for l in manifest.layers], "ranks": ranks}
+
+
+def reads_table(data: dict[str, Any]) -> Table:
+    table = Table(title=f"{data['store']}: what each rank of EP {data['ep_size']} ({data['num_redundant']} redundant, "
+                        f"{data['engine']}, {data['placement']} placement) reads of "
+                        f"{human_bytes(data['store_expert_bytes'])} of experts stored once")
+    for col in ("rank", "bytes read", "reads", "distinct ranges", "range bytes"):
+        table.add_column(col)
+    for r in data["ranks"]:
+        table.add_row(str(r["rank"]), human_bytes(r["read_bytes"]), str(r["reads"]), str(r["ranges"]),
+                      human_bytes(r["range_bytes"]))
+    return table

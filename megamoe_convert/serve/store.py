@@ -1,0 +1,279 @@
+"""Serving from a store: any rank's experts, straight from the store's bytes.
+
+A store (``megamoe convert`` without ``--ep-size``) holds each MoE layer's logical experts once,
+in the kernel layout, expert-major: every per-slot tensor (:data:`formats.PER_SLOT_KEYS`) is
+``E`` blocks of equal size, logical expert ``l``'s block at ``begin + l * block``. A rank whose
+local slots hold logical experts ``ids`` takes, per tensor, the blocks of ``ids`` in slot order:
+one read per run of consecutive logical ids (vLLM's default placement ``p % n``: one run, two
+where it wraps; an explicit placement: a read per slot, adjacent ones coalesced), written at the
+run's slot offset in the destination. No transform: the bytes are the kernel's. The per-layer
+tensors (NVFP4's ``l2_input_scale_all``, the fused shared expert) are read whole.
+
+Reads go where the destinations live: CUDA ones through the same pinned ring as
+:mod:`.loader`, CPU ones with one ``preadv`` each. Nothing but the rank's slots' bytes and
+the headers is read (``verify=True`` adds a checksum of each file, which reads it whole).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from megamoe_convert import jsonio
+from megamoe_convert.jsonio import one_line
+from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_specs, store_file, store_metadata
+from megamoe_convert.output.writer import file_problems
+from megamoe_convert.placement import Placement
+from megamoe_convert.serve import loader
+from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.source import formats
+from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import (
+    SafetensorsError,
+    TensorEntry,
+    TensorSpec,
+    encode_header,
+    read_header,
+    read_into,
+)
+
+
+#: ``OUT/.megamoe/ranges.json``: a ranged hub pull's record of the store ranges it fetched
+#: (:mod:`.hub_ranges`); where it exists, a load reads nothing outside them.
+RANGES_NAME = "ranges.json"
+
+
+@dataclass(frozen=True)
+class Read:
+    """One range of a store file into one destination tensor."""
+
+    key: str  # :data:`formats.FILE_NAMES` key
+    file_offset: int
+    dest_offset: int  # bytes into the destination tensor
+    nbytes: int
+
+
+def slot_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(first slot, first logical id, count)`` of each run of slots holding consecutive logical experts."""
+    runs: list[list[int]] = []
+    for slot, logical in enumerate(ids):
+        if runs and runs[-1][1] + runs[-1][2] == logical:
+            runs[-1][2] += 1
+        else:
+            runs.append([slot, logical, 1])
+    return [(s, l, n) for s, l, n in runs]
+
+
+def plan_reads(entries: Mapping[str, TensorEntry], n_logical: int, ids: Sequence[int],
+               keys: Sequence[str]) -> list[Read]:
+    """The reads that fill ``keys``' destinations (``len(ids)`` slots) from a store file's ``entries``."""
+    reads = []
+    runs = slot_runs(ids)
+    for key in keys:
+        entry = entries[key]
+        if key not in formats.PER_SLOT_KEYS:
+            reads.append(Read(key, entry.begin, 0, entry.nbytes))
+            continue
+        block = entry.nbytes // n_logical
+        reads += [Read(key, entry.begin + logical * block, slot * block, count * block) for slot, logical, count in runs]
+    return reads
+
+
+def rank_read_plan(manifest: Manifest, layer: MoELayer, ids: Sequence[int], keys: Sequence[str] | None = None,
+                   ) -> list[Read]:
+    """:func:`plan_reads` from the manifest's dims alone (``inspect`` / ``plan``: no file opened).
+    ``keys=None``: every tensor a rank takes (all but ``logical_ids``)."""
+    n = manifest.dims.experts_of(layer)
+    ordered = rank_shard_specs(layer, n, manifest.dims)
+    specs = formats.spec_keys(ordered, layer.prefix)
+    offsets, at = {}, len(encode_header(ordered, store_metadata(layer, manifest.dims)))  # the writer's own header
+    for key, spec in specs.items():
+        offsets[key] = TensorEntry(spec.name, Path(store_file(layer)), spec.dtype, spec.shape, at, at + spec.nbytes)
+        at += spec.nbytes
+    return plan_reads(offsets, n, ids, [k for k in specs if k != "logical_ids"] if keys is None else keys)
+
+
+# --------------------------------------------------------------------------------------
+# Checks before any byte is read
+# --------------------------------------------------------------------------------------
+
+def check_store_file(path: Path, manifest: Manifest, layer: MoELayer) -> dict[str, TensorEntry]:
+    """The store file must hold exactly the layer's logical experts in the manifest's dims."""
+    try:
+        header = read_header(path)
+    except SafetensorsError as e:
+        raise LoadError(one_line(str(e))) from None
+    n = manifest.dims.experts_of(layer)
+    entries = {}
+    for key, spec in formats.spec_keys(rank_shard_specs(layer, n, manifest.dims), layer.prefix).items():
+        entry = header.tensors.get(spec.name)
+        if entry is None:
+            raise LoadError(f"{path}: missing tensor {spec.name}")
+        if entry.dtype != spec.dtype or entry.shape != spec.shape:
+            raise LoadError(f"{path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected {spec.dtype}"
+                            f"{list(spec.shape)} ({n} logical experts, {manifest.dims.weight_format})")
+        entries[key] = entry
+    meta = header.metadata
+    if meta.get("store") != "logical-experts" or meta.get("layout_version") != str(manifest.layout_version) \
+            or meta.get("layer") != layer.key:
+        raise LoadError(f"{path}: metadata (store={meta.get('store')}, layer={meta.get('layer')}, layout_version="
+                        f"{meta.get('layout_version')}) is not the store file of {layer.key}, layout_version "
+                        f"{manifest.layout_version}")
+    return entries
+
+
+def slot_specs(manifest: Manifest, layer: MoELayer, slots: int) -> dict[str, TensorSpec]:
+    """What a rank of ``slots`` local experts takes of ``layer`` (all but ``logical_ids``), by key."""
+    specs = formats.spec_keys(rank_shard_specs(layer, slots, manifest.dims), layer.prefix)
+    return {key: spec for key, spec in specs.items() if key != "logical_ids"}
+
+
+def check_ids(where: str, ids: Sequence[int], n_logical: int) -> tuple[int, ...]:
+    ids = tuple(ids)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_logical for i in ids):
+        raise LoadError(f"{where}: slots must hold logical experts 0..{n_logical - 1} (the store's), got "
+                        f"{list(ids)[:16]}")
+    return ids
+
+
+# --------------------------------------------------------------------------------------
+# Filling
+# --------------------------------------------------------------------------------------
+
+def check_pulled(out: Path, reads: Mapping[str, Sequence[Read]]) -> None:
+    """A store pulled by ranges (``pull --ep-size``) holds only them: every read must lie inside one."""
+    path = out / STATE_DIR / RANGES_NAME
+    if not path.exists():
+        return
+    record = jsonio.read(path, LoadError, "ranged pull record")
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict):
+        raise LoadError(f"{path}: not a ranged pull record (expected {{\"files\": {{path: [[offset, nbytes], ...]}}}})")
+    for rel, file_reads in reads.items():
+        have = files.get(rel) or []
+        for read in file_reads:
+            if not any(start <= read.file_offset and read.file_offset + read.nbytes <= start + n for start, n in have):
+                raise LoadError(f"{out / rel}: bytes {read.file_offset}..{read.file_offset + read.nbytes} ({read.key}) "
+                                f"were not pulled (see {path}): pull these ranks with `megamoe pull --ep-size`")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).reshape(-1)
+
+
+def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
+    """Every read into CUDA destinations (one device) through the process's pinned ring."""
+    device = next(iter(jobs[0][2].values())).device
+    ring = loader.shared_ring()
+    pieces = []
+    for fd, reads, dests in jobs:
+        for read in reads:
+            flat = _flat(dests[read.key])
+            if loader.WILLNEED:
+                os.posix_fadvise(fd, read.file_offset, read.nbytes, os.POSIX_FADV_WILLNEED)
+            for start in range(0, read.nbytes, ring.nbytes):
+                n = min(ring.nbytes, read.nbytes - start)
+                pieces.append(loader._Piece(fd, read.file_offset + start,
+                                            flat[read.dest_offset + start:read.dest_offset + start + n]))
+    stream = torch.cuda.Stream(device=device)
+    readers = loader.shared_readers()
+    with loader._RING_LOCK:
+        loader.copy_pieces_to_device(pieces, ring, stream, readers)
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]], dests: dict[MoELayer, Destinations]) -> None:
+    fds: dict[MoELayer, int] = {}
+    try:
+        cuda: dict[torch.device, list[tuple[int, list[Read], Destinations]]] = {}
+        for layer, layer_reads in reads.items():
+            fd = fds[layer] = os.open(path_of[layer], os.O_RDONLY)
+            on_cpu = [r for r in layer_reads if dests[layer][r.key].device.type != "cuda"]
+            for read in on_cpu:
+                read_into(fd, read.file_offset, _flat(dests[layer][read.key])[read.dest_offset:read.dest_offset + read.nbytes],
+                          path_of[layer])
+            for read in layer_reads:
+                if dests[layer][read.key].device.type == "cuda":
+                    cuda.setdefault(dests[layer][read.key].device, []).append((fd, [read], dests[layer]))
+        for jobs in cuda.values():
+            _fill_cuda(jobs)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]], *, starts: Mapping[MoELayer, int]
+               | None = None, device: str | torch.device = "cpu", into: Mapping[MoELayer, Destinations] | None = None,
+               verify: bool = False) -> dict[str, ExpertLayer]:
+    """Fill each layer's destinations for local slots holding logical experts ``slots[layer]`` from a store.
+
+    ``into``: caller-owned tensors (an engine's), in the rank-file form (scales' storage), of
+    ``len(slots[layer])`` experts; without it, new tensors on ``device``. ``starts``: each layer's
+    first physical slot, for the result. Returns ``{prefix: ExpertLayer}`` like :func:`loader.load_rank`.
+    """
+    out, manifest = converted.path, converted.manifest
+    if not manifest.store:
+        raise LoadError(f"{out} is a per-rank conversion (ep_size={manifest.ep_size}), not a store; load it with "
+                        "load_rank, or convert without --ep-size")
+    known = {l.key: l for l in manifest.layers}
+    records = {}
+    for layer in slots:
+        if layer.key not in known:
+            raise LoadError(f"layer {layer.key} is not in {out} (layers: {', '.join(known)})")
+        records[layer] = manifest.file(manifest.expert_file(layer))
+    checks = [(out / r.path, r) for r in records.values()]
+    for (path, _), problem in zip(checks, file_problems(checks, "manifest.json", verify)):
+        if problem:
+            raise LoadError(f"{path}: {problem}")
+    ids = {layer: check_ids(f"{out}: {layer.key}", s, manifest.dims.experts_of(layer)) for layer, s in slots.items()}
+    entries = {layer: check_store_file(out / records[layer].path, manifest, layer) for layer in slots}
+    dests: dict[MoELayer, Destinations] = {}
+    for layer in slots:
+        specs = slot_specs(manifest, layer, len(ids[layer]))
+        if into is not None:
+            dests[layer] = dict(into[layer])
+            loader.check_destinations(layer.prefix, dests[layer], specs)  # type: ignore[arg-type]
+        else:
+            dests[layer] = {key: torch.empty(spec.shape, dtype=formats.torch_dtype(spec.dtype), device=device)
+                            for key, spec in specs.items()}
+    reads = {layer: plan_reads(entries[layer], manifest.dims.experts_of(layer), ids[layer], list(dests[layer]))
+             for layer in slots}
+    check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()})
+    _fill({layer: out / records[layer].path for layer in slots}, reads, dests)
+    return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer]), ids[layer],
+                                      (starts or {}).get(layer, 0)) for layer in slots}
+
+
+# --------------------------------------------------------------------------------------
+# What a rank reads (inspect / plan, hub pulls): from the manifest alone
+# --------------------------------------------------------------------------------------
+
+def merged_ranges(reads: Sequence[Read]) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` of the file ranges ``reads`` cover, sorted, touching/overlapping ones merged
+    (a redundant slot's block is one range however many slots re-read it)."""
+    ranges: list[list[int]] = []
+    for start, end in sorted((r.file_offset, r.file_offset + r.nbytes) for r in reads):
+        if ranges and start <= ranges[-1][1]:
+            ranges[-1][1] = max(ranges[-1][1], end)
+        else:
+            ranges.append([start, end])
+    return [(start, end - start) for start, end in ranges]
+
+
+def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], rank: int) -> dict[str, object]:
+    """What ``rank`` reads of a store under ``placements`` (each layer's): bytes read (redundant slots
+    re-read their expert's block), reads issued, and the distinct file ranges per store file."""
+    read_bytes, count, files = 0, 0, {}
+    for layer, placement in placements.items():
+        reads = rank_read_plan(manifest, layer, placement.rank_logical_ids(rank))
+        read_bytes += sum(r.nbytes for r in reads)
+        count += len(reads)
+        files[store_file(layer)] = merged_ranges(reads)
+    return {"rank": rank, "read_bytes": read_bytes, "reads": count,
+            "range_bytes": sum(n for ranges in files.values() for _, n in ranges),
+            "ranges": sum(len(r) for r in files.values()), "files": files}
