@@ -7,6 +7,7 @@
 #   benchmarks/device_startup.sh setup     # unpack, install, CUDA tests, a tiny smoke run
 #   benchmarks/device_startup.sh job       # the measured runs (about 15 min), results in /tmp/startup-results
 #   benchmarks/device_startup.sh wait DEST # wait for the job, copy its results to DEST
+#   benchmarks/device_startup.sh daemon    # vLLM 0.33's weight-cache daemon (bench_daemon.py), warm and cold
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=/tmp/startup-results
@@ -48,13 +49,24 @@ job() {
     touch "$RESULTS/done"
 }
 
+daemon() {
+    # A daemon's cold start (pre-baked vs source), an ipc_cache engine restart, install(): 4 MoE layers, rank 0 of EP 8.
+    for cache in warm cold; do
+        flag=$([ $cache = cold ] && echo --cold)
+        PYTHONPATH=/tmp/v33:/tmp/site python3 benchmarks/bench_daemon.py --work /tmp/daemon $flag \
+            --save "$RESULTS/daemon-h100-$cache.json" > "$RESULTS/daemon-$cache.log" 2>&1
+        tail -n 30 "$RESULTS/daemon-$cache.log"
+    done
+}
+
 case "${1:-}" in
     setup) setup ;;
+    daemon) daemon ;;
     job) setsid nohup bash "$0" job-fg > "$RESULTS/job.log" 2>&1 < /dev/null & ;;
     job-fg) job ;;
     wait)
         for _ in $(seq 1 ${WAIT_S:-560}); do [ -e "$RESULTS/done" ] && break; sleep 1; done
         tar czf "$2/startup-results.tgz" -C "$RESULTS" .
         tail -n 40 "$RESULTS"/*.log ;;
-    *) echo "usage: $0 setup|job|wait DEST" >&2; exit 2 ;;
+    *) echo "usage: $0 setup|job|daemon|wait DEST" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import report_daemon
 import report_startup
 
 REPO = Path(__file__).resolve().parent.parent
@@ -379,6 +380,7 @@ Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmark
 `make bench` runs the quick convert benchmark.
 
 {report_startup.section(startup_png.name)}
+{report_daemon.section()}
 {convert_section(after, before, quick, quick_before)}
 {profile_section()}
 {verify_section(load("verify.json"))}
