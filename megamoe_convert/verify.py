@@ -7,7 +7,7 @@ Four levels, each optional beyond the first:
    rank shard's tensors (names, dtypes, shapes), and the logical experts each shard says it
    holds against the manifest's placement;
 2. ``source``: every (or a random sample of) expert slot re-derived from the source
-   checkpoint and compared byte for byte; non-expert tensors compared too;
+   checkpoint and compared byte for byte; non-expert tensors and small files (config.json marked) too;
 3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
    the format's dequantisation, ``formats.dequantize``) equals the one computed from the
    source's ``w1/w2/w3``, for every weight format; so does the pre-baked fused shared expert;
@@ -18,6 +18,7 @@ Problems are collected, not raised: a report lists everything that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import time
@@ -31,6 +32,7 @@ from megamoe_convert import layout
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
 from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output import marker
 from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
@@ -118,6 +120,18 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
         in_rank_dir = "/" in rel and rel.startswith(("rank-", "experts/"))
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
+
+
+def check_marker(out: Path, report: VerifyReport) -> None:
+    """``config.json`` carries the serving marker (``output/marker.py``; a missing file: ``check_files``)."""
+    with contextlib.suppress(FileNotFoundError):
+        problem = marker.problem((out / "config.json").read_bytes())
+        report.problem("config.json", problem) if problem else report.count("marker")
+
+
+def compare_small_files(out: Path, ckpt: Checkpoint, report: VerifyReport) -> None:
+    for name, problem in marker.small_file_problems(out, ckpt.small_files()):
+        report.problem(name, problem) if problem else report.count("small files vs source")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
@@ -484,6 +498,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     chosen = [r for r in chosen if r in manifest.ranks]
     check_files(out, manifest, report, chosen, progress)
     check_unlisted_files(out, manifest, report)
+    check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if source is not None:
         ckpt = Checkpoint.open(source)
@@ -492,6 +507,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
             start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
+            compare_small_files(out, ckpt, report)
             with FileCache() as files:
                 compare_experts(out, manifest, ckpt, files, report, slots, progress)
                 if not manifest.experts_only:

@@ -98,6 +98,9 @@ class Unit:
     kind: str  # "small" | "non_expert" | "experts"
     layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
     rank: int | None = None
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
+    #: other bytes (an older conversion's unmarked config) is redone.
+    content: bytes | None = None
 
 
 @dataclass
