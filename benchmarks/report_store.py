@@ -43,7 +43,7 @@ def section() -> str:
     disk = {k: v for f in files for k, v in json.loads(f.read_text()).get("on_disk", {}).items()}
     sizes = "".join(f"\n- EP {ep}: the store holds {d['store_expert_bytes'] / 1e9:.2f} GB of experts, every rank "
                     f"of the per-rank form {d['per_rank_expert_bytes_all_ranks'] / 1e9:.2f} GB." for ep, d in disk.items())
-    return head + f"""
+    return head + """
 Measured on the lent H100 (Flash dims, 2 MoE layers, first call in a fresh process; warm: median of 3,
 cold: page cache dropped, 2 runs; `benchmarks/results/store-h100/`):
 
