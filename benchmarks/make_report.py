@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import report_daemon
+import report_store
 import report_startup
 
 REPO = Path(__file__).resolve().parent.parent
@@ -385,6 +386,7 @@ Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmark
 
 {report_startup.section(startup_png.name)}
 {report_daemon.section()}
+{report_store.section()}
 {convert_section(after, before, quick, quick_before)}
 {profile_section()}
 {verify_section(load("verify.json"))}

@@ -7,7 +7,7 @@ Four levels, each optional beyond the first:
    rank shard's tensors (names, dtypes, shapes), and the logical experts each shard says it
    holds against the manifest's placement;
 2. ``source``: every (or a random sample of) expert slot re-derived from the source
-   checkpoint and compared byte for byte; non-expert tensors compared too;
+   checkpoint and compared byte for byte; non-expert tensors and small files (config.json marked) too;
 3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
    the format's dequantisation, ``formats.dequantize``) equals the one computed from the
    source's ``w1/w2/w3``, for every weight format; so does the pre-baked fused shared expert;
@@ -18,6 +18,7 @@ Problems are collected, not raised: a report lists everything that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import time
@@ -31,8 +32,9 @@ from megamoe_convert import layout
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
 from megamoe_convert.layout import KernelWeights
-from megamoe_convert.output.manifest import (MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, VerifyUsageError,
-                                             is_source_checkpoint, read_manifest)
+from megamoe_convert.output import marker
+from megamoe_convert.output.manifest import (MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest,
+                                             refuse_source_checkpoint)
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Phases, Progress
@@ -62,10 +64,8 @@ class VerifyReport:
     numerics: dict[str, Any] | None = None
     bytes_hashed: int = 0
     seconds: float = 0.0
-    #: Each phase run (``hash``, ``compare_source``, ``numerics``, ``deep_gemm``): unit, count, bytes, seconds.
-    phases: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: What the manifest says the conversion holds (:func:`manifest.Manifest.coverage`).
-    coverage: dict[str, Any] | None = None
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # each phase: unit, count, bytes, seconds
+    coverage: dict[str, Any] | None = None  # what the conversion holds (Manifest.coverage)
 
     @property
     def ok(self) -> bool:
@@ -77,13 +77,10 @@ class VerifyReport:
     def problem(self, where: str, what: str) -> None:
         self.problems.append(Problem(where, what))
 
-    @property
-    def servable(self) -> bool:
-        return self.ok and bool(self.coverage and self.coverage["servable"])
-
     def to_json(self) -> dict[str, Any]:
         hashing = self.phases.get("hash", {}).get("seconds", 0.0)
-        return {"out": str(Path(self.out).resolve()), "ok": self.ok, "servable": self.servable,
+        return {"out": str(Path(self.out).resolve()), "ok": self.ok,
+                "servable": self.ok and bool(self.coverage and self.coverage["servable"]),
                 "partial": bool(self.coverage and self.coverage["partial"]), "coverage": self.coverage,
                 "problems": [str(p) for p in self.problems],
                 "checks": {k.replace(" ", "_").replace("-", "_"): v for k, v in self.checks.items()},
@@ -131,6 +128,18 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
         in_rank_dir = "/" in rel and rel.startswith(("rank-", "experts/"))
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
+
+
+def check_marker(out: Path, report: VerifyReport) -> None:
+    """``config.json`` carries the serving marker (``output/marker.py``; a missing file: ``check_files``)."""
+    with contextlib.suppress(FileNotFoundError):
+        problem = marker.problem((out / "config.json").read_bytes())
+        report.problem("config.json", problem) if problem else report.count("marker")
+
+
+def compare_small_files(out: Path, ckpt: Checkpoint, report: VerifyReport) -> None:
+    for name, problem in marker.small_file_problems(out, ckpt.small_files()):
+        report.problem(name, problem) if problem else report.count("small files vs source")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
@@ -445,15 +454,6 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
-def source_phase_bytes(manifest: Manifest, ckpt: Checkpoint, slots: dict[tuple[int, MoELayer], list[int]]) -> tuple[int, int]:
-    """Bytes and steps of the comparison with the source: every (rank, layer) compared, every non-expert tensor."""
-    per_expert = manifest.dims.bytes_per_expert()
-    steps = [len(local) * per_expert for local in slots.values()]
-    if not manifest.experts_only:
-        steps += [e.nbytes for e in ckpt.non_expert_tensors()]
-    return sum(steps), len(steps)
-
-
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
            progress: Progress | None = None) -> VerifyReport:
@@ -476,10 +476,7 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     phases = Phases(progress or NoProgress(), report.phases)
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
-    if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
-        raise VerifyUsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what "
-                               f"`megamoe convert` wrote (megamoe verify OUT --source {out}); "
-                               f"`megamoe inspect {out}` shows what a checkpoint holds")
+    refuse_source_checkpoint(out)
     ckpt = Checkpoint.open(source) if source is not None else None  # a bad --source fails before any hashing
     try:
         manifest = read_manifest(out)
@@ -495,15 +492,18 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     report.coverage = manifest.coverage()
     check_files(out, manifest, report, chosen, phases)
     check_unlisted_files(out, manifest, report)
+    check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:
         if ckpt.dims != manifest.dims:
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
+            compare_small_files(out, ckpt, report)
             with FileCache() as files:
-                phases.start(*source_phase_bytes(manifest, ckpt, slots), description="verify: compare source",
-                             unit="steps")
+                steps = [len(local) * manifest.dims.bytes_per_expert() for local in slots.values()]
+                steps += [] if manifest.experts_only else [e.nbytes for e in ckpt.non_expert_tensors()]
+                phases.start(sum(steps), len(steps), description="verify: compare source", unit="steps")
                 compare_experts(out, manifest, ckpt, files, report, slots, phases)
                 if not manifest.experts_only:
                     compare_non_expert(out, ckpt, files, report, phases)

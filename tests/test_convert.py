@@ -22,6 +22,7 @@ from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert as convert_library
+from megamoe_convert.output import marker
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.placement import Placement
 from megamoe_convert.source.safetensors_io import read_header
@@ -134,8 +135,10 @@ def test_non_expert_tensors_and_small_files_are_copied_byte_identical(tiny_ckpt,
                 got = f.get_tensor(name)
                 assert got.dtype == src[name].dtype and got.shape == src[name].shape
                 assert torch.equal(got.view(torch.uint8), src[name].view(torch.uint8))
-    for small in ("config.json", "tokenizer_config.json"):
-        assert (tiny_converted / small).read_bytes() == (tiny_ckpt / small).read_bytes()
+    assert (tiny_converted / "tokenizer_config.json").read_bytes() == (tiny_ckpt / "tokenizer_config.json").read_bytes()
+    # config.json: the source's with the serving marker, nothing else changed (test_marker.py)
+    assert marker.original(json.loads((tiny_converted / "config.json").read_bytes())) == \
+        json.loads((tiny_ckpt / "config.json").read_bytes())
 
 
 # ----------------------------------------------------------------------------- options

@@ -14,11 +14,11 @@ import torch
 
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import Plan, Unit
-from megamoe_convert.output import rank_extras
+from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.manifest import rank_file, rank_shard_metadata, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.state import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
-from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, TensorSpec, encode_header, read_into,
                                                    readv_into)
@@ -294,7 +294,21 @@ def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
 
 
 def small_file_units(plan: Plan) -> list[Unit]:
+    """Small files copied verbatim, but ``config.json``: the source's with a marker architecture
+    (``output/marker.py``), so that no engine without megamoe-convert serves the missing experts."""
     def unit(src: Path) -> Unit:
+        if src.name == CONFIG_NAME:
+            try:
+                marked = marker.mark(src.read_bytes(), str(src))
+            except marker.MarkerError as e:
+                raise CheckpointError(str(e)) from None
+
+            def write_marked() -> FileRecord:
+                with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:
+                    w.write(marked)
+                    return w.commit()
+            return Unit(src.name, len(marked), write_marked, "small", content=marked, file_size=len(marked))
+
         def run() -> FileRecord:
             with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
                 while block := f.read(COPY_CHUNK_BYTES):

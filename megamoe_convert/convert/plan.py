@@ -169,6 +169,9 @@ class Unit:
     rank: int | None = None
     #: The exact size of the file written (header included), from the specs the writer is given.
     file_size: int = 0
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
+    #: other bytes (an older conversion's unmarked config) is redone.
+    content: bytes | None = None
 
 
 @dataclass

@@ -149,7 +149,8 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     todo: list[Unit] = []
     progress.start(sum(u.nbytes for u in plan.units), len(plan.units))
     for unit in plan.units:
-        if is_done(out, journal.get(unit.path)):
+        if is_done(out, journal.get(unit.path)) and (unit.content is None
+                                                     or (out / unit.path).read_bytes() == unit.content):
             records[unit.path] = journal[unit.path]
             progress.advance(unit.nbytes, unit.path, skipped=True)
         else:

@@ -419,3 +419,11 @@ def is_source_checkpoint(path: Path) -> bool:
         return False  # an unfinished conversion: reported as one
     return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
                                                   or any(path.glob("*.safetensors")))
+
+
+def refuse_source_checkpoint(out: Path) -> None:
+    """``verify`` pointed at a source checkpoint (no manifest, a model's config and weights): a usage error."""
+    if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
+        raise VerifyUsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what "
+                               f"`megamoe convert` wrote (megamoe verify OUT --source {out}); "
+                               f"`megamoe inspect {out}` shows what a checkpoint holds")
