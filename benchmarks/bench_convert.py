@@ -25,6 +25,7 @@ imports torch), and ``sizes``: every size's numbers. ``--save FILE`` also writes
 (``benchmarks/make_report.py`` reads ``benchmarks/results/*.json``).
 
     python benchmarks/bench_convert.py --quick                # one ~1.3 GB checkpoint, < 1 min on 2 cores
+    python benchmarks/bench_convert.py --smoke                # the tiny preset: seconds (CI runs it)
     python benchmarks/bench_convert.py --layers 1,2,4,8       # the size sweep of docs/benchmarks.md
 """
 
@@ -103,12 +104,12 @@ def ensure_checkpoint(path: Path, config: dict) -> float:
 
 def expert_ranges(src: Path) -> list[tuple[str, list[tuple[int, int]]]]:
     """Per source file, the byte ranges of its routed-expert tensors, adjacent ones merged."""
-    from megamoe_convert.source.checkpoint import UNDER_EXPERTS, Checkpoint
+    from megamoe_convert.source.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(src)
     by_file: dict[str, list[tuple[int, int]]] = {}
     for name, entry in ckpt.tensors.items():
-        if UNDER_EXPERTS.match(name):
+        if ckpt.names.under_experts(name):
             by_file.setdefault(str(entry.path), []).append((entry.begin, entry.end))
     result = []
     for path, ranges in sorted(by_file.items()):
@@ -253,6 +254,7 @@ def child_main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one ~1.3 GB Flash-dims checkpoint, 3 repeats (< 1 min)")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset, one run of each arm: seconds (CI runs it)")
     p.add_argument("--preset", default="flash", help="expert dims: flash | pro | tiny | a config JSON")
     p.add_argument("--layers", default="2", help="decoder layers of each size, comma-separated (e.g. 1,2,4,8)")
     p.add_argument("--experts", type=int, default=32, help="routed experts per layer")
@@ -274,6 +276,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.quick:
         args.layers, args.repeats = "2", min(args.repeats, 3)
+    if args.smoke:
+        args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", "1", 8, 2, 1
+        args.modes = ["nofsync"]
     return args
 
 

@@ -177,6 +177,11 @@ def role_engine(args: argparse.Namespace) -> None:
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
+    # The entry point's own call, for a checkout run without `pip install` (no entry points there):
+    # an engine with megamoe-convert installed runs it through load_general_plugins above.
+    from megamoe_convert.vllm_integration import register
+
+    register()
     importlib.import_module(f"{WC}.ipc_loader")
     imported = time.perf_counter()
     if device().type == "cuda":

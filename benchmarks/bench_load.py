@@ -29,7 +29,8 @@ Correctness is checked once per size: ``load_rank``'s tensors equal the baseline
 (values, shapes, strides). The last line printed is JSON (``--save FILE`` writes it too).
 
     PYTHONPATH=. python3 benchmarks/bench_load.py                 # on a GPU machine
-    PYTHONPATH=. python3 benchmarks/bench_load.py --device cpu --quick   # smoke test, no GPU
+    PYTHONPATH=. python3 benchmarks/bench_load.py --device cpu --quick   # a small run, no GPU
+    PYTHONPATH=. python3 benchmarks/bench_load.py --smoke --workdir /tmp/x   # seconds, no GPU (CI runs it)
 """
 
 from __future__ import annotations
@@ -398,6 +399,7 @@ def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> li
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="one small size, fewer repeats")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset on the CPU, one repeat: seconds (CI runs it)")
     p.add_argument("--preset", default="flash")
     p.add_argument("--layers", default="1,2,4", help="MoE layers of each size (decoder layers; no MTP)")
     p.add_argument("--experts", type=int, default=256, help="routed experts per layer (Flash: 256)")
@@ -415,6 +417,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.layers, args.experts, args.repeats = "1", min(args.experts, 64), min(args.repeats, 2)
+    if args.smoke:
+        args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", "1", 8, 2, 1
+        args.cold_repeats, args.device = 0, "cpu"
     return args
 
 

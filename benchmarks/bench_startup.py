@@ -25,6 +25,7 @@ Node: one child per GPU, all started at once (``--node``), wall time from the fi
 last end. The same run measures the limits: a parallel read of the rank's files from disk, the
 page cache -> pinned memory copy, and a pinned host -> device copy.
 
+    PYTHONPATH=.:tests/engines python3 benchmarks/bench_startup.py --smoke --work /tmp/x --vllm 0.33=PATH  # seconds
     PYTHONPATH=.:tests/engines python3 benchmarks/bench_startup.py --work /tmp/startup \\
         --vllm 0.33=/path/to/vllm-0.33 --vllm 0.32=/path/to/vllm-0.32 --save results.json
 """
@@ -299,8 +300,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--node", type=int, default=0, help="also run ranks 0..N-1 at once, one per GPU")
     p.add_argument("--vllm", action="append", default=[], help="VERSION=PATH of a vLLM tree (0.33, 0.32)")
     p.add_argument("--save")
+    p.add_argument("--smoke", action="store_true", help="the tiny preset, warm, ours and vLLM 0.33's own path "
+                                                       "only: seconds on the CPU (CI runs it in vLLM 0.33's env)")
     args = p.parse_args(argv)
     args.vllm = dict(v.split("=", 1) for v in args.vllm)
+    if args.smoke:
+        args.preset, args.layers, args.experts, args.ep_size, args.node = "tiny", 1, 8, 2, 0
+        args.caches, args.methods, args.redundant = "warm", "ours,vllm033_all", 0
     args.src = args.src or args.work / "src"
     args.out = args.out or args.work / f"ep{args.ep_size}"
     return args

@@ -17,6 +17,7 @@ The last line is JSON: ``read_s``, ``verify_s``, ``ratio_verify_vs_read``, ``sha
 ``--save FILE`` writes it too (read by ``benchmarks/make_report.py``).
 
     python benchmarks/bench_verify.py [--save benchmarks/results/verify.json]
+    python benchmarks/bench_verify.py --smoke --workdir /tmp/x    # seconds (CI runs it)
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def rank_files(out: Path, rank: int) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="the tiny preset, one repeat: seconds (CI runs it)")
+    p.add_argument("--preset", default="flash")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--ep-size", type=int, default=2)
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "megamoe-bench-convert"))
     p.add_argument("--save")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", 1, 8, 2, 1
 
     from megamoe_convert.output import writer
     from megamoe_convert.serve.loader import load_rank
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     work = Path(args.workdir)
     src, out = work / f"src-L{args.layers}", work / "verify-out"
-    ensure_checkpoint(src, bench_config("flash", args.layers, args.experts, 0, 1280))
+    src = work / f"src-{args.preset}-L{args.layers}"
+    ensure_checkpoint(src, bench_config(args.preset, args.layers, args.experts, 0, 1280))
     shutil.rmtree(out, ignore_errors=True)
     run_convert(src, out, args.ep_size, 2, False)
     files = rank_files(out, args.rank)

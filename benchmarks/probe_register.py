@@ -8,6 +8,7 @@ converted rank: the ring path (load_rank), whole-file registration, and chunked 
 on T threads overlapped with the copies, warm and cold.
 
     PYTHONPATH=. python3 benchmarks/probe_register.py
+    PYTHONPATH=. python3 benchmarks/probe_register.py --smoke --workdir /tmp/x   # tiny; set-up only without a GPU
 """
 
 from __future__ import annotations
@@ -88,19 +89,33 @@ def chunked(files: list[Path], dests: list[torch.Tensor], stream: torch.cuda.Str
     return {"s": t_end - t0, "unregister_s": t_end - t_copy}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
     from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.convert.run import convert
     from megamoe_convert.serve.loader import load_rank
 
-    work = Path("/tmp/probe")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="/tmp/probe")
+    p.add_argument("--smoke", action="store_true", help="a tiny rank; without a GPU, only the set-up runs "
+                                                       "(the probe itself is cudaHostRegister): seconds")
+    args = p.parse_args(argv)
+    work = Path(args.workdir)
     src = work / "src"
-    synth_checkpoint(str(src), bench_config("flash", 4, 256, 0, 1280))
+    ep = 2 if args.smoke else 8
+    synth_checkpoint(str(src), bench_config("tiny", 1, 8, 0, 1280) if args.smoke else bench_config("flash", 4, 256, 0, 1280))
     out = work / "out"
     if not (out / "manifest.json").exists():
-        convert(src, out, ConvertOptions(ep_size=8, ranks="0", experts_only=True, fsync=False, workers=8))
+        convert(src, out, ConvertOptions(ep_size=ep, ranks="0", experts_only=True, fsync=False, workers=8))
     files = rank_files(out, 0)
     nbytes = sum(p.stat().st_size for p in files)
+    if not torch.cuda.is_available():
+        if not args.smoke:
+            raise SystemExit("probe_register: needs a CUDA GPU (cudaHostRegister); --smoke runs the set-up only")
+        print(f"smoke: {len(files)} files, {nbytes} bytes of rank 0 ready; no CUDA GPU, so the registration probe "
+              "itself did not run", flush=True)
+        return
     device = torch.device("cuda", 0)
     stream = torch.cuda.Stream(device)
     dests = [torch.empty(p.stat().st_size, dtype=torch.uint8, device=device) for p in files]

@@ -7,20 +7,40 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
+
+#: Width of a console that is not a terminal (a pipe, a CI log): wide enough that rich never
+#: breaks a line; the reader's own viewer wraps.
+PIPE_WIDTH = 1 << 14
+
+
+def make_console(stderr: bool) -> Console:
+    """A terminal gets rich's usual console; a pipe or file gets lines that are never soft-wrapped."""
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH, soft_wrap=True)
+
 
 #: Status and progress go to stderr so that ``--json`` output on stdout stays clean.
-err_console = Console(stderr=True)
-out_console = Console()
+err_console = make_console(stderr=True)
+out_console = make_console(stderr=False)
+
+_quiet = {"on": False}
+
+
+def set_quiet(on: bool) -> None:
+    """``-q/--quiet``: no progress and no status lines (errors and ``--json`` output still appear)."""
+    _quiet["on"] = on
+
+
+def is_quiet() -> bool:
+    return _quiet["on"]
+
+
+def status(text: str) -> None:
+    """A status line on stderr (``done: ...``), unless ``--quiet``."""
+    if not is_quiet():
+        err_console.print(text)
 
 
 def is_interactive() -> bool:
@@ -28,65 +48,116 @@ def is_interactive() -> bool:
 
 
 class ByteProgress:
-    """Bytes + files progress: rich bars on a terminal, a line every few seconds otherwise.
+    """Per-phase progress: rich bars on a terminal, a line every few seconds otherwise.
 
-    Implements the ``start``/``advance`` protocol the long-running jobs report to: one bar in bytes
-    (speed and ETA come from bytes, the honest measure when files differ in size) with a
-    ``done/total files`` column beside it.
+    Implements the ``start``/``advance`` protocol the long-running jobs report to. Each phase
+    (``start``) has its own unit: a phase that moves bytes (``in_bytes=True``: copying, hashing)
+    gets one bar in bytes (speed and ETA come from bytes, the honest measure when files differ
+    in size) with a ``done/total files`` column beside it; a compute-bound phase (``in_bytes=False``:
+    numerics) counts its own steps, with its own speed and ETA. Files found already done
+    (``skipped``) leave the phase's totals, so speed and ETA count only the work done now. A
+    phase's end prints one line with its count, bytes and time, kept in :attr:`phases`.
     """
 
     def __init__(self, description: str, quiet: bool = False, plain_interval_s: float = 5.0) -> None:
-        self.description = description
-        self.quiet = quiet
+        self.description = self.name = description
+        self.quiet = quiet or is_quiet()
         self.plain_interval_s = plain_interval_s
         self._rich: Progress | None = None
         self._task: Any = None
         self.total_bytes = self.total_files = self.done_bytes = self.done_files = self.skipped = 0
-        self.unit = "files"
-        self._last_line = 0.0
+        self.unit, self.in_bytes = "files", True
+        self._last_line = self._started = 0.0
+        self._open = False
+        #: Every finished phase: description, unit, count, bytes and seconds.
+        self.phases: list[dict[str, Any]] = []
 
     def __enter__(self) -> "ByteProgress":
-        if not self.quiet and is_interactive():
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-                                  DownloadColumn(), TransferSpeedColumn(), TextColumn("{task.fields[files]}"),
-                                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
-            self._rich.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._rich is not None:
-            self._rich.__exit__(*exc)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.finish()
+        self._stop_bar()
 
-    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files") -> None:
+    def _stop_bar(self) -> None:
+        if self._rich is not None:
+            self._rich.__exit__(None, None, None)
+            self._rich = None
+
+    def start(self, total_bytes: int, total_files: int, description: str | None = None, unit: str = "files",
+              in_bytes: bool = True) -> None:
         """Begin a phase (a job with several phases calls this again, with a new ``description``
         and ``unit``: a new bar on a terminal, a new start line otherwise)."""
-        self.description = description or self.description
-        self.unit = unit
+        self.finish()
+        self.description = self.name = description or self.name
+        self.unit, self.in_bytes = unit, in_bytes
         self.total_bytes, self.total_files = total_bytes, total_files
         self.done_bytes = self.done_files = self.skipped = 0
-        self._last_line = 0.0
-        if self._rich is not None:
-            self._task = self._rich.add_task(self.description, total=total_bytes, files=self._files_text())
-        elif not self.quiet:
-            print(f"{self.description}: {total_files} {unit}, {total_bytes / 1e9:.3f} GB", file=sys.stderr, flush=True)
+        self._last_line, self._started, self._open = 0.0, time.perf_counter(), True
+        if self.quiet:
+            return
+        if is_interactive():
+            amount = ((DownloadColumn(), TransferSpeedColumn(), TextColumn("{task.fields[files]}")) if in_bytes else
+                      (MofNCompleteColumn(), TextColumn(unit)))
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), *amount,
+                                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
+            self._rich.__enter__()
+            self._task = self._rich.add_task(self.name, total=total_bytes if in_bytes else total_files,
+                                             files=self._files_text())
+        else:
+            size = f", {total_bytes / 1e9:.3f} GB" if in_bytes else ""
+            print(f"{self.name}: {total_files} {unit}{size}", file=sys.stderr, flush=True)
 
     def advance(self, nbytes: int, path: str, skipped: bool, files: int = 1) -> None:
         """``nbytes`` more done; ``files`` (default one) more finished. Writers that report
-        inside a file pass ``files=0`` for the chunks and ``advance(0, path, False)`` at its end."""
+        inside a file pass ``files=0`` for the chunks and ``advance(0, path, False)`` at its end.
+        A ``skipped`` file (already done) leaves the totals instead."""
+        if skipped:
+            self.skipped += files
+            self.total_bytes -= nbytes
+            self.total_files -= files
+            if self._rich is not None:
+                self._rich.update(self._task, total=self.total_bytes if self.in_bytes else self.total_files,
+                                  files=self._files_text())
+            return
         self.done_bytes += nbytes
         self.done_files += files
-        self.skipped += int(skipped)
         if self._rich is not None:
-            self._rich.update(self._task, advance=nbytes, files=self._files_text(),
-                              description=f"{self.description} [dim]{path}[/dim]")
+            self._rich.update(self._task, advance=nbytes if self.in_bytes else files, files=self._files_text(),
+                              description=f"{self.name} [dim]{path}[/dim]")
         elif not self.quiet:
             now = time.monotonic()
             finished = files and self.done_files == self.total_files
             if now - self._last_line >= self.plain_interval_s or finished:
                 self._last_line = now
-                pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
+                done, total = (self.done_bytes, self.total_bytes) if self.in_bytes else (self.done_files,
+                                                                                         self.total_files)
+                pct = 100.0 * done / total if total else 100.0
                 resumed = f" ({self.skipped} already done)" if self.skipped else ""
-                print(f"{self.description}: {self._files_text()}, {pct:5.1f}%{resumed}", file=sys.stderr, flush=True)
+                print(f"{self.name}: {self._files_text()}, {pct:5.1f}%{resumed}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        """End the current phase (``start`` and leaving the ``with`` block call it): one line with
+        its count, bytes, time and rate."""
+        if not self._open:
+            return
+        self._open = False
+        seconds = time.perf_counter() - self._started
+        phase = {"phase": self.name, "unit": self.unit, "count": self.done_files, "skipped": self.skipped,
+                 "bytes": self.done_bytes if self.in_bytes else None, "seconds": round(seconds, 3)}
+        self.phases.append(phase)
+        self._stop_bar()
+        if self.quiet:
+            return
+        if self.in_bytes:
+            rate = f", {human_bytes(self.done_bytes / seconds)}/s" if seconds > 0 and self.done_bytes else ""
+            amount = f"{self.done_files} {self.unit}, {human_bytes(self.done_bytes)}"
+        else:
+            rate = f", {self.done_files / seconds:.1f} {self.unit}/s" if seconds > 0 and self.done_files else ""
+            amount = f"{self.done_files} {self.unit}"
+        resumed = f" ({self.skipped} already done)" if self.skipped else ""
+        print(f"{self.name}: finished {amount}{resumed} in {seconds:.1f} s{rate}", file=sys.stderr, flush=True)
 
     def _files_text(self) -> str:
         return f"{self.done_files}/{self.total_files} {self.unit}"

@@ -7,7 +7,7 @@ Four levels, each optional beyond the first:
    rank shard's tensors (names, dtypes, shapes), and the logical experts each shard says it
    holds against the manifest's placement;
 2. ``source``: every (or a random sample of) expert slot re-derived from the source
-   checkpoint and compared byte for byte; non-expert tensors compared too;
+   checkpoint and compared byte for byte; non-expert tensors and small files (config.json marked) too;
 3. ``numerics``: a reference SwiGLU MoE computed from the pre-baked layout (inverse layout +
    the format's dequantisation, ``formats.dequantize``) equals the one computed from the
    source's ``w1/w2/w3``, for every weight format; so does the pre-baked fused shared expert;
@@ -18,6 +18,7 @@ Problems are collected, not raised: a report lists everything that is wrong.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import random
 import time
@@ -39,10 +40,12 @@ from megamoe_convert.output.compare import (
     numerics_config,
     same_values,
 )
-from megamoe_convert.output.manifest import MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest
+from megamoe_convert.output import marker
+from megamoe_convert.output.manifest import (MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest,
+                                             refuse_source_checkpoint)
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
-from megamoe_convert.progress import NoProgress, Progress
+from megamoe_convert.progress import NoProgress, Phases, Progress
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
 from megamoe_convert.source import formats
@@ -69,6 +72,8 @@ class VerifyReport:
     numerics: dict[str, Any] | None = None
     bytes_hashed: int = 0
     seconds: float = 0.0
+    phases: dict[str, dict[str, Any]] = field(default_factory=dict)  # each phase: unit, count, bytes, seconds
+    coverage: dict[str, Any] | None = None  # what the conversion holds (Manifest.coverage)
 
     @property
     def ok(self) -> bool:
@@ -81,10 +86,15 @@ class VerifyReport:
         self.problems.append(Problem(where, what))
 
     def to_json(self) -> dict[str, Any]:
-        return {"out": self.out, "ok": self.ok, "problems": [str(p) for p in self.problems], "checks": self.checks,
+        hashing = self.phases.get("hash", {}).get("seconds", 0.0)
+        return {"out": str(Path(self.out).resolve()), "ok": self.ok,
+                "servable": self.ok and bool(self.coverage and self.coverage["servable"]),
+                "partial": bool(self.coverage and self.coverage["partial"]), "coverage": self.coverage,
+                "problems": [str(p) for p in self.problems],
+                "checks": {k.replace(" ", "_").replace("-", "_"): v for k, v in self.checks.items()},
                 "skipped": self.skipped, "numerics": self.numerics, "bytes_hashed": self.bytes_hashed,
-                "seconds": round(self.seconds, 3),
-                "hash_gb_per_s": round(self.bytes_hashed / self.seconds / 1e9, 3) if self.seconds else None}
+                "seconds": round(self.seconds, 3), "phases": self.phases,
+                "hash_gb_per_s": round(self.bytes_hashed / hashing / 1e9, 3) if hashing > 0 else 0.0}
 
 
 #: Local expert slots per rank and layer that ``--numerics`` runs (dequantised matrices are large).
@@ -105,7 +115,7 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
         report.problem(path, "missing from manifest.json")
     records = [r for r in manifest.files if "/" not in r.path or r.path in wanted_rank_files]
     checks = [(out / record.path, record) for record in records]
-    progress.start(sum(r.size for r in records), len(records))
+    progress.start(sum(r.size for r in records), len(records), description="verify: hash", unit="files")
     for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True)):
         report.count("files")
         if problem:
@@ -126,6 +136,18 @@ def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) ->
         in_rank_dir = "/" in rel and rel.startswith(("rank-", "experts/"))
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
+
+
+def check_marker(out: Path, report: VerifyReport) -> None:
+    """``config.json`` carries the serving marker (``output/marker.py``; a missing file: ``check_files``)."""
+    with contextlib.suppress(FileNotFoundError):
+        problem = marker.problem((out / "config.json").read_bytes())
+        report.problem("config.json", problem) if problem else report.count("marker")
+
+
+def compare_small_files(out: Path, ckpt: Checkpoint, report: VerifyReport) -> None:
+    for name, problem in marker.small_file_problems(out, ckpt.small_files()):
+        report.problem(name, problem) if problem else report.count("small files vs source")
 
 
 def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequence[int]) -> None:
@@ -419,23 +441,6 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
-def start_source_phase(progress: Progress, manifest: Manifest, ckpt: Checkpoint,
-                       slots: dict[tuple[int, MoELayer], list[int]], ranks: Sequence[int], numerics: bool,
-                       deep_gemm: bool) -> None:
-    """The second progress bar: one step per (rank, layer) compared, per non-expert tensor, per
-    (rank, layer) of numerics and of the DeepGEMM cross-check; bytes are the source bytes read."""
-    per_expert = manifest.dims.bytes_per_expert()
-    steps = [len(local) * per_expert for local in slots.values()]
-    if not manifest.experts_only:
-        steps += [e.nbytes for e in ckpt.non_expert_tensors()]
-    if numerics:
-        steps += [min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank) * per_expert
-                  for _ in ranks for layer in manifest.layers]
-    if deep_gemm and deep_gemm_unavailable_reason() is None:
-        steps += [manifest.placement_for(layer).experts_per_rank * per_expert for _, layer in slots]
-    progress.start(sum(steps), len(steps), description="verify vs source", unit="steps")
-
-
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
            progress: Progress | None = None) -> VerifyReport:
@@ -450,17 +455,18 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
     if sample is not None and sample < 1:
         raise ValueError(f"--sample {sample}: compare at least one expert slot")
-    progress = progress or NoProgress()
     if numerics:
         usable_device(device)
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
+    phases = Phases(progress or NoProgress(), report.phases)
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
-    ckpt = None if source is None else Checkpoint.open(source)  # a source that cannot be read: refused first
+    refuse_source_checkpoint(out)
+    ckpt = Checkpoint.open(source) if source is not None else None  # a bad --source fails before any hashing
     if ckpt is not None and numerics:
-        numerics_config(ckpt)  # a source whose numbers cannot be computed with, too
+        numerics_config(ckpt)  # a source whose numbers cannot be computed with: refused first too
     try:
         manifest = read_manifest(out)
     except ManifestError as e:  # not (or no longer) a finished conversion, or one that contradicts itself
@@ -472,10 +478,12 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     for r in missing:
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
-    check_files(out, manifest, report, chosen, progress)
+    report.coverage = manifest.coverage()
+    check_files(out, manifest, report, chosen, phases)
     if problem := copied_family_problem(out, manifest):  # install names layers by the family
         report.problem(MANIFEST_NAME, problem)
     check_unlisted_files(out, manifest, report)
+    check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:
         check_family(manifest, ckpt, report)
@@ -483,15 +491,23 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
             report.problem("manifest.json", f"dims {manifest.dims} differ from the source's {ckpt.dims}")
         else:
             slots = sample_slots(manifest, chosen, sample, random.Random(seed))
-            start_source_phase(progress, manifest, ckpt, slots, chosen, numerics, deep_gemm)
+            compare_small_files(out, ckpt, report)
             with FileCache() as files:
-                compare_experts(out, manifest, ckpt, files, report, slots, progress)
+                steps = [len(local) * manifest.dims.bytes_per_expert() for local in slots.values()]
+                steps += [] if manifest.experts_only else [e.nbytes for e in ckpt.non_expert_tensors()]
+                phases.start(sum(steps), len(steps), description="verify: compare source", unit="steps")
+                compare_experts(out, manifest, ckpt, files, report, slots, phases)
                 compare_extras(out, manifest, ckpt, files, report, slots)
                 if not manifest.experts_only:
-                    compare_non_expert(out, ckpt, files, report, progress)
+                    compare_non_expert(out, ckpt, files, report, phases)
                 if numerics:
-                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, progress)
+                    phases.start(0, len(chosen) * len(manifest.layers), description="verify: numerics",
+                                 unit="layers", in_bytes=False)
+                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, phases)
+                if deep_gemm and deep_gemm_unavailable_reason() is None:
+                    phases.start(0, len(slots), description="verify: deep gemm", unit="layers", in_bytes=False)
                 if deep_gemm:
-                    check_deep_gemm(out, manifest, ckpt, files, report, slots, progress)
+                    check_deep_gemm(out, manifest, ckpt, files, report, slots, phases)
+    phases.end()
     report.seconds = time.perf_counter() - started
     return report

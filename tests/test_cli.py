@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tomllib
 
 import pytest
@@ -46,20 +47,51 @@ def test_unknown_command_is_a_clear_usage_error():
 
 
 def test_plain_progress_counts_files_and_bytes(tmp_path):
-    """Off a terminal (CI logs): a start line with the totals, then done/total files and percent."""
+    """Off a terminal (CI logs): a start line with the totals, then done/total files and percent, then
+    one line per phase with its count, bytes, time and rate."""
     proc = run_cli("synth", tmp_path / "ckpt", "--preset", "tiny")
     shards = len(list((tmp_path / "ckpt").glob("model-*.safetensors")))
     lines = [line for line in proc.stderr.splitlines() if line.startswith("synth tiny:")]
     assert lines[0].startswith(f"synth tiny: {shards} files, ")
-    assert lines[-1] == f"synth tiny: {shards}/{shards} files, 100.0%"
+    assert lines[-2] == f"synth tiny: {shards}/{shards} files, 100.0%"
+    assert re.fullmatch(rf"synth tiny: finished {shards} files, [\d.]+ MB in [\d.]+ s, [\d.]+ [KMG]B/s", lines[-1])
     proc = run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--json")
     written = json.loads(proc.stdout)["files_written"]
     assert f"convert: {written}/{written} files, 100.0%" in proc.stderr.splitlines()
-    # verify: a second phase (against the source) with its own count of steps, to the end
+    # verify: hashing (bytes), the comparison with the source (bytes) and numerics (layers: a
+    # compute-bound phase) are phases of their own, each with its own unit and time
     proc = run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics")
-    phase = [line for line in proc.stderr.splitlines() if line.startswith("verify vs source:")]
-    steps = int(phase[0].split()[3])
-    assert steps > 0 and phase[-1] == f"verify vs source: {steps}/{steps} steps, 100.0%"
+    err = proc.stderr.splitlines()
+    assert [l.split(":")[1].strip() for l in err if ": finished " in l] == ["hash", "compare source", "numerics"]
+    numerics = [l for l in err if l.startswith("verify: numerics:")]
+    assert numerics[0] == "verify: numerics: 6 layers"  # 2 ranks x 3 MoE layers, no bytes
+    assert numerics[-2] == "verify: numerics: 6/6 layers, 100.0%"
+    assert re.fullmatch(r"verify: numerics: finished 6 layers in [\d.]+ s, [\d.]+ layers/s", numerics[-1])
+    table = proc.stdout
+    assert re.search(r"time: hashed\s+│ [\d.]+ MB in [\d.]+ s", table)
+    assert re.search(r"time: numerics\s+│ 6 layers in [\d.]+ s", table)
+    report = json.loads(run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics",
+                                "--json").stdout)
+    assert set(report["phases"]) == {"hash", "compare_source", "numerics"}
+    assert report["phases"]["numerics"]["unit"] == "layers" and report["phases"]["numerics"]["bytes"] is None
+    assert report["phases"]["hash"]["bytes"] == report["bytes_hashed"]
+
+
+def test_convert_speed_counts_only_the_files_written_now(tmp_path, tiny_ckpt):
+    """A resumed run: files already done leave the totals (no inflated MB/s), and the done line says
+    how many were skipped and the throughput of what was written."""
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    victims = sorted(out.glob("rank-00001-of-00002/*.safetensors"))
+    for victim in victims:
+        victim.unlink()
+    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    n = len(victims)
+    assert f"convert: {n}/{n} files, 100.0% (" in proc.stderr
+    finished = next(l for l in proc.stderr.splitlines() if l.startswith("convert: finished"))
+    assert finished.startswith(f"convert: finished {n} files, ") and "already done" in finished
+    done = next(l for l in proc.stderr.splitlines() if l.startswith("done:"))
+    assert re.search(rf"\({n} files written, \d+ already done, [\d.]+ [KM]B in [\d.]+ s, [\d.]+ [KMG]B/s\)", done)
 
 
 def test_terminal_progress_shows_files_beside_bytes(monkeypatch):

@@ -20,6 +20,9 @@ from safetensors.torch import save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert as convert_library
+from megamoe_convert.output import marker
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.placement import Placement
 from megamoe_convert.source.safetensors_io import read_header
@@ -132,8 +135,10 @@ def test_non_expert_tensors_and_small_files_are_copied_byte_identical(tiny_ckpt,
                 got = f.get_tensor(name)
                 assert got.dtype == src[name].dtype and got.shape == src[name].shape
                 assert torch.equal(got.view(torch.uint8), src[name].view(torch.uint8))
-    for small in ("config.json", "tokenizer_config.json"):
-        assert (tiny_converted / small).read_bytes() == (tiny_ckpt / small).read_bytes()
+    assert (tiny_converted / "tokenizer_config.json").read_bytes() == (tiny_ckpt / "tokenizer_config.json").read_bytes()
+    # config.json: the source's with the serving marker, nothing else changed (test_marker.py)
+    assert marker.original(json.loads((tiny_converted / "config.json").read_bytes())) == \
+        json.loads((tiny_ckpt / "config.json").read_bytes())
 
 
 # ----------------------------------------------------------------------------- options
@@ -143,8 +148,16 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     placement = [7, 6, 5, 4, 3, 2, 1, 0]
     (tmp_path / "eplb.json").write_text(json.dumps(placement))
     out = tmp_path / "out"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--placement", tmp_path / "eplb.json",
-            "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    args = ("--ep-size", 2, "--placement", tmp_path / "eplb.json", "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    for command, target in (("convert", (out,)), ("plan", ())):  # vLLM would refuse it at load time: refused now
+        proc = run_cli(command, tiny_ckpt, *target, *args[:4], check=False)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "vLLM serves MegaMoE experts only in its default placement" in proc.stderr
+        assert "--num-redundant-experts R" in proc.stderr and "--engine sglang" in proc.stderr
+    assert not out.exists()
+    assert run_cli("plan", tiny_ckpt, *args[:4], "--engine", "sglang", "--json").returncode == 0  # SGLang takes it
+    convert_library(tiny_ckpt, out, ConvertOptions(2, placement_file=tmp_path / "eplb.json", ranks="1",
+                                                   layers="1,mtp", experts_only=True, check_serving=False))
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "config.json", "manifest.json", "rank-00001-of-00002", "tokenizer_config.json"]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -154,7 +167,10 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match="rank 0 was not converted"):
         load_rank(out, 0)
     report = json.loads(run_cli("verify", out, "--source", tiny_ckpt, "--json").stdout)  # checks what was converted
-    assert report["ok"] and report["checks"]["rank shards"] == 2
+    assert report["ok"] and report["checks"]["rank_shards"] == 2
+    assert report["partial"] is True and report["servable"] is False
+    assert report["coverage"]["missing_ranks"] == [0] and report["coverage"]["missing_layers"] == ["layers.0"]
+    assert manifest["coverage"]["partial"] is True and manifest["source_layers"] == ["layers.0", "layers.1", "mtp.0"]
     proc = run_cli("verify", out, "--ranks", "0", "--json", check=False)  # asking for more is a problem
     assert proc.returncode == 1 and "rank 0: not converted" in proc.stdout
 
@@ -171,10 +187,11 @@ def test_placement_and_redundant_experts_together_are_refused(tiny_ckpt, tmp_pat
 
 def test_plan_shows_an_explicit_placement(tiny_ckpt, tmp_path):
     (tmp_path / "p.json").write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0, 0, 1]))
-    got = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--json").stdout)
+    got = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--engine",
+                             "sglang", "--layers", "0-1", "--json").stdout)
     assert Placement.from_json(got) == Placement(8, 2, (7, 6, 5, 4, 3, 2, 1, 0, 0, 1))
-    table = run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json",
-                    env={"COLUMNS": "200"}).stdout
+    table = run_cli("plan", tiny_ckpt, "--ep-size", 2, "--placement", tmp_path / "p.json", "--engine", "sglang",
+                    "--layers", "0-1", env={"COLUMNS": "200"}).stdout
     assert "0..4" in table and "5..9" in table
 
 
@@ -221,9 +238,10 @@ def test_inspect_and_plan_report_the_checkpoint(tiny_ckpt):
     info = json.loads(run_cli("inspect", tiny_ckpt, "--ep-size", 4, "--json").stdout)
     assert info["moe_layers"] == ["layers.0", "layers.1", "mtp.0"] and info["mtp_layers"] == ["mtp.0"]
     assert info["dims"]["n_routed_experts"] == 8 and info["expert_dtypes"]["w1.scale"] == "F8_E8M0"
-    assert info["expert_bytes_per_rank"] * 4 == info["expert_bytes"]
-    table = run_cli("inspect", tiny_ckpt).stdout
-    assert "2 decoder + 1 MTP" in table
+    conversion = info["conversion"]  # what convert --ep-size 4 writes, shared expert and headers included
+    assert conversion["expert_bytes_per_rank"] * 4 == conversion["expert_bytes_total"] > info["expert_bytes"]
+    table = run_cli("inspect", tiny_ckpt).stdout  # no --ep-size: the EP sizes that work, nothing fails
+    assert "2 decoder + 1 MTP" in table and "EP sizes for vllm" in table and "1, 2, 4, 8" in table
     plan = json.loads(run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--json").stdout)
     assert plan["physical_to_logical"][8:] == [0, 1, 2, 3]
     assert "6, 7, 0" in run_cli("plan", tiny_ckpt, "--ep-size", 4, "--num-redundant-experts", 4).stdout

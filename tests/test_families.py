@@ -16,6 +16,9 @@ from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
+from megamoe_convert.placement import PlacementError
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +72,14 @@ def test_synth_writes_each_familys_real_tensor_names(kimi_ckpt, v41_ckpt):
 def test_inspect_names_the_family_and_the_weight_format(request, fixture, family, title, layers, shared):
     summary = json.loads(run_cli("inspect", request.getfixturevalue(fixture), "--json").stdout)
     assert (summary["family"], summary["model_family"], summary["weight_format"]) == (family, title, "mxfp4")
-    assert summary["moe_layers"] == layers and summary["shared_expert"] == shared
+    assert summary["moe_layers"] == layers and summary["shared_intermediate_size"] == (shared or 0)
+    assert summary["shared_expert_prebaked"] is bool(shared)
     assert summary["dims"]["hidden_size"] == 256  # Kimi-K3: routed_expert_hidden_size, not hidden_size (512)
     assert summary["dims"]["mtp_n_routed_experts"] == (4 if family == "deepseek_v41" else 0)  # DSpark's own count
     if family == "kimi_k3":
         assert summary["expert_dtypes"] == {f"{p}.{k}": "U8" for p in ("w1", "w3", "w2") for k in ("weight", "scale")}
-        assert "mxfp4.py) rebuilds the experts" in summary["engines"]["sglang"]
+        assert summary["engines"]["sglang"]["supported"] is False
+        assert "mxfp4.py) rebuilds the experts" in summary["engines"]["sglang"]["reason"]
         assert "outside the MegaMoE launch" in summary["shared_expert_note"]
 
 
@@ -88,7 +93,7 @@ def test_each_family_converts_and_verifies_with_numerics(request, tmp_path, fixt
     layers = 2 + (fixture == "v41_ckpt")  # V4.1: its DSpark MTP layer too
     assert report["ok"] and report["numerics"]["layers"] == layers * 4, report
     assert report["numerics"]["activation"] == ("situ" if fixture == "kimi_ckpt" else "swiglu")
-    assert report["checks"]["non-expert tensors vs source"] > 0
+    assert report["checks"]["non_expert_tensors_vs_source"] > 0
     layer = load_rank(out, 3)["layers.1.ffn.experts"]
     assert list(layer.logical_ids) == ([6, 7] if fixture == "kimi_ckpt" else [1, 2, 3])  # 12 slots: 9 % 8 = 1
     if fixture == "v41_ckpt":  # DSpark's MTP layer: its own 4 experts + the 4 redundant slots, 2 per rank
@@ -171,12 +176,21 @@ def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line
     decoder's 8 experts, is refused; leaving the MTP layer out converts."""
     placement = tmp_path / "placement.json"
     placement.write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0]))
-    for args, message in ((("--ep-size", 8), "mtp.0: vLLM builds the layers with 4 experts of their own with 0 "
-                                             "redundant ones: 4 physical experts are not divisible by ep_size=8"),
-                          (("--ep-size", 4, "--placement", placement), "mtp.0: an explicit placement lists the decoder "
-                                                                       "layers' 8 experts")):
+    for args, message in ((("--ep-size", 8), "mtp.0 (4 experts): vLLM builds the layers with 4 experts of their own "
+                                             "with 0 redundant ones: 4 physical experts are not divisible by ep_size=8; "
+                                             "EP sizes that work for every selected MoE layer: 1, 2, 4; or leave mtp.0 "
+                                             "out: --layers 0-1"),
+                          (("--ep-size", 4, "--placement", placement), "vLLM serves MegaMoE experts only in its default "
+                                                                       "placement")):
         proc = run_cli("convert", v41_ckpt, tmp_path / "out", *args, check=False)
         assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for command in ("plan", "inspect"):  # the same refusal before any conversion
+        proc = run_cli(command, v41_ckpt, "--ep-size", 8, check=False)
+        assert proc.returncode == 2 and "mtp.0 (4 experts)" in proc.stderr and "--layers 0-1" in proc.stderr
+    assert json.loads(run_cli("inspect", v41_ckpt, "--json").stdout)["working_ep_sizes"]["vllm"] == [1, 2, 4]
+    with pytest.raises(PlacementError, match=r"mtp.0 \(4 experts\): an explicit placement lists the decoder layers' "
+                                             "8 experts"):  # the layer's own rule, below the serving check
+        convert(v41_ckpt, tmp_path / "lib", ConvertOptions(4, placement_file=placement, check_serving=False))
     run_cli("convert", v41_ckpt, tmp_path / "out", "--ep-size", 8, "--layers", "0-1", "--experts-only")
     assert [l["key"] for l in json.loads((tmp_path / "out" / "manifest.json").read_text())["layers"]] == \
         ["layers.0", "layers.1"]

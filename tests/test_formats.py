@@ -54,11 +54,15 @@ def test_each_format_converts_inspects_and_verifies_through_the_cli(tmp_path, we
     run_cli("synth", src, "--format", weight_format, "--experts", 4, "--layers", 1, "--mtp-layers", 0)
     summary = json.loads(run_cli("inspect", src, "--ep-size", 2, "--json").stdout)
     assert summary["weight_format"] == weight_format and summary["model_type"] == "deepseek_v4"
-    assert summary["shared_expert"] == (None if weight_format == "bf16" else I)
+    assert summary["shared_intermediate_size"] == (0 if weight_format == "bf16" else I)
+    assert summary["shared_expert_prebaked"] is (weight_format != "bf16")
     run_cli("convert", src, out, "--ep-size", 2)
+    sizes = summary["conversion"]  # the format's extras (NVFP4 global scales) counted as convert writes them
+    assert [sizes["rank_bytes"][str(r)] for r in range(2)] == [
+        sum(p.stat().st_size for p in (out / f"rank-{r:05d}-of-00002").iterdir()) for r in range(2)]
     assert json.loads((out / "manifest.json").read_text())["dims"]["weight_format"] == weight_format
     report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
-    assert report["ok"] and report["checks"]["expert slots vs source"] == 4, report
+    assert report["ok"] and report["checks"]["expert_slots_vs_source"] == 4, report
     numerics = report["numerics"]  # every format's dequantisation, from the layout and from the source
     assert "numerics" not in report["skipped"] and numerics["weight_format"] == weight_format
     assert numerics["max_abs_err"] == 0.0 and numerics["layers"] == 2

@@ -48,8 +48,8 @@ def test_fresh_conversion_passes_every_level(tiny_ckpt, tiny_converted):
     report = json.loads(proc.stdout)
     assert report["ok"] and report["problems"] == []
     assert report["checks"]["files"] == len(json.loads((tiny_converted / "manifest.json").read_text())["files"])
-    assert report["checks"]["rank shards"] == 12 and report["checks"]["expert slots vs source"] == 36
-    assert report["checks"]["non-expert tensors vs source"] > 10
+    assert report["checks"]["rank_shards"] == 12 and report["checks"]["expert_slots_vs_source"] == 36
+    assert report["checks"]["non_expert_tensors_vs_source"] > 10
     assert report["numerics"]["max_abs_err"] == 0.0 and report["numerics"]["layers"] == 12
     assert report["numerics"]["swiglu_limit"] == 10.0
     assert "deep_gemm" in report["skipped"]
@@ -143,8 +143,8 @@ def test_wrong_placement_in_the_manifest_is_caught(damaged):
 def test_sample_and_ranks_limit_the_work(tiny_converted, tiny_ckpt):
     report = json.loads(run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--sample", 5, "--ranks", "1-2",
                                 "--json").stdout)
-    assert report["ok"] and report["checks"]["expert slots vs source"] == 5
-    assert report["checks"]["rank shards"] == 6
+    assert report["ok"] and report["checks"]["expert_slots_vs_source"] == 5
+    assert report["checks"]["rank_shards"] == 6
 
 
 def test_usage_errors_exit_2(tiny_converted):

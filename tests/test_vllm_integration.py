@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from conftest import run_cli
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.engines import InstallError
 from megamoe_convert.vllm_integration import install
@@ -45,7 +47,9 @@ def test_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(tiny_ck
     tokens to the wrong experts, so install refuses it instead of serving wrong answers."""
     (tmp_path / "eplb.json").write_text(json.dumps([3, 2, 1, 0, 7, 6, 5, 4, 0, 1, 2, 3]))
     out = tmp_path / "eplb"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--placement", tmp_path / "eplb.json", "--experts-only")
+    # `convert` refuses this for vLLM (tests/test_convert.py); install's own refusal is the second line of defence
+    convert(tiny_ckpt, out, ConvertOptions(4, placement_file=tmp_path / "eplb.json", experts_only=True,
+                                           check_serving=False))
     model = stand_in_model(STAND_INS[contract], 1)
     with pytest.raises(InstallError, match="explicit expert placement"):
         install(model, out, rank=1)

@@ -1,5 +1,6 @@
 """The ``megamoe`` command line: the app, its shared error handling and output, and the core commands
-(synth, inspect, plan, convert). ``cli/__init__.py`` adds the commands kept in modules of their own."""
+(synth, convert). ``cli/__init__.py`` adds the commands kept in modules of their own (inspect and plan,
+verify, fleet) and applies the conventions of ``cli/conventions.py``."""
 
 from __future__ import annotations
 
@@ -9,21 +10,18 @@ import signal
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
-from rich.table import Table
 
 from megamoe_convert import __version__
 from megamoe_convert.devices import Device
 from megamoe_convert.jsonio import one_line
-from megamoe_convert.ui import ByteProgress, err_console, human_bytes, out_console
-
-if TYPE_CHECKING:
-    from megamoe_convert.placement import Placement
+from megamoe_convert.cli import conventions
+from megamoe_convert.ui import ByteProgress, human_bytes, status
 
 app = typer.Typer(
-    name="megamoe",
+    name="megamoe", context_settings={"help_option_names": conventions.HELP_OPTIONS},
     help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
          "offline, "
          "so that vLLM ranks load them with no transform work.",
@@ -51,17 +49,26 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from megamoe_convert.source.formats import FormatError
     from megamoe_convert.source.safetensors_io import SafetensorsError
     from megamoe_convert.synth.write import SynthError
-    return (CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
+    from megamoe_convert.output.manifest import VerifyUsageError
+    return (VerifyUsageError, CheckpointError, ConvertError, DeviceError, FormatError, HubError, LayoutError, LoadError, ManifestError,
             PlacementError, SafetensorsError, SynthError, FamilyError, OSError)
 
 
 def run_command(body: Callable[[], Any]) -> Any:
-    """Run a command body; expected failures become one line on stderr and exit code 2."""
+    """Run a command body; expected failures become one line on stderr (and a JSON object on stdout
+    under ``--json``) and exit code 2. Ctrl-C and SIGTERM stop cleanly with a resume hint: 130 / 143."""
     try:
         return body()
-    except KeyboardInterrupt:
-        err_console.print("[red]interrupted[/red]: rerun the same command to resume")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:
+        code = getattr(e, "exit_code", 130)
+        what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        hint = ("rerun the same command to resume" if _state["command"] in RESUMABLE_COMMANDS else
+                "nothing was changed" if _state["command"] in ("inspect", "plan", "verify") else
+                "rerun the same command")
+        print(f"{what}: {hint}", file=sys.stderr)
+        if conventions.state["json"]:
+            conventions.print_json_error(f"{what}: {hint}", code)
+        raise typer.Exit(code) from None
     except _known_errors() as e:
         if _state["debug"]:
             raise
@@ -70,6 +77,8 @@ def run_command(body: Callable[[], Any]) -> Any:
         if disk_full and _state["command"] in RESUMABLE_COMMANDS:
             message += " (nothing partial was kept: free space and rerun the same command to resume)"
         print(f"error: {one_line(message)}", file=sys.stderr)
+        if conventions.state["json"]:
+            conventions.print_json_error(one_line(message), 2)
         raise typer.Exit(2) from None
 
 
@@ -80,6 +89,22 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def done_line(out: Path, data: dict[str, Any], shard: str | None) -> str:
+    """The ``done:`` line of ``convert``: what was written, how fast, and whether it is partial."""
+    rate = (f", {human_bytes(data['bytes_written'] / data['write_seconds'])}/s"
+            if data["write_seconds"] > 0 and data["bytes_written"] else "")
+    work = (f"{data['files_written']} files written, {data['files_skipped']} already done, "
+            f"{human_bytes(data['bytes_written'])} in {data['seconds']:.1f} s{rate}")
+    if shard is not None:
+        return (f"[green]done[/green]: part {shard} in {out} ({work}); " + (
+            "all parts present: merged, manifest.json written" if data["merged"] else
+            "run `megamoe merge` once every part is done"))
+    coverage = data["coverage"]
+    tail = (f"; [yellow]partial[/yellow]: {coverage['note']}" if coverage["partial"] else
+            f"; serve it: megamoe inspect {out}")
+    return f"[green]done[/green]: {out} ({work}){tail}"
 
 
 def _print_version(requested: bool) -> None:
@@ -155,7 +180,7 @@ def synth(
                                 progress=progress, overwrite=overwrite)
         family = detect(config, preset.value)
         text, keys = family.text(config), family.keys
-        err_console.print(f"wrote {out} ({family.title}: {text[keys['layers']]} layers + "
+        status(f"wrote {out} ({family.title}: {text[keys['layers']]} layers + "
                           f"{text.get(keys['mtp_layers'], 0)} MTP, {text[keys['experts']]} experts, "
                           f"H={text[keys['hidden']]}"
                           f"{'' if keys['hidden'] == 'hidden_size' else ' (' + keys['hidden'] + ')'}, "
@@ -163,166 +188,7 @@ def synth(
     run_command(body)
 
 
-# --------------------------------------------------------------------------------------
-# inspect / plan
-# --------------------------------------------------------------------------------------
-
-class Engine(str, Enum):
-    vllm = "vllm"
-    sglang = "sglang"
-
-
-#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way).
-EngineOption = Annotated[Engine, typer.Option(help="Serving engine whose expert placement the ranks follow: "
-                                                   "SGLang builds the MTP layer without redundant experts.")]
-
-#: ``--revision`` of the commands that read a source checkpoint.
-RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
-                                                            "download (default: main).")]
-
-@app.command()
-def inspect(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a store (what each rank reads of it).")],
-    ep_size: Annotated[int, typer.Option(min=1, help="EP size used for the bytes-per-rank column.")] = 8,
-    num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-    revision: RevisionOption = None,
-) -> None:
-    """Show what a checkpoint holds: MoE layers (incl. MTP), experts, dims, dtypes, bytes per rank,
-    and which engines can serve its shapes."""
-    from megamoe_convert.engines import describe_engines, shape_refusals
-    from megamoe_convert.placement import Placement
-    from megamoe_convert.source.checkpoint import Checkpoint
-
-    def body() -> None:
-        if _store_reads(src, as_json, ep_size, num_redundant_experts):
-            return
-        ckpt = Checkpoint.open(resolve_source(src, revision))
-        placement = Placement.default(ckpt.dims.n_routed_experts, ep_size, num_redundant_experts)
-        per_expert = ckpt.dims.bytes_per_expert()
-        first = ckpt.layers[0]
-        dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in ckpt.dims.expert_byte_shapes()}
-        summary = {
-            "path": str(ckpt.root), "model_type": ckpt.config.get("model_type"),
-            "family": ckpt.family.name, "model_family": ckpt.family.title,
-            "weight_format": ckpt.dims.weight_format, "shared_expert": ckpt.dims.shared_intermediate_size or None,
-            "shared_expert_note": ckpt.shared_expert_note,
-            "dims": ckpt.dims.__dict__, "moe_layers": [l.key for l in ckpt.layers],
-            "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
-            "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
-            "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
-            "ep_size": ep_size, "experts_per_rank": placement.experts_per_rank,
-            "expert_bytes_per_rank": per_expert * placement.experts_per_rank * len(ckpt.layers),
-            "engines": shape_refusals(ckpt.dims.hidden_size, ckpt.dims.moe_intermediate_size, ckpt.family),
-        }
-        if as_json:
-            print_json(summary)
-            return
-        table = Table(title=f"{ckpt.root}", show_header=False)
-        table.add_column("", style="bold")
-        table.add_column("")
-        d = ckpt.dims
-        table.add_row("model family / weight format", f"{ckpt.family.title} ({summary['model_type']}) / {d.weight_format}")
-        table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
-                      if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
-        table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
-        table.add_row("routed experts", f"{d.n_routed_experts}" + (f" (MTP layers: {d.mtp_n_routed_experts})"
-                                                                   if d.mtp_n_routed_experts else ""))
-        decoder = [l for l in ckpt.layers if not l.is_mtp]
-        table.add_row("MoE layers", f"{len(decoder)} decoder + {len(summary['mtp_layers'])} MTP")
-        table.add_row("expert dtypes", ", ".join(f"{k}={v}" for k, v in dtypes.items()))
-        table.add_row("shards / tensors", f"{summary['shards']} / {summary['tensors']}")
-        table.add_row("expert bytes", human_bytes(summary["expert_bytes"]))
-        table.add_row("non-expert bytes", human_bytes(summary["non_expert_bytes"]))
-        table.add_row(f"expert bytes per rank (EP {ep_size})",
-                      f"{human_bytes(summary['expert_bytes_per_rank'])} ({placement.experts_per_rank} slots/layer)")
-        table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family))
-        out_console.print(table)
-    run_command(body)
-
-
-@app.command()
-def plan(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory, or a store (what each rank reads of it).")],
-    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
-    num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
-    placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id of "
-                                                                             "every physical slot.")] = None,
-    engine: EngineOption = Engine.vllm,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
-    revision: RevisionOption = None,
-) -> None:
-    """Print which logical experts every rank's slots hold, per layer where the engine's rule
-    differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
-    the checkpoint's shapes."""
-    from megamoe_convert.convert.plan import ConvertOptions, make_placement
-    from megamoe_convert.engines import describe_engines, shape_refusals
-    from megamoe_convert.placement import layer_placement
-    from megamoe_convert.source.checkpoint import Checkpoint
-
-    def body() -> None:
-        if _store_reads(src, as_json, ep_size, num_redundant_experts, placement_file, engine.value):
-            return
-        ckpt = Checkpoint.open(resolve_source(src, revision))
-        placement = make_placement(ckpt, ConvertOptions(ep_size, num_redundant_experts, placement_file,
-                                                        engine=engine.value))
-        own = {l.key: p for l in ckpt.layers
-               if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l))) != placement}
-        d = ckpt.dims
-        if as_json:
-            print_json({**placement.to_json(), "engine": engine.value,
-                        "layer_placements": {key: p.to_json() for key, p in own.items()},
-                        "engines": shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)})
-            return
-        out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
-        for key, p in own.items():
-            out_console.print(_placement_table(p, f"{key} ({engine.value})"))
-        out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
-    run_command(body)
-
-
-def _store_reads(src: str, as_json: bool, *args: Any) -> bool:
-    """``inspect`` / ``plan`` of a store: what each rank reads of it (``cli/store.py``); False for anything else."""
-    from megamoe_convert.cli.store import reads_table, store_manifest, store_reads
-
-    manifest = store_manifest(src)
-    if manifest is None:
-        return False
-    data = store_reads(src, manifest, *args)
-    if as_json:
-        print_json(data)
-    else:
-        out_console.print(reads_table(data))
-    return True
-
-
-def _placement_table(placement: "Placement", what: str) -> Table:
-    table = Table(title=f"{what}, EP {placement.ep_size}: {placement.n_physical} physical slots for "
-                        f"{placement.n_logical} logical experts ({placement.experts_per_rank} per rank)")
-    for col in ("rank", "physical slots", "logical experts"):
-        table.add_column(col)
-    for rank in range(placement.ep_size):
-        start = placement.experts_start(rank)
-        table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
-                      _short_list(placement.rank_logical_ids(rank)))
-    return table
-
-
-def _short_list(ids: tuple[int, ...]) -> str:
-    text = ", ".join(map(str, ids))
-    return text if len(text) < 80 else text[:76] + " ..."
-
-
-def resolve_source(src: str, revision: str | None = None) -> Path:
-    """A local directory (hub repo ids are resolved by :mod:`.hub` where available)."""
-    path = Path(src)
-    if path.exists():
-        return path
-    try:
-        from megamoe_convert.serve.hub import resolve_source as hub_resolve
-    except ImportError:
-        return path
-    return hub_resolve(src, revision)
+from megamoe_convert.cli.inspect import Engine, EngineOption, RevisionOption, resolve_source  # noqa: E402
 
 
 # --------------------------------------------------------------------------------------
@@ -387,14 +253,6 @@ def convert(
         data = summary.to_json()
         if as_json:
             print_json(data)
-        elif shard is not None:
-            err_console.print(f"[green]done[/green]: part {shard} in {out} ({data['files_written']} files written, "
-                              f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "
-                              f"{data['seconds']:.1f} s); " + ("all parts present: merged, manifest.json written"
-                                                               if data["merged"] else
-                                                               "run `megamoe merge` once every part is done"))
         else:
-            err_console.print(f"[green]done[/green]: {out} ({data['files_written']} files written, "
-                              f"{data['files_skipped']} already done, {human_bytes(data['bytes_written'])} in "
-                              f"{data['seconds']:.1f} s)")
+            status(done_line(out, data, shard))
     run_command(body)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from megamoe_convert.ui import ByteProgress, err_console, human_bytes
+from megamoe_convert.ui import ByteProgress, human_bytes, status
 
 
 def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
@@ -35,7 +35,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
             if as_json:
                 print_json(result)
             else:
-                err_console.print(f"[green]pushed[/green] {out} to {result['url']} @ {result['revision']} "
+                status(f"[green]pushed[/green] {out} to {result['url']} @ {result['revision']} "
                                   f"({result['files']} files, {human_bytes(result['bytes'])}, EP {result['ep_size']})")
         run_command(body)
 
@@ -79,7 +79,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
             if as_json:
                 print_json(data)
             else:
-                err_console.print(f"[green]pulled[/green] {repo_id}@{result.commit[:12]} ranks "
+                status(f"[green]pulled[/green] {repo_id}@{result.commit[:12]} ranks "
                                   f"{','.join(map(str, result.ranks))} into {result.path} ({data['files']} files, "
                                   f"{human_bytes(data['bytes'])}, {data['verified']}s verified)")
                 print(result.path)
@@ -133,7 +133,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
             if as_json:
                 print_json(result)
             else:
-                err_console.print(f"[green]merged[/green] {result['parts']} parts into {out} ({result['files']} "
+                status(f"[green]merged[/green] {result['parts']} parts into {out} ({result['files']} "
                                   f"files, {human_bytes(result['bytes'])}: {result['linked']} linked, "
                                   f"{result['copied']} copied, {result['in_place'] + result['present']} already "
                                   f"in place; {result['verified']}s verified)")

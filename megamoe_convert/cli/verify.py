@@ -33,7 +33,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     ) -> None:
         """Check a converted directory: files and checksums, shard tensors, placement; optionally
-        bytes and numerics against the source. Exit 0 if all is well, 1 if problems were found."""
+        bytes and numerics against the source. Exit 0 if all is well (a partial conversion says so),
+        1 if problems were found, 2 if OUT is not a conversion (e.g. a source checkpoint)."""
         from megamoe_convert.verify import verify as run_verify
 
         if source is None:
@@ -69,10 +70,19 @@ def print_report(report: Any) -> None:
         n = report.numerics
         table.add_row("numerics", f"{n['layers']} layers, {n['tokens']} tokens, top-{n['top_k']}: max abs err "
                                   f"{n['max_abs_err']:.3g}, max rel err {n['max_rel_err']:.3g}")
-    table.add_row("hashed", f"{human_bytes(report.bytes_hashed)} in {report.seconds:.2f} s")
+    for name, phase in report.phases.items():
+        amount = (human_bytes(phase["bytes"]) if phase["bytes"] is not None else f"{phase['count']} {phase['unit']}")
+        label = {"hash": "hashed", "compare_source": "compared with the source"}.get(name, name.replace("_", " "))
+        table.add_row(f"time: {label}", f"{amount} in {phase['seconds']:.2f} s")
     out_console.print(table)
     if report.ok:
-        out_console.print("[green]OK[/green]: no problems found")
+        coverage = report.coverage or {}
+        if coverage.get("partial"):
+            out_console.print(f"[green]OK[/green]: no problems found; [yellow]partial conversion[/yellow], not "
+                              f"servable as it is: {coverage['note']}")
+        else:
+            out_console.print("[green]OK[/green]: no problems found; a complete conversion "
+                              f"(serve it: megamoe inspect {report.out})")
         return
     out_console.print(f"[red]{len(report.problems)} problem(s)[/red]:")
     for problem in report.problems:

@@ -79,7 +79,8 @@ def write_part_manifest(plan: "Plan", records: dict[str, FileRecord]) -> Path:
     skeleton = Manifest(
         source=plan.ckpt.source_record(), dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks,
         layers=plan.layers, experts_only=plan.options.experts_only, files=[], complete=False,
-        engine=plan.engine, family=plan.family, store=plan.options.store)
+        engine=plan.engine, family=plan.family, store=plan.options.store,
+        source_layers=[l.key for l in plan.ckpt.layers])
     data = {
         "format": PART_FORMAT, "format_version": PART_FORMAT_VERSION,
         "shard": {"index": index, "count": count, "by": plan.options.shard_by},

@@ -14,15 +14,17 @@ import torch
 
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import Plan, Unit
-from megamoe_convert.output import rank_extras
+from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.manifest import rank_file, rank_shard_metadata, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.state import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
-from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.source.safetensors_io import FileCache, TensorEntry, TensorSpec, read_into, readv_into
+from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, TensorSpec, encode_header, read_into,
+                                                   readv_into)
 
 NON_EXPERT_SHARD_BYTES = 4 << 30
+NON_EXPERT_METADATA = {"format": "pt"}
 COPY_CHUNK_BYTES = 64 << 20
 
 
@@ -236,7 +238,8 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
         chunks = rank_shard_chunks(reader_factory(), layer, ids, plan.options.chunk_bytes, cancelled)
         return write_safetensors(plan.out / rel, plan.out, specs, chunks, metadata, fsync=plan.options.fsync)
 
-    return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank)
+    return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank,
+                file_size=len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs))
 
 
 # --------------------------------------------------------------------------------------
@@ -283,20 +286,36 @@ def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
 
         def run(rel: str = rel, specs: list[TensorSpec] = specs, entries: list[TensorEntry] = entries) -> FileRecord:
             return write_safetensors(plan.out / rel, plan.out, specs, _copy_chunks(files, entries, cancelled),
-                                     {"format": "pt"}, fsync=plan.options.fsync)
+                                     NON_EXPERT_METADATA, fsync=plan.options.fsync)
 
-        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert"))
+        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert",
+                          file_size=len(encode_header(specs, NON_EXPERT_METADATA)) + sum(s.nbytes for s in specs)))
     return units
 
 
 def small_file_units(plan: Plan) -> list[Unit]:
+    """Small files copied verbatim, but ``config.json``: the source's with a marker architecture
+    (``output/marker.py``), so that no engine without megamoe-convert serves the missing experts."""
     def unit(src: Path) -> Unit:
+        if src.name == CONFIG_NAME:
+            try:
+                marked = marker.mark(src.read_bytes(), str(src))
+            except marker.MarkerError as e:
+                raise CheckpointError(str(e)) from None
+
+            def write_marked() -> FileRecord:
+                with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:
+                    w.write(marked)
+                    return w.commit()
+            return Unit(src.name, len(marked), write_marked, "small", content=marked, file_size=len(marked))
+
         def run() -> FileRecord:
             with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
                 while block := f.read(COPY_CHUNK_BYTES):
                     w.write(block)
                 return w.commit()
-        return Unit(src.name, src.stat().st_size, run, "small")
+        size = src.stat().st_size
+        return Unit(src.name, size, run, "small", file_size=size)
     return [unit(p) for p in plan.ckpt.small_files()]
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megamoe_convert import jsonio
-from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, LAYOUT_VERSION, Manifest
+from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, LAYOUT_VERSION, Manifest, format_ranges
 from megamoe_convert.output.state import ConvertError, stamp_files
 from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.placement import Placement, PlacementError, check_file_fields, layer_placement
+from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, Placement, PlacementError, check_file_fields, layer_placement
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 
@@ -43,6 +43,9 @@ class ConvertOptions:
     shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
     auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
     engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
+    #: Refuse what the engine cannot serve (vLLM: any placement but its default) before any work;
+    #: off only to build such a directory on purpose (tests of ``install``'s own refusal).
+    check_serving: bool = True
 
     @property
     def store(self) -> bool:
@@ -61,6 +64,8 @@ def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
 
 
 def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
+    """The decoder layers' placement, checked against every selected layer (an MTP layer with an
+    expert count of its own, SGLang's MTP rule) and against what the engine can serve."""
     family = ckpt.family
     assert family is not None
     if options.engine not in family.engines:
@@ -82,14 +87,77 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                                "expert once, which serves any EP size, redundant experts, placement and engine")
         return Placement.default(n, 1)
     assert options.ep_size is not None
+    layers = select_layers(ckpt, options.layers)
     if options.placement_file is not None:
         if options.num_redundant_experts:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
         placement, extra = Placement.read_file(options.placement_file, n, options.ep_size)
         check_file_fields(extra, placement, options.engine, options.placement_file,
                           [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers])
-        return placement
-    return Placement.default(n, options.ep_size, options.num_redundant_experts)
+        if options.check_serving and options.engine == "vllm" and not placement.is_default():
+            raise ConvertError(f"--placement {options.placement_file}: vLLM serves MegaMoE experts only in its "
+                               f"default placement (slot p holds logical expert p % {n}) and refuses any other at "
+                               "load time; for vLLM use --num-redundant-experts R (EPLB re-balances while serving), "
+                               "or convert for SGLang with --engine sglang")
+    else:
+        try:
+            placement = Placement.default(n, options.ep_size, options.num_redundant_experts)
+        except PlacementError as e:
+            raise PlacementError(f"{e}; {_sizes_text(ckpt, options, layers)}") from None
+    for layer in layers:
+        try:
+            layer_placement(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+        except PlacementError as e:
+            failing = _failing(ckpt, options.engine, placement, layers)
+            keep = [l for l in layers if l not in failing]
+            way_out = f"or leave {', '.join(l.key for l in failing)} out: --layers {layer_spec(keep)}" if keep else ""
+            raise PlacementError(f"{layer.key} ({ckpt.dims.experts_of(layer)} experts): {e}; "
+                                 f"{_sizes_text(ckpt, options, layers)}{'; ' + way_out if way_out else ''}") from None
+    return placement
+
+
+def _failing(ckpt: Checkpoint, engine: str, placement: Placement, layers: Sequence[MoELayer]) -> list[MoELayer]:
+    failing = []
+    for layer in layers:
+        try:
+            layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+        except PlacementError:
+            failing.append(layer)
+    return failing
+
+
+def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: Sequence[MoELayer]) -> list[int]:
+    """The EP sizes for which vLLM's default placement (with ``num_redundant`` experts) builds every
+    one of ``layers`` (MTP layers with their own expert count, the engine's MTP rule included)."""
+    n = ckpt.dims.n_routed_experts
+    total = n + num_redundant
+    if num_redundant < 0 or total > MAX_PHYSICAL_EXPERTS:
+        return []  # the counts themselves are refused (placement.check_counts says why)
+    divisors = {d for i in range(1, int(total ** 0.5) + 1) if total % i == 0 for d in (i, total // i)}
+    sizes = []
+    for size in sorted(divisors):
+        try:
+            placement = Placement.default(n, size, num_redundant)
+        except PlacementError:
+            continue
+        if not _failing(ckpt, engine, placement, layers):
+            sizes.append(size)
+    return sizes
+
+
+def _sizes_text(ckpt: Checkpoint, options: ConvertOptions, layers: Sequence[MoELayer]) -> str:
+    sizes = working_ep_sizes(ckpt, options.num_redundant_experts, options.engine, layers)
+    redundant = f" with {options.num_redundant_experts} redundant experts" if options.num_redundant_experts else ""
+    what = "every selected MoE layer" if any(l.is_mtp for l in layers) else "these layers"
+    return (f"EP sizes that work for {what}{redundant}: {', '.join(map(str, sizes))}" if sizes else
+            f"no EP size works for {what}{redundant}")
+
+
+def layer_spec(layers: Sequence[MoELayer]) -> str:
+    """The shortest ``--layers`` value selecting exactly ``layers`` (``0-39``, ``0-3,mtp.1``)."""
+    decoder = format_ranges(sorted(l.index for l in layers if not l.is_mtp))
+    mtp = ",".join(l.key for l in layers if l.is_mtp)
+    return ",".join(x for x in (decoder, mtp) if x)
 
 
 @dataclass
@@ -102,6 +170,11 @@ class Unit:
     kind: str  # "small" | "non_expert" | "experts"
     layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
     rank: int | None = None
+    #: The exact size of the file written (header included), from the specs the writer is given.
+    file_size: int = 0
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
+    #: other bytes (an older conversion's unmarked config) is redone.
+    content: bytes | None = None
 
 
 @dataclass
@@ -158,7 +231,8 @@ class Plan:
         return Manifest(source=self.ckpt.source_record(), dims=self.ckpt.dims, placement=self.placement,
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
                         files=[records[u.path] for u in self.units] + list(extra), engine=self.engine,
-                        family=self.family, store=self.options.store)
+                        family=self.family, store=self.options.store,
+                        source_layers=[l.key for l in self.ckpt.layers])
 
     @property
     def family(self) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from megamoe_convert.convert.plan import (
 )
 from megamoe_convert.devices import DeviceError, usable_device
 from megamoe_convert.output import rank_extras
-from megamoe_convert.output.manifest import MANIFEST_NAME
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest
 from megamoe_convert.output.preflight import check_before_converting
 from megamoe_convert.output.state import (
     ConvertError,
@@ -65,12 +65,24 @@ class Summary:
     expert_bytes: int
     seconds: float
     shard: str | None = None  # "i/n" for a part of a split conversion
-    merged: bool | None = None  # a part: whether it found all parts in OUT and merged them
+    merged: bool = False  # a part: whether it found all parts in OUT and merged them
+    #: Seconds spent writing files (the rest: reading the plan, checking what is already done, the manifest).
+    write_seconds: float = 0.0
+    #: :meth:`manifest.Manifest.coverage` of what was converted (partial or servable).
+    coverage: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def write_bytes_per_s(self) -> float:
+        """Throughput of the files written by this run (files found already done do not count)."""
+        return self.bytes_written / self.write_seconds if self.write_seconds > 0 else 0.0
     store: bool = False  # every logical expert once (no --ep-size): serves any EP size
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
-        data["gb_per_s"] = round(self.bytes_written / self.seconds / 1e9, 3) if self.seconds > 0 else None
+        data["out"] = str(Path(self.out).resolve())
+        data["seconds"], data["write_seconds"] = round(self.seconds, 3), round(self.write_seconds, 3)
+        data["gb_per_s"] = round(self.write_bytes_per_s / 1e9, 3)
+        data["partial"], data["servable"] = bool(self.coverage.get("partial")), bool(self.coverage.get("servable"))
         return data
 
 
@@ -141,12 +153,15 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     todo: list[Unit] = []
     progress.start(sum(u.nbytes for u in plan.units), len(plan.units))
     for unit in plan.units:
-        if is_done(out, journal.get(unit.path)):
+        if is_done(out, journal.get(unit.path)) and (unit.content is None
+                                                     or (out / unit.path).read_bytes() == unit.content):
             records[unit.path] = journal[unit.path]
             progress.advance(unit.nbytes, unit.path, skipped=True)
         else:
             todo.append(unit)
+    writing = time.perf_counter()
     written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
+    write_seconds = time.perf_counter() - writing
     watch.check()  # every source byte was read: were they the bytes of one unchanged source?
     shard = plan.options.shard
     if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
@@ -160,7 +175,13 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
                    seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None,
-                   store=plan.options.store)
+                   store=plan.options.store, write_seconds=write_seconds, coverage=_coverage(plan))
+
+
+def _coverage(plan: Plan) -> dict[str, Any]:
+    return Manifest(source={}, dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks, layers=plan.layers,
+                    experts_only=plan.options.experts_only, source_layers=[l.key for l in plan.ckpt.layers],
+                    store=plan.options.store).coverage()
 
 
 def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRecord], progress: Progress,

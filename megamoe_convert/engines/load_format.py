@@ -7,12 +7,15 @@ and never fetches the rank folders of a hub repo.
 from __future__ import annotations
 
 import copy
+import json
 import re
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from megamoe_convert.engines.driver import Installed
+from megamoe_convert.output import marker
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
@@ -22,6 +25,19 @@ RANK_FILES_PATTERN = "rank-*-of-*/*"
 STORE_FILES_PATTERN = "experts/*"
 #: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
 EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
+#: Set on a model once its conversion's experts are installed (by the load format or by the
+#: model's own ``load_weights``), so that the other does not install them again.
+INSTALLED_ATTR = "megamoe_installed"
+
+
+def is_unmarked_conversion(path: Any) -> bool:
+    """A local directory converted before the marker existed: a megamoe manifest, no marker."""
+    manifest = Path(str(path)) / marker.MANIFEST_NAME
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "layout_version" in data and "placement" in data
 
 
 def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,

@@ -9,6 +9,7 @@ name outside its ``LoadFormat`` enum: ``megamoe`` becomes the loader class itsel
 safetensors: before the first weight is read the rank's experts are installed from its own
 shards (so post-processing skips their transform), then everything else loads from the
 converted directory, minus the routed-expert tensors; the rank folders are never fetched.
+The other load formats: :mod:`.sglang_models`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from megamoe_convert.engines.load_format import LOAD_FORMAT, as_safetensors_config, without_expert_tensors
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, LOAD_FORMAT, as_safetensors_config, \
+    without_expert_tensors
+from megamoe_convert.engines.sglang_models import register_hooks
 from megamoe_convert.serve.loader import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
@@ -44,8 +47,12 @@ def loader_class() -> type:
             prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def _get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-            # runs at the first weight asked for: before any is loaded
-            installed = install_layers(model, model_config.model_path, serving=True)
+            # runs at the first weight asked for: before any is loaded (unless the model's own
+            # load_weights hook installed the conversion already: sglang_models.py)
+            installed = getattr(model, INSTALLED_ATTR, None)
+            if installed is None:
+                installed = install_layers(model, model_config.model_path, serving=True)
+                setattr(model, INSTALLED_ATTR, installed)
             yield from without_expert_tensors(super()._get_all_weights(model_config, model), installed)
 
     return MegaMoEModelLoader
@@ -70,3 +77,4 @@ def register() -> None:
     if LOAD_FORMAT not in LOAD_FORMAT_CHOICES:
         add_load_format_choices([LOAD_FORMAT])
     HookRegistry.register(VERIFY_LOAD_FORMAT, megamoe_as_loader_class, HookType.AROUND)
+    register_hooks()  # every other load format serves a conversion's experts too, or refuses

@@ -16,12 +16,14 @@ from torch import nn
 
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.engines.load_format import (
+    INSTALLED_ATTR,
     LOAD_FORMAT,
     RANK_FILES_PATTERN,
     as_safetensors_config,
     without_expert_tensors,
 )
 from megamoe_convert.engines.vllm_install import install_layers
+from megamoe_convert.engines.vllm_models import register_models
 from megamoe_convert.serve.loader import prepare_gpu_staging
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
@@ -47,16 +49,19 @@ def make_loader_class(default_loader: type) -> type:
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             # before the model's own load_weights (0.32 finalizes there)
             self.installed = install_layers(model, model_config.model, serving=True)
+            setattr(model, INSTALLED_ATTR, self.installed)  # the model's own load_weights must not install again
             super().load_weights(model, model_config)
 
     return MegaMoEModelLoader
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register ``--load-format megamoe`` (no-op without vLLM)."""
+    """``vllm.general_plugins`` entry point: register ``--load-format megamoe``, and make every other
+    load format serve a conversion's experts too (:mod:`.vllm_models`; no-op without vLLM)."""
     try:
         from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
     except ImportError:
         log.debug("megamoe: vllm not importable; --load-format megamoe not registered")
         return
     register_model_loader(LOAD_FORMAT)(make_loader_class(DefaultModelLoader))
+    register_models()

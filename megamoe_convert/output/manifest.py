@@ -45,6 +45,17 @@ class ManifestError(ValueError):
         self.problems = problems or [message]
 
 
+def format_ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the ``--ranks`` syntax)."""
+    parts: list[list[int]] = []
+    for i in ids:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
 def rank_dir_name(rank: int, ep_size: int) -> str:
     return f"rank-{rank:05d}-of-{ep_size:05d}"
 
@@ -154,6 +165,31 @@ class Manifest:
     #: A store (``convert`` without ``--ep-size``): one file per layer of its logical experts in order
     #: (:func:`store_file`); ``placement`` is then EP 1's, ``engine`` :data:`ANY_ENGINE`.
     store: bool = False
+    #: Every MoE layer of the source (``None``: a manifest written before this was recorded), so
+    #: that a ``--layers`` subset reads as partial.
+    source_layers: list[str] | None = None
+
+    def coverage(self) -> dict[str, Any]:
+        """What this conversion holds of the model at its EP size, and whether an engine can serve it
+        as it is: every rank, every MoE layer and the non-expert weights (``--ranks``, ``--layers``
+        and ``--experts-only`` make partial conversions)."""
+        missing_ranks = sorted(set(range(self.ep_size)) - set(self.ranks))
+        held = {l.key for l in self.layers}
+        missing_layers = [k for k in self.source_layers or [] if k not in held]
+        gaps = []
+        if missing_ranks:
+            gaps.append(f"holds ranks {format_ranges(sorted(set(self.ranks)))} of EP {self.ep_size}, not "
+                        f"{format_ranges(missing_ranks)} (a server needs every rank it runs: convert or pull them)")
+        if missing_layers:
+            shown = ", ".join(missing_layers[:6]) + (" ..." if len(missing_layers) > 6 else "")
+            gaps.append(f"{len(held)} of {len(held) + len(missing_layers)} MoE layers (missing {shown})")
+        if self.experts_only:
+            gaps.append("no non-expert weights (--experts-only): --load-format megamoe refuses it")
+        return {"partial": bool(gaps), "servable": not gaps, "ranks": sorted(set(self.ranks)),
+                "missing_ranks": missing_ranks, "layers": [l.key for l in self.layers],
+                "missing_layers": missing_layers, "non_expert_weights": not self.experts_only,
+                "note": "; ".join(gaps) if gaps else f"every rank of EP {self.ep_size}, every MoE layer, "
+                                                     "non-expert weights: servable"}
 
     @property
     def ep_size(self) -> int:
@@ -192,6 +228,8 @@ class Manifest:
             "placement": self.placement.to_json(),
             "layers": [{"key": l.key, "prefix": l.prefix} for l in self.layers],
             "experts_only": self.experts_only,
+            **({"source_layers": self.source_layers} if self.source_layers is not None else {}),
+            "coverage": {k: v for k, v in self.coverage().items() if k in ("partial", "servable", "note")},
             **({"store": True} if self.store else {}),
             "checksum_algorithm": CHECKSUM_ALGORITHM,
             "files": [f.to_json() for f in self.files],
@@ -302,11 +340,14 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
     layers = f.each(f.list(data, "layers", max_len=1 << 16), lambda x, label: _layer(f, x, label), "layers")
     files = f.each(f.list(data, "files"), lambda x, label: _file_record(f, x, label), "files")
+    source_layers = (f.each(f.list(data, "source_layers", max_len=1 << 16),
+                            lambda x, label: _layer(f, {"key": x}, label).key, "source_layers")
+                     if "source_layers" in data else None)
     return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
                     format_version=versions[0], layout_version=versions[1], engine=engine, family=family,
-                    store=store)
+                    store=store, source_layers=source_layers)
 
 
 def _duplicates(items: list[Any]) -> list[Any]:
@@ -366,3 +407,23 @@ def read_manifest(out: Path) -> Manifest:
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))
+
+
+class VerifyUsageError(ValueError):
+    """``verify`` pointed at something that is not a conversion (a source checkpoint)."""
+
+
+def is_source_checkpoint(path: Path) -> bool:
+    """A directory holding a model's ``config.json`` and safetensors weights, but no manifest."""
+    if (path / STATE_DIR).exists() or any(path.glob("rank-*")) or any(path.glob("manifest.part-*")):
+        return False  # an unfinished conversion: reported as one
+    return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
+                                                  or any(path.glob("*.safetensors")))
+
+
+def refuse_source_checkpoint(out: Path) -> None:
+    """``verify`` pointed at a source checkpoint (no manifest, a model's config and weights): a usage error."""
+    if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
+        raise VerifyUsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what "
+                               f"`megamoe convert` wrote (megamoe verify OUT --source {out}); "
+                               f"`megamoe inspect {out}` shows what a checkpoint holds")

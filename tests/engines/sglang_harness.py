@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import json
 import sys
 import types
@@ -53,6 +54,10 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, _TorchvisionStandIn())
+#: The same stand-in as source, for a subprocess (``bare_env``: SGLang without megamoe-convert).
+TORCHVISION_STAND_IN = "\n".join(["import importlib.abc, importlib.machinery, sys, types",
+                                  inspect.getsource(_EmptyModule), inspect.getsource(_TorchvisionStandIn),
+                                  "sys.meta_path.insert(0, _TorchvisionStandIn())", ""])
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

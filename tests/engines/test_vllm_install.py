@@ -85,11 +85,13 @@ def test_a_mismatched_module_is_refused_before_any_module_changes(engine_ckpt, e
 
 
 def test_an_explicit_placement_is_refused_because_vllm_maps_slots_by_modulo(engine_ckpt, tmp_path):
-    from conftest import run_convert  # tests/engines/conftest.py
 
     (tmp_path / "eplb.json").write_text("[3, 2, 1, 0, 7, 6, 5, 4, 0, 1, 2, 3]")
-    out = run_convert(engine_ckpt, tmp_path / "eplb", "--ep-size", EP_SIZE, "--placement", tmp_path / "eplb.json",
-                  "--experts-only")
+    from megamoe_convert.convert import ConvertOptions, convert
+
+    out = tmp_path / "eplb"  # `convert` refuses this for vLLM; install's own refusal is the second line of defence
+    convert(engine_ckpt, out, ConvertOptions(EP_SIZE, placement_file=tmp_path / "eplb.json", experts_only=True,
+                                             check_serving=False))
     with h.patched(1, EP_SIZE):
         main, _ = build(h.hf_config(engine_ckpt), 1)
         with pytest.raises(InstallError, match="explicit expert placement"):

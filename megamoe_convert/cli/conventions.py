@@ -1,0 +1,172 @@
+"""The command line's conventions, applied to every command at once (cli.py's ``main``):
+
+- ``-h`` as well as ``--help``; ``-q/--quiet`` on every command (no progress, no status lines);
+- metavars that read like a usage line (``SRC OUT``, ``--ep-size N``), never a Python type;
+- one-line summaries written for the command list, never cut mid-parenthesis;
+- usage errors in plain words (the argument parser's validation messages are rewritten), and as
+  JSON on stdout too when ``--json`` was asked for;
+- SIGTERM (``timeout``, Kubernetes) handled like Ctrl-C: the same clean stop and resume hint,
+  exit 143 (Ctrl-C: 130).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import signal
+import sys
+from typing import Any
+
+import typer
+from typer._click import exceptions as click_exceptions
+
+from megamoe_convert import ui
+
+HELP_OPTIONS = ["-h", "--help"]
+
+#: Option metavars by parameter name (arguments get their name in capitals: SRC, OUT, REPO_ID).
+OPTION_METAVARS = {
+    "ep_size": "N", "num_redundant_experts": "R", "placement_file": "FILE", "device": "cpu|cuda", "workers": "K",
+    "ranks": "RANKS", "layers": "LAYERS", "chunk_mb": "MB", "revision": "REV", "shard": "I/N",
+    "shard_by": "layer|rank", "engine": "vllm|sglang", "source": "SRC", "sample": "K", "seed": "N",
+    "preset": "NAME", "experts": "N", "mtp_layers": "N", "weight_format": "mxfp4|mxfp8|nvfp4|bf16",
+    "weight_dtype": "int8|uint8|float4", "scale_dtype": "e8m0|uint8", "shard_mb": "MB", "local_dir": "DIR", "model": "OUT",
+}
+#: ``synth --layers`` is a count, ``convert --layers`` a selection.
+COMMAND_METAVARS = {("synth", "layers"): "N"}
+ARGUMENT_METAVARS = {"parts": "PART_DIR"}
+
+#: What the command list shows for each command (click would cut the docstring at 45 characters).
+SHORT_HELP = {
+    "synth": "Write a random test checkpoint of a supported model family.",
+    "inspect": "Show what a checkpoint or a conversion holds, and how to serve it.",
+    "plan": "Show which logical experts every rank holds.",
+    "convert": "Convert a checkpoint into per-rank MegaMoE files and a manifest.",
+    "verify": "Check a conversion (checksums; bytes, numerics vs the source).",
+    "push": "Upload a conversion to the Hugging Face hub.",
+    "pull": "Download a pushed conversion, only the ranks you name.",
+    "merge": "Assemble the parts of a split conversion (convert --shard).",
+    "preload": "Start vLLM's weight-cache daemons from a conversion.",
+}
+
+#: The state the conventions keep for the command running (read by cli.run_command and ui).
+state: dict[str, Any] = {"json": False}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that every clean-up a Ctrl-C runs also runs."""
+
+    exit_code = 143
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def install_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
+    if value:
+        ui.set_quiet(True)
+    return value
+
+
+def _track_json(original: Any) -> Any:
+    def callback(ctx: Any, param: Any, value: Any) -> Any:
+        if value:
+            state["json"] = True
+        return original(ctx, param, value) if original is not None else value
+    return callback
+
+
+def _plain_argument(param: Any, metavar: str) -> None:
+    """``SRC`` in the usage line and the argument list (not ``{src}`` and ``src <str>``)."""
+    param.metavar = metavar
+    usage = (metavar if param.required else f"[{metavar}]") + ("..." if param.nargs != 1 else "")
+    param._usage_display_name = lambda: usage
+    param.display_type_rich = lambda ctx=None: ""
+
+
+def _quiet_option(template: Any) -> Any:
+    """``-q/--quiet``, made from one of the group's own flags (the parser's option class)."""
+    quiet = copy.copy(template)
+    quiet.name, quiet.opts, quiet.secondary_opts = "quiet", ["-q", "--quiet"], []
+    quiet.help = "No progress or status lines (errors and --json output still appear)."
+    quiet.callback, quiet.expose_value, quiet.is_eager = _set_quiet, False, True
+    return quiet
+
+
+def apply(group: Any) -> Any:
+    """Apply the conventions to the whole command tree (once per process)."""
+    template = next(p for p in group.params if p.name == "debug")
+    for name, command in group.commands.items():
+        command.context_settings = {**(command.context_settings or {}), "help_option_names": HELP_OPTIONS}
+        if name in SHORT_HELP:
+            command.short_help = SHORT_HELP[name]
+        for param in command.params:
+            if param.name == "as_json":
+                param.callback = _track_json(param.callback)
+            if getattr(param, "metavar", None) is not None:
+                continue
+            if getattr(param, "param_type_name", "") == "argument":
+                _plain_argument(param, ARGUMENT_METAVARS.get(param.name or "", (param.name or "ARG").upper()))
+            elif not getattr(param, "is_flag", False) and not getattr(param, "count", False):
+                param.metavar = COMMAND_METAVARS.get((name, param.name or ""), OPTION_METAVARS.get(
+                    param.name or "", (param.name or "VALUE").upper()))
+        command.params.append(_quiet_option(template))
+    return group
+
+
+#: The argument parser's validation wording, and what a user reads instead.
+_REWRITES = [
+    (re.compile(r"Value error, "), ""),
+    (re.compile(r"Input should be greater than or equal to (\S+)"), r"must be at least \1"),
+    (re.compile(r"Input should be less than or equal to (\S+)"), r"must be at most \1"),
+    (re.compile(r"Input should be a valid integer.*"), "expected a whole number"),
+    (re.compile(r"Input should be a valid number.*"), "expected a number"),
+    (re.compile(r"Input should be (.*)"), r"expected \1"),
+]
+
+
+def plain_words(message: str) -> str:
+    for pattern, replacement in _REWRITES:
+        message = pattern.sub(replacement, message)
+    return message
+
+
+def json_requested(args: list[str]) -> bool:
+    head = args[:args.index("--")] if "--" in args else args
+    return bool(state["json"]) or "--json" in head
+
+
+def print_json_error(message: str, exit_code: int) -> None:
+    sys.stdout.write(json.dumps({"ok": False, "error": message, "exit_code": exit_code}, indent=2) + "\n")
+
+
+def run(group: Any, args: list[str], prog_name: str) -> int:
+    """Run the command line; returns the exit code."""
+    try:
+        result = group.main(args, prog_name=prog_name, standalone_mode=False)
+        return result if isinstance(result, int) else 0
+    except click_exceptions.UsageError as e:
+        e.message = plain_words(e.message)
+        e.show()
+        if json_requested(args):
+            print_json_error(f"{e.format_message()}", e.exit_code)
+        return e.exit_code
+    except typer.Exit as e:
+        return int(getattr(e, "exit_code", 0) or 0)
+    except typer.Abort:
+        return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return Terminated.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except click_exceptions.ClickException as e:
+        e.show()
+        return e.exit_code

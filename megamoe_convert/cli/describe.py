@@ -1,0 +1,153 @@
+"""What ``megamoe inspect`` says: the sizes a conversion will have (from the very units ``convert``
+writes), what a finished conversion is, and the serve command that matches it for each engine."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import threading
+from pathlib import Path
+from typing import Any
+
+from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.convert.plan import ConvertOptions, index_text, non_expert_index, working_ep_sizes
+from megamoe_convert.convert.run import build_plan
+from megamoe_convert.engines import shape_refusals
+from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, format_ranges, rank_dir_name
+from megamoe_convert.source.safetensors_io import FileCache
+
+
+# --------------------------------------------------------------------------------------
+# Sizes, before converting
+# --------------------------------------------------------------------------------------
+
+def planned_sizes(src: Path, options: ConvertOptions) -> dict[str, Any]:
+    """Every file ``convert SRC OUT`` with ``options`` writes, sized exactly as it will be written:
+    rank files (routed experts, pre-baked shared expert, NVFP4 extras, logical ids, header), the
+    non-expert shards and their index, and the copied small files. ``manifest.json`` (a few KB,
+    written last) is not counted."""
+    with FileCache() as files:
+        plan = build_plan(src, Path("/nonexistent-out"), options, files, threading.Event())
+    per_rank: dict[int, int] = {r: 0 for r in plan.ranks}
+    kinds = {"small": 0, "non_expert": 0}
+    for unit in plan.units:
+        if unit.kind == "experts":
+            assert unit.rank is not None
+            per_rank[unit.rank] += unit.file_size
+        else:
+            kinds[unit.kind] += unit.file_size
+    index = non_expert_index(plan)
+    index_bytes = len(index_text(index).encode()) if index is not None else 0
+    rank_total = sum(per_rank.values())
+    return {"ep_size": plan.placement.ep_size, "ranks": plan.ranks, "layers": [l.key for l in plan.layers],
+            "rank_bytes": {str(r): b for r, b in per_rank.items()},
+            "expert_bytes_per_rank": max(per_rank.values(), default=0),
+            "expert_bytes_total": rank_total, "non_expert_bytes": kinds["non_expert"] + index_bytes,
+            "small_file_bytes": kinds["small"],
+            "total_bytes": rank_total + kinds["non_expert"] + index_bytes + kinds["small"],
+            "experts_per_rank": plan.placement.experts_per_rank}
+
+
+def ep_sizes(ckpt: Checkpoint, num_redundant: int = 0) -> dict[str, list[int]]:
+    """Per engine that can hold this family's placement: the EP sizes for which every MoE layer
+    (MTP layers with their own expert count included) divides over the ranks."""
+    assert ckpt.family is not None
+    return {engine: working_ep_sizes(ckpt, num_redundant, engine, ckpt.layers) for engine in ckpt.family.engines}
+
+
+# --------------------------------------------------------------------------------------
+# A finished conversion
+# --------------------------------------------------------------------------------------
+
+def is_conversion(path: Path) -> bool:
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
+def conversion_sizes(out: Path, manifest: Manifest) -> dict[str, Any]:
+    """Sizes by the manifest's own records (every file convert wrote), ``manifest.json`` included."""
+    per_rank = {str(r): 0 for r in manifest.ranks}
+    non_expert = small = 0
+    for record in manifest.files:
+        if "/" in record.path:
+            rank = int(record.path.split("/")[0].split("-")[1])
+            per_rank[str(rank)] = per_rank.get(str(rank), 0) + record.size
+        elif record.path.endswith(".safetensors") or record.path.endswith(".safetensors.index.json"):
+            non_expert += record.size
+        else:
+            small += record.size
+    manifest_bytes = (out / MANIFEST_NAME).stat().st_size
+    return {"rank_bytes": per_rank, "expert_bytes_per_rank": max(per_rank.values(), default=0),
+            "expert_bytes_total": sum(per_rank.values()), "non_expert_bytes": non_expert,
+            "small_file_bytes": small + manifest_bytes,
+            "total_bytes": sum(per_rank.values()) + non_expert + small + manifest_bytes}
+
+
+def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
+    """Per engine: whether it can serve this conversion, the exact command when it can, and why not
+    when it cannot (engine the placement was built for, family, shapes, placement, partial)."""
+    from megamoe_convert.source.families import by_name
+
+    family = by_name(manifest.family, MANIFEST_NAME)
+    refusals = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family)
+    coverage = manifest.coverage()
+    n, placement = manifest.ep_size, manifest.placement
+    path = shlex.quote(out)
+    result: dict[str, dict[str, Any]] = {}
+    for engine in ("vllm", "sglang"):
+        why = []
+        if manifest.engine != engine:
+            why.append(f"converted for {manifest.engine}'s expert placement (convert with --engine {engine})")
+        elif refusals.get(engine):
+            why.append(str(refusals[engine]))
+        if engine == "vllm" and not placement.is_default():
+            why.append("an explicit placement: vLLM serves only its default one")
+        if engine == "sglang" and manifest.dims.weight_format != "mxfp4":
+            why.append(f"SGLang's MegaMoE takes MXFP4 experts, these are {manifest.dims.weight_format}")
+        if not coverage["servable"]:
+            why.append(coverage["note"])
+        command, notes = "", []
+        if not why and engine == "vllm":
+            command = (f"vllm serve {path} --load-format megamoe --data-parallel-size {n} --enable-expert-parallel "
+                       "--moe-backend deep_gemm_mega_moe")
+            if placement.num_redundant:
+                command += (" --enable-eplb --eplb-config "
+                            + shlex.quote(json.dumps({"num_redundant_experts": placement.num_redundant})))
+            notes.append("vLLM 0.30-0.33; one process per GPU (EP over data parallel)")
+        elif not why:
+            command = (f"python -m sglang.launch_server --model-path {path} --load-format megamoe --tp-size {n} "
+                       f"--ep-size {n} --moe-a2a-backend megamoe")
+            if placement.num_redundant:
+                command += f" --ep-num-redundant-experts {placement.num_redundant}"
+            if not placement.is_default():
+                notes.append("add --init-expert-location with this placement (manifest.json: "
+                             "placement.physical_to_logical) for every layer")
+            notes.append("SGLang 0.5.23")
+        result[engine] = {"servable": not why, "command": command, "reason": "; ".join(why), "notes": notes}
+    return result
+
+
+def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
+    """What ``inspect OUT`` prints (``--json``: the same keys)."""
+    from megamoe_convert.source.families import by_name
+
+    placement, coverage = manifest.placement, manifest.coverage()
+    absolute = str(Path(out).resolve())
+    return {
+        "kind": "conversion", "path": absolute, "family": manifest.family,
+        "model_family": by_name(manifest.family, MANIFEST_NAME).title, "weight_format": manifest.dims.weight_format,
+        "engine": manifest.engine, "ep_size": manifest.ep_size, "ranks": sorted(set(manifest.ranks)),
+        "rank_dirs": [rank_dir_name(r, manifest.ep_size) for r in sorted(set(manifest.ranks))],
+        "layers": [l.key for l in manifest.layers], "experts_only": manifest.experts_only,
+        "n_routed_experts": manifest.dims.n_routed_experts, "num_redundant_experts": placement.num_redundant,
+        "experts_per_rank": placement.experts_per_rank,
+        "placement": "default" if placement.is_default() else "explicit",
+        "shared_expert_prebaked": bool(manifest.dims.shared_intermediate_size),
+        "partial": coverage["partial"], "servable": coverage["servable"], "coverage": coverage,
+        "sizes": conversion_sizes(Path(out), manifest),
+        "serve": serve_commands(absolute, manifest),
+        "source": {k: manifest.source.get(k) for k in ("path", "repo_id", "revision") if k in manifest.source},
+    }
+
+
+def describe_ranks(ranks: list[int], ep_size: int) -> str:
+    return "all" if sorted(set(ranks)) == list(range(ep_size)) else format_ranges(sorted(set(ranks)))

@@ -1,0 +1,251 @@
+"""``megamoe inspect`` and ``megamoe plan`` (registered into the main app by cli.py)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+
+import typer
+from rich.table import Table
+
+from megamoe_convert.ui import human_bytes, out_console
+
+if TYPE_CHECKING:
+    from megamoe_convert.placement import Placement
+
+
+class Engine(str, Enum):
+    vllm = "vllm"
+    sglang = "sglang"
+
+
+#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way).
+EngineOption = Annotated[Engine, typer.Option(help="Serving engine whose expert placement the ranks follow: "
+                                                   "SGLang builds the MTP layer without redundant experts.")]
+
+#: ``--revision`` of the commands that read a source checkpoint.
+RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
+                                                            "download (default: main).")]
+
+
+def resolve_source(src: str, revision: str | None = None) -> Path:
+    """A local directory (hub repo ids are resolved by :mod:`.hub` where available)."""
+    path = Path(src)
+    if path.exists():
+        return path
+    try:
+        from megamoe_convert.serve.hub import resolve_source as hub_resolve
+    except ImportError:
+        return path
+    return hub_resolve(src, revision)
+
+
+def engines_json(refusals: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+    """Per engine: ``{"supported": bool, "reason": str}`` (never null meaning "supported")."""
+    return {engine: {"supported": why is None, "reason": why or ""} for engine, why in refusals.items()}
+
+
+def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
+             print_json: Callable[[Any], None]) -> None:
+    """Add ``inspect`` and ``plan`` to ``app``."""
+
+    @app.command()
+    def inspect(
+        src: Annotated[str, typer.Argument(help="A checkpoint directory (or hub repo id), a directory "
+                                                "`megamoe convert` wrote (it has a manifest.json), or a store "
+                                                "(what each rank reads of it).")],
+        ep_size: Annotated[Optional[int], typer.Option(min=1, help="Size the conversion for this EP size: bytes "
+                                                                   "per rank and in all (default: list the EP "
+                                                                   "sizes that work).")] = None,
+        num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
+        engine: EngineOption = Engine.vllm,
+        experts_only: Annotated[bool, typer.Option(help="Size an --experts-only conversion.")] = False,
+        as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+        revision: RevisionOption = None,
+    ) -> None:
+        """Show what a checkpoint holds (MoE layers incl. MTP, experts, dims, dtypes, the EP sizes that
+        work, bytes per rank and in all as convert will write them, which engines serve its shapes) or,
+        for a conversion, what it is and the exact command that serves it."""
+        from megamoe_convert.cli.describe import is_conversion
+
+        def body() -> None:
+            if _store_reads(src, as_json, print_json, ep_size or 1, num_redundant_experts, None, engine.value):
+                return  # a store (convert without --ep-size): what each rank reads of it
+            if is_conversion(Path(src)):
+                _inspect_conversion(Path(src), as_json, print_json)
+            else:
+                _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts, engine.value,
+                                    experts_only, as_json, print_json)
+        run_command(body)
+
+    @app.command()
+    def plan(
+        src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
+        ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
+        num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
+        placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id "
+                                                                                 "of every physical slot.")] = None,
+        engine: EngineOption = Engine.vllm,
+        layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: "
+                                                           "all).")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
+        revision: RevisionOption = None,
+    ) -> None:
+        """Print which logical experts every rank's slots hold, per layer where the engine's rule
+        differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
+        the checkpoint's shapes."""
+        from megamoe_convert.source.checkpoint import Checkpoint
+        from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
+        from megamoe_convert.engines import describe_engines, shape_refusals
+        from megamoe_convert.placement import layer_placement
+
+        def body() -> None:
+            if _store_reads(src, as_json, print_json, ep_size, num_redundant_experts, placement_file, engine.value):
+                return
+            ckpt = Checkpoint.open(resolve_source(src, revision))
+            options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
+                                     layers=layers)
+            placement = make_placement(ckpt, options)
+            own = {l.key: p for l in select_layers(ckpt, layers)
+                   if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l))) != placement}
+            d = ckpt.dims
+            if as_json:
+                print_json({**placement.to_json(), "engine": engine.value,
+                            "layer_placements": {key: p.to_json() for key, p in own.items()},
+                            "engines": engines_json(shape_refusals(d.hidden_size, d.moe_intermediate_size,
+                                                                   ckpt.family))})
+                return
+            out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
+            for key, p in own.items():
+                out_console.print(_placement_table(p, f"{key} ({engine.value})"))
+            out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
+        run_command(body)
+
+
+def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str, experts_only: bool,
+                        as_json: bool, print_json: Callable[[Any], None]) -> None:
+    from megamoe_convert.source.checkpoint import Checkpoint
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.cli.describe import ep_sizes, planned_sizes
+    from megamoe_convert.engines import describe_engines, shape_refusals
+
+    ckpt = Checkpoint.open(path)
+    d = ckpt.dims
+    first = ckpt.layers[0]
+    dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in d.expert_byte_shapes()}
+    refusals = shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)
+    working = {name: sizes for name, sizes in ep_sizes(ckpt, redundant).items() if refusals.get(name) is None}
+    summary: dict[str, Any] = {
+        "kind": "checkpoint", "path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type"),
+        "family": ckpt.family.name, "model_family": ckpt.family.title,
+        "weight_format": d.weight_format, "shared_expert_prebaked": bool(d.shared_intermediate_size),
+        "shared_intermediate_size": d.shared_intermediate_size, "shared_expert_note": ckpt.shared_expert_note or "",
+        "dims": dict(d.__dict__), "moe_layers": [l.key for l in ckpt.layers],
+        "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
+        "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
+        "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
+        "num_redundant_experts": redundant, "working_ep_sizes": working,
+        "engines": engines_json(shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)),
+    }
+    if ep_size is not None:
+        options = ConvertOptions(ep_size, redundant, engine=engine, experts_only=experts_only)
+        summary["conversion"] = {"engine": engine, "experts_only": experts_only, **planned_sizes(ckpt.root, options)}
+    if as_json:
+        print_json(summary)
+        return
+    table = Table(title=f"{ckpt.root}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("model family / weight format", f"{ckpt.family.title} ({summary['model_type']}) / {d.weight_format}")
+    table.add_row("fused shared expert", f"pre-baked (intermediate {d.shared_intermediate_size})"
+                  if d.shared_intermediate_size else f"not pre-baked: {ckpt.shared_expert_note}")
+    table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
+    table.add_row("routed experts", f"{d.n_routed_experts}" + (f" (MTP layers: {d.mtp_n_routed_experts})"
+                                                               if d.mtp_n_routed_experts else ""))
+    decoder = [l for l in ckpt.layers if not l.is_mtp]
+    table.add_row("MoE layers", f"{len(decoder)} decoder + {len(summary['mtp_layers'])} MTP")
+    table.add_row("expert dtypes", ", ".join(f"{k}={v}" for k, v in dtypes.items()))
+    table.add_row("shards / tensors", f"{summary['shards']} / {summary['tensors']}")
+    table.add_row("expert bytes", human_bytes(summary["expert_bytes"]))
+    table.add_row("non-expert bytes", human_bytes(summary["non_expert_bytes"]))
+    redundant_text = f" with {redundant} redundant experts" if redundant else ""
+    for name, sizes in working.items():
+        table.add_row(f"EP sizes for {name}{redundant_text}", ", ".join(map(str, sizes)) or "none")
+    if ep_size is not None:
+        c = summary["conversion"]
+        table.add_row(f"convert --ep-size {ep_size} ({engine})",
+                      f"{human_bytes(c['expert_bytes_per_rank'])} per rank ({c['experts_per_rank']} slots/layer, "
+                      "shared expert and all extras included); "
+                      f"{human_bytes(c['total_bytes'])} in all")
+    else:
+        table.add_row("bytes per rank", "pass --ep-size N to size a conversion")
+    table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family))
+    out_console.print(table)
+
+
+def _inspect_conversion(out: Path, as_json: bool, print_json: Callable[[Any], None]) -> None:
+    from megamoe_convert.cli.describe import describe_conversion, describe_ranks
+    from megamoe_convert.output.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    info = describe_conversion(out, manifest)
+    if as_json:
+        print_json(info)
+        return
+    sizes = info["sizes"]
+    table = Table(title=f"{info['path']} (a megamoe conversion)", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("model family / weight format", f"{info['model_family']} / {info['weight_format']}")
+    table.add_row("converted for", f"{info['engine']}, EP {info['ep_size']}")
+    table.add_row("ranks present", f"{describe_ranks(info['ranks'], info['ep_size'])} of {info['ep_size']}")
+    table.add_row("MoE layers", ", ".join(info["layers"]) if len(info["layers"]) <= 8 else
+                  f"{len(info['layers'])} ({info['layers'][0]} .. {info['layers'][-1]})")
+    table.add_row("experts", f"{info['n_routed_experts']} routed + {info['num_redundant_experts']} redundant, "
+                             f"{info['experts_per_rank']} per rank; placement {info['placement']}")
+    table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
+    table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
+    table.add_row("size", f"{human_bytes(sizes['expert_bytes_per_rank'])} per rank, "
+                          f"{human_bytes(sizes['total_bytes'])} in all")
+    out_console.print(table)
+    for engine, serve in info["serve"].items():
+        if serve["servable"]:
+            out_console.print(f"serve with {engine}:", markup=False, highlight=False)
+            out_console.print(f"  {serve['command']}", markup=False, highlight=False)
+            for note in serve["notes"]:
+                out_console.print(f"  ({note})", markup=False, highlight=False)
+        else:
+            out_console.print(f"not servable with {engine}: {serve['reason']}", markup=False, highlight=False)
+
+
+def _store_reads(src: str, as_json: bool, print_json: Callable[[Any], None], *args: Any) -> bool:
+    """``inspect`` / ``plan`` of a store: what each rank reads of it (``cli/store.py``); False for anything else."""
+    from megamoe_convert.cli.store import reads_table, store_manifest, store_reads
+
+    manifest = store_manifest(src)
+    if manifest is None:
+        return False
+    data = store_reads(src, manifest, *args)
+    if as_json:
+        print_json(data)
+    else:
+        out_console.print(reads_table(data))
+    return True
+
+
+def _placement_table(placement: "Placement", what: str) -> Table:
+    table = Table(title=f"{what}, EP {placement.ep_size}: {placement.n_physical} physical slots for "
+                        f"{placement.n_logical} logical experts ({placement.experts_per_rank} per rank)")
+    for col in ("rank", "physical slots", "logical experts"):
+        table.add_column(col)
+    for rank in range(placement.ep_size):
+        start = placement.experts_start(rank)
+        table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
+                      _short_list(placement.rank_logical_ids(rank)))
+    return table
+
+
+def _short_list(ids: tuple[int, ...]) -> str:
+    text = ", ".join(map(str, ids))
+    return text if len(text) < 80 else text[:76] + " ..."

@@ -1,0 +1,126 @@
+"""Every SGLang load format serves a conversion's pre-baked experts, or refuses (SGLang 0.5.23).
+
+A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
+SGLang refuses when it resolves the model class. With megamoe-convert installed, the
+``sglang.srt.plugins`` entry point (:func:`.sglang_loader.register`) adds two hooks through
+SGLang's own ``HookRegistry``:
+
+- around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
+  and configures the model exactly as for the source); the ``megamoe`` section stays on the
+  config and records the directory. A conversion SGLang cannot serve (converted for vLLM's
+  placement: every DeepSeek-V4.1 and Kimi-K3 conversion, a DeepSeek-V4 one without
+  ``--engine sglang``) is refused right there, in one line.
+- around ``load_weights`` of SGLang's DeepSeek-V4 model classes (the model and its NextN draft):
+  the rank's experts are installed first (:func:`.sglang.install_layers`, which refuses a model
+  that does not match), then everything else loads as SGLang would. Every loader that calls the
+  model's ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ...) therefore serves
+  the experts; around ``get_model_architecture``, any other class (``--model-impl transformers``)
+  is refused.
+
+A conversion made before the marker existed (a megamoe ``manifest.json``, no section) is
+recognised by its manifest and served the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.output import marker
+
+log = logging.getLogger(__name__)
+
+#: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; the
+#: ``HookRegistry`` re-points those bindings).
+GET_CONFIG = "sglang.srt.utils.hf_transformers.config.get_config"
+#: SGLang's model-class resolution (``--model-impl``): only the classes below serve a conversion.
+GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
+#: SGLang's model classes that hold MegaMoE experts, each defining its own ``load_weights``.
+LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights",
+                "sglang.srt.models.deepseek_v4_nextn.DeepseekV4ForCausalLMNextN.load_weights")
+#: The section's key recording the directory (or hub repo id) the config was read from.
+PATH_KEY = "path"
+
+
+def manifest_engine(path: str) -> str | None:
+    """The engine a local conversion was made for (``None``: not local, or unreadable: install decides)."""
+    try:
+        data = json.loads((Path(path) / marker.MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data.get("engine", "vllm") if isinstance(data, dict) else None
+
+
+def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``AROUND`` hook of SGLang's ``get_config`` (see the module docstring)."""
+    config = get_config(model, *args, **kwargs)
+    section = marker.restore(config)
+    if section is None and is_unmarked_conversion(model):
+        log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but an SGLang "
+                    "without megamoe-convert would serve none; rerun the same megamoe convert", model)
+        section = {"converted_by": marker.TOOL}
+        setattr(config, marker.SECTION, section)
+    if section is None:
+        return config
+    engine = manifest_engine(str(model))
+    if engine is not None and engine != "sglang":
+        raise InstallError(f"{model}: converted for {engine}'s expert placement, which SGLang does not serve; "
+                           "convert a DeepSeek-V4 checkpoint with --engine sglang (or serve this one with vLLM)")
+    section[PATH_KEY] = str(model)
+    return config
+
+
+def conversion_of(model: nn.Module) -> str | None:
+    """The converted directory an SGLang model was built from (its config's section), or None."""
+    section = getattr(getattr(model, "config", None), marker.SECTION, None)
+    if isinstance(section, dict) and section.get("converted_by") == marker.TOOL and section.get(PATH_KEY):
+        return str(section[PATH_KEY])
+    return None
+
+
+def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
+                        weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> Any:
+    """``AROUND`` hook of the models' ``load_weights``: a conversion's experts first, then the rest."""
+    out = conversion_of(model)
+    if out is None:
+        return load_weights(model, weights, *args, **kwargs)
+    from megamoe_convert.engines.sglang import install_layers
+
+    installed = getattr(model, INSTALLED_ATTR, None)
+    if installed is None:
+        installed = install_layers(model, out, serving=True)
+        setattr(model, INSTALLED_ATTR, installed)
+    return load_weights(model, without_expert_tensors(weights, installed), *args, **kwargs)
+
+
+def architecture_around(get_model_architecture: Callable[..., Any], model_config: Any, *args: Any,
+                        **kwargs: Any) -> Any:
+    """``AROUND`` hook of SGLang's ``get_model_architecture``: a conversion is served only by the
+    model classes whose ``load_weights`` installs it (``--model-impl transformers`` would build
+    Hugging Face's modeling, which has no MegaMoE experts)."""
+    model_cls, arch = get_model_architecture(model_config, *args, **kwargs)
+    section = getattr(getattr(model_config, "hf_config", None), marker.SECTION, None)
+    if isinstance(section, dict) and section.get("converted_by") == marker.TOOL:
+        served = {target.rsplit(".", 2)[-2] for target in LOAD_WEIGHTS}
+        if not any(cls.__name__ in served for cls in model_cls.__mro__):
+            raise InstallError(f"{section.get(PATH_KEY, 'the converted directory')}: SGLang would build {arch}, which "
+                               f"megamoe-convert cannot install experts into (it serves {', '.join(sorted(served))}); "
+                               "drop --model-impl transformers")
+    return model_cls, arch
+
+
+def register_hooks() -> None:
+    """Register both hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
+    HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
+    for target in LOAD_WEIGHTS:
+        HookRegistry.register(target, load_weights_around, HookType.AROUND)

@@ -1,0 +1,175 @@
+"""Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
+
+A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
+vLLM refuses. With megamoe-convert installed, :func:`register` (run by the ``vllm.general_plugins``
+entry point in every vLLM process, before any config is read) does two things:
+
+- vLLM's ``hf`` config parser is replaced by one that puts the original architectures back, so
+  vLLM builds and configures the model exactly as for the source (every architecture-keyed
+  setting of vLLM applies); the ``megamoe`` section stays on the config.
+- Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
+  drafts) is registered again as a thin subclass of vLLM's own class whose ``load_weights``
+  first installs the rank's pre-baked experts (``engines/vllm_install.py``'s ``install_layers``, which
+  refuses a model that does not match) and then loads the rest as vLLM would. Every loader that
+  calls ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ``fastsafetensors``, ...)
+  therefore serves the experts. On a directory that is no conversion the subclass is vLLM's class.
+- vLLM's Transformers-backend classes (``--model-impl transformers``) are registered again as
+  subclasses that refuse a conversion before they are built: they have no MegaMoE experts.
+
+A conversion made before the marker existed (no ``megamoe`` section, a ``manifest.json``) is
+recognised by its manifest and served the same way (a bare vLLM would serve it without experts:
+rerun the same ``megamoe convert`` to mark it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from megamoe_convert.engines import InstallError
+from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.output import marker
+
+log = logging.getLogger(__name__)
+
+#: vLLM architectures whose models hold MegaMoE experts: target models, and drafts (whose config
+#: is the speculative config's draft model config).
+TARGETS = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "KimiK3ForConditionalGeneration")
+DRAFTS = ("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel", "KimiK3MTPModel")
+#: Where the subclass keeps the conversion it serves (``None``: vLLM's class, unchanged).
+CONVERSION_ATTR = "megamoe_conversion"
+
+
+def conversion_of(model_config: Any) -> str | None:
+    """The converted directory (or hub repo id) a vLLM ``ModelConfig`` loads, or None: its config
+    carries the marker's section, or (made before the marker) its local directory has a
+    megamoe ``manifest.json``."""
+    if model_config is None:
+        return None
+    if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is not None:
+        return str(model_config.model)
+    return str(model_config.model) if is_unmarked_conversion(model_config.model) else None
+
+
+def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> set[str]:
+    """The qualified names of the parameters of ``layers`` (what vLLM's loaded-weights check expects
+    ``load_weights`` to have loaded)."""
+    wanted = {id(m) for m in layers}
+    return {f"{name}.{p}" if name else p for name, module in model.named_modules() if id(module) in wanted
+            for p, _ in module.named_parameters(recurse=False)}
+
+
+def make_model_class(base: type, draft: bool) -> type:
+    """vLLM's ``base`` with a ``load_weights`` that installs a conversion's experts first."""
+    from megamoe_convert.engines.vllm_install import CONTRACTS, install_layers
+
+    class MegaMoEModel(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            spec = getattr(vllm_config, "speculative_config", None)
+            own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
+            setattr(self, CONVERSION_ATTR, conversion_of(own))
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            out = getattr(self, CONVERSION_ATTR, None)
+            if out is None or getattr(self, INSTALLED_ATTR, None) is not None:
+                return super().load_weights(weights)  # no conversion, or --load-format megamoe installed
+            experts = [m for m in self.modules() if any(c.detect(m) for c in CONTRACTS)]
+            names = installed_parameter_names(self, experts)  # before 0.30-0.32 release them
+            installed = install_layers(self, out, serving=True)
+            setattr(self, INSTALLED_ATTR, installed)
+            loaded = super().load_weights(without_expert_tensors(weights, installed))
+            return loaded | names if isinstance(loaded, set) else loaded
+
+    MegaMoEModel.__name__ = MegaMoEModel.__qualname__ = base.__name__
+    MegaMoEModel.__module__ = __name__  # model_class() sets the qualname vLLM's registry (and pickle) looks up
+    return MegaMoEModel
+
+
+def make_refusing_class(base: type, arch: str) -> type:
+    """vLLM's Transformers-backend ``base`` (``--model-impl transformers``): it has no MegaMoE experts
+    modules, so on a conversion it is refused before it is built."""
+    class NoMegaMoEModel(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
+            out = conversion_of(vllm_config.model_config)
+            if out is not None:
+                raise InstallError(f"{out}: vLLM would build {arch} (its Transformers backend), which has no MegaMoE "
+                                   "experts to install the conversion into; serve it with vLLM's own implementation "
+                                   "(drop --model-impl transformers)")
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+
+    NoMegaMoEModel.__name__ = NoMegaMoEModel.__qualname__ = base.__name__
+    NoMegaMoEModel.__module__ = __name__
+    return NoMegaMoEModel
+
+
+#: The attribute suffix of the Transformers-backend classes that refuse a conversion.
+REFUSE = "__refuse"
+
+
+def _vllm_suffix() -> str:
+    import vllm
+
+    return "__vllm_" + vllm.__version__.replace(".", "_").replace("+", "_").replace("-", "_")
+
+
+@functools.cache
+def model_class(attribute: str) -> type:
+    """This module's attribute ``ARCH__vllm_X_Y_Z``: the subclass of vLLM's class for ``ARCH``."""
+    from vllm.model_executor.models import registry
+
+    arch = attribute.partition("__vllm_")[0]
+    refuse = arch.endswith(REFUSE)
+    arch = arch.removesuffix(REFUSE)
+    module, cls = registry._VLLM_MODELS[arch]
+    module = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
+    base = getattr(importlib.import_module(module), cls)
+    made = make_refusing_class(base, arch) if refuse else make_model_class(base, draft=arch in DRAFTS)
+    made.__qualname__ = attribute  # what vLLM's registry imports (and pickle finds) in any process
+    return made
+
+
+def __getattr__(name: str) -> type:  # the lazy "module:class" vLLM's registry imports
+    if "__vllm_" not in name:
+        raise AttributeError(name)
+    return model_class(name)
+
+
+def make_config_parser(base: type) -> type:
+    """vLLM's ``HFConfigParser`` putting a conversion's original architectures back."""
+
+    class MegaMoEConfigParser(base):  # type: ignore[misc, valid-type]
+        def parse(self, model: Any, *args: Any, **kwargs: Any) -> tuple[dict, Any]:
+            config_dict, config = super().parse(model, *args, **kwargs)
+            if marker.restore(config) is not None:
+                log.info("megamoe: %s is a megamoe-convert conversion of %s", model, config.architectures)
+            elif is_unmarked_conversion(model):
+                log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but a "
+                            "vLLM without megamoe-convert would serve none; rerun the same megamoe convert", model)
+            return config_dict, config
+
+    return MegaMoEConfigParser
+
+
+def register_models() -> None:
+    """Register the config parser and the model subclasses (see the module docstring)."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.transformers_utils import config as config_utils
+
+    base = config_utils.get_config_parser("hf").__class__
+    if base.__name__ != "MegaMoEConfigParser":
+        config_utils.register_config_parser("hf")(make_config_parser(base))
+    suffix = _vllm_suffix()
+    for arch in TARGETS + DRAFTS:
+        if arch in ModelRegistry.models:
+            ModelRegistry.register_model(arch, f"{__name__}:{arch}{suffix}")
+    from vllm.model_executor.models import registry
+
+    for arch in getattr(registry, "_TRANSFORMERS_BACKEND_MODELS", {}):
+        if arch in ModelRegistry.models:
+            ModelRegistry.register_model(arch, f"{__name__}:{arch}{REFUSE}{suffix}")

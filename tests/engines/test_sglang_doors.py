@@ -1,0 +1,212 @@
+"""Every SGLang door to a converted directory: the pre-baked experts, exactly as SGLang's own
+loading of the source leaves them, or a refusal before serving; never the construction zeros.
+
+- with megamoe-convert installed (its ``sglang.srt.plugins`` entry point, loaded by SGLang's own
+  ``load_plugins``, hooks applied by SGLang's ``HookRegistry``): SGLang's real ``get_config`` and
+  ``get_model_architecture``, and SGLang's own loaders for ``auto`` (what ``launch_server
+  --model-path OUT`` uses), ``safetensors`` and ``megamoe``, each calling the model's ``load_weights``;
+- without it (``bare_env``): SGLang's real ``ModelConfig`` + ``get_model_architecture`` refuse the
+  marker architecture.
+"""
+
+from __future__ import annotations
+
+import shutil
+import types
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+
+from megamoe_convert.output import marker
+from megamoe_convert.engines import InstallError, sglang_models
+
+import bare_env
+import sglang_harness as h
+
+EP_SIZE, REDUNDANT = 4, 4
+
+
+def plugins() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()  # finds megamoe-convert's sglang.srt.plugins entry point; applies its hooks
+
+
+def parsed(path):
+    """SGLang's own (hooked) ``get_config`` on ``path``."""
+    from sglang.srt.utils.hf_transformers import config as config_py
+
+    plugins()
+    return config_py.get_config(str(path), trust_remote_code=False)
+
+
+def tree_config(ckpt, out):
+    """The harness's config of the source, carrying what SGLang's ``get_config`` read off ``out``."""
+    config = h.hf_config(ckpt)
+    section = getattr(parsed(out), marker.SECTION, None)
+    if section is not None:
+        setattr(config, marker.SECTION, section)
+    return config
+
+
+@contextmanager
+def hooked_load_weights(cls, seen: list[str]):
+    """``cls.load_weights`` as the plugin leaves it (the hook around SGLang's function, through
+    SGLang's own ``_wrap_fn``), with SGLang's function recording what it is fed: the tree holds only
+    the MoE layers, so non-expert tensors have nowhere to go."""
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    plugins()
+    assert getattr(cls.__dict__["load_weights"], "__wrapped__", None) is not None  # hooked by load_plugins
+
+    def load_weights(self, weights, *args, **kwargs):
+        seen.extend(name for name, _ in weights)
+
+    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, sglang_models.load_weights_around,
+                                                         HookType.AROUND)):
+        yield
+
+
+def load(load_format, model, out, config) -> None:
+    """SGLang's own loader for ``--load-format load_format``, as ``DefaultModelLoader.load_model`` runs it."""
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    plugins()
+    loader = get_model_loader(LoadConfig(load_format=load_format))
+    model_config = types.SimpleNamespace(model_path=str(out), revision=None, hf_config=config)
+    loader.load_weights_and_postprocess(model, loader._get_all_weights(model_config, model), torch.device("cpu"))
+
+
+def reference(ckpt, rank):
+    config = h.hf_config(ckpt)
+    main, nextn = h.build_main_model(config, rank, REDUNDANT), h.build_nextn_model(config)
+    h.sglang_load(main, ckpt)
+    nextn.load_weights(h.checkpoint_weights(ckpt))
+    h.post_process(nextn)
+    return {**h.experts_of(main), **h.experts_of(nextn)}
+
+
+def assert_experts(model, want) -> None:
+    got = h.experts_of(model)
+    assert got and set(got) <= set(want)
+    for prefix, module in got.items():
+        for name, tensor in h.state(module).items():
+            h.assert_same_tensor(tensor, h.state(want[prefix])[name], f"{prefix}.{name}")
+
+
+def test_sglang_reads_the_original_architecture_of_a_conversion(sglang_converted, sglang_ckpt):
+    config = parsed(sglang_converted)
+    assert config.architectures == ["DeepseekV4ForCausalLM"]
+    assert getattr(config, marker.SECTION)[sglang_models.PATH_KEY] == str(sglang_converted)
+    assert not hasattr(parsed(sglang_ckpt), marker.SECTION)
+
+
+@pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
+def test_every_load_format_serves_the_pre_baked_experts(sglang_ckpt, sglang_converted, load_format):
+    seen: list[str] = []
+    with h.patched(3, EP_SIZE, REDUNDANT):
+        want = reference(sglang_ckpt, 3)
+        config = tree_config(sglang_ckpt, sglang_converted)
+        model = h.build_main_model(config, 3, REDUNDANT)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, seen):
+            load(load_format, model, sglang_converted, config)  # SGLang's post-processing runs here too
+        assert_experts(model, want)
+    assert any(name.startswith("layers.0.attn.") for name in seen)
+    assert not any(".experts." in n and ".shared_experts." not in n for n in seen) and len(seen) == len(set(seen))
+
+
+def test_the_nextn_draft_serves_its_experts_through_the_default_loader(sglang_ckpt, sglang_converted):
+    with h.patched(1, EP_SIZE, REDUNDANT):
+        want = reference(sglang_ckpt, 1)
+        config = tree_config(sglang_ckpt, sglang_converted)
+        draft = h.build_nextn_model(config)
+        with hooked_load_weights(h.DeepseekV4ForCausalLMNextN, []):
+            load("auto", draft, sglang_converted, config)
+        assert list(h.experts_of(draft)) == ["model.decoder.mlp.experts"]
+        assert_experts(draft, want)
+
+
+def test_the_default_loader_refuses_a_model_of_another_ep_size_before_reading(sglang_ckpt, sglang_converted):
+    seen: list[str] = []
+    with h.patched(0, 2, 0):
+        model = h.build_main_model(tree_config(sglang_ckpt, sglang_converted), 0, 0)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, seen), \
+                pytest.raises(InstallError, match="moe_ep_size is 2 in the model but 4"):
+            load("auto", model, sglang_converted, model.config)
+        assert not seen
+
+
+def test_a_conversion_for_vllms_placement_is_refused_when_sglang_reads_its_config(engine_converted):
+    """Every DeepSeek-V4.1 / Kimi-K3 conversion, and a DeepSeek-V4 one made without --engine sglang."""
+    with pytest.raises(InstallError, match="converted for vllm's expert placement.*--engine sglang"):
+        parsed(engine_converted)
+
+
+def test_the_default_loader_refuses_an_experts_only_conversion(sglang_ckpt, tmp_path):
+    from megamoe_convert.convert import ConvertOptions, convert
+
+    out = tmp_path / "experts-only"
+    convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang", experts_only=True))
+    with h.patched(0, EP_SIZE, REDUNDANT):
+        model = h.build_main_model(tree_config(sglang_ckpt, out), 0, REDUNDANT)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, []), \
+                pytest.raises(InstallError, match="converted with --experts-only"):
+            load("auto", model, out, model.config)
+
+
+def test_a_conversion_made_before_the_marker_is_still_served(sglang_ckpt, sglang_converted, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(sglang_converted, old)
+    shutil.copy(sglang_ckpt / "config.json", old / "config.json")
+    with h.patched(2, EP_SIZE, REDUNDANT):
+        want = reference(sglang_ckpt, 2)
+        config = tree_config(sglang_ckpt, old)
+        model = h.build_main_model(config, 2, REDUNDANT)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, []):
+            load("auto", model, old, config)
+        assert_experts(model, want)
+
+
+def test_the_transformers_backend_is_refused_for_a_conversion(sglang_converted):
+    """``--model-impl transformers``: SGLang's real ``get_model_architecture`` would build Hugging
+    Face's DeepSeek-V4 modeling (its transformers backend); the plugin refuses it. (The fields of
+    SGLang's ``ModelConfig`` it reads: a real one derives DeepSeek-V4's attention shapes, which the
+    tiny checkpoint leaves out.)"""
+    from sglang.srt.configs.model_config import ModelImpl
+    from sglang.srt.model_loader import utils
+
+    hf_config = parsed(sglang_converted)
+    config = types.SimpleNamespace(model_path=str(sglang_converted), revision=None, hf_config=hf_config,
+                                   hf_text_config=hf_config, quantization=None, is_generation=True,
+                                   is_multimodal=False, model_impl=ModelImpl.TRANSFORMERS)
+    with pytest.raises(InstallError, match="SGLang would build Transformers.*drop --model-impl transformers"):
+        utils.get_model_architecture(config)
+    config.model_impl = ModelImpl.AUTO  # SGLang's own class: served
+    assert utils.get_model_architecture(config)[0] is h.DeepseekV4ForCausalLM
+
+
+BARE_SGLANG = """
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.utils import get_model_architecture
+for impl in ("auto", "transformers"):
+    try:
+        print(f"ACCEPTED {{impl}}", get_model_architecture(ModelConfig({out!r}, model_impl=impl)))
+    except Exception as e:
+        print(f"REFUSED {{impl}}:", " ".join(str(e).split()))
+"""
+
+
+def test_sglang_without_megamoe_convert_refuses_the_converted_directory(sglang_converted, tmp_path):
+    """The serving image never installed megamoe-convert: SGLang's own ``ModelConfig`` and
+    ``get_model_architecture`` refuse the marker architecture (the name says what to install).
+    Known gap: ``--model-impl transformers`` skips SGLang's check and builds Hugging Face's
+    modeling from ``model_type``; the marker cannot stop that without the plugin."""
+    proc = bare_env.run_bare(h.TORCHVISION_STAND_IN + BARE_SGLANG.format(out=str(sglang_converted)), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if line.startswith(("REFUSED", "ACC"))}
+    assert "REFUSED auto" in lines, proc.stdout
+    assert marker.marker_name("DeepseekV4ForCausalLM") in lines["REFUSED auto"]
+    assert "is not a registered model" in lines["REFUSED auto"]

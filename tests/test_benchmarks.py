@@ -1,0 +1,103 @@
+"""Every benchmark script under benchmarks/ runs, in its smoke mode (seconds), so none rots unnoticed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+BENCH = REPO / "benchmarks"
+
+
+def run(script: str, *args: object, env: dict[str, str] | None = None, timeout: float = 600) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(BENCH)]), **(env or {})})
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_every_script_has_a_test():
+    scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
+    tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
+              "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
+              "bench_store.py",  # bench_store.py --quick: tests/test_store.py
+              "bench_daemon.py", "report_daemon.py"}  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
+    assert set(scripts) == tested, set(scripts) ^ tested
+
+
+def test_bench_convert_smoke_is_what_make_bench_runs_fixed(tmp_path):
+    """`make bench` imported a name the package no longer has; the smoke run goes through the same code."""
+    summary = last_json(run("bench_convert.py", "--smoke", "--workdir", tmp_path))
+    assert summary["benchmark"] == "convert" and summary["expert_bytes"] > 0 and summary["convert_s"] > 0
+    assert summary["mode"] == "nofsync" and summary["ratio_vs_copy"] > 0
+    makefile = (REPO / "Makefile").read_text()
+    assert "$(PY) benchmarks/bench_convert.py --quick" in makefile  # the same script and parser
+
+
+def test_bench_verify_smoke(tmp_path):
+    summary = last_json(run("bench_verify.py", "--smoke", "--workdir", tmp_path))
+    assert summary["benchmark"] == "verify" and summary["rank_bytes"] > 0 and summary["verify_s"] > 0
+
+
+def test_bench_load_smoke(tmp_path):
+    summary = last_json(run("bench_load.py", "--smoke", "--workdir", tmp_path))
+    assert summary["benchmark"] == "load" and summary["all_correct"] is True and summary["rank_bytes"] > 0
+
+
+def test_probe_register_smoke(tmp_path):
+    out = run("probe_register.py", "--smoke", "--workdir", tmp_path)
+    assert "files" in out and (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_profile_convert_smoke(tmp_path):
+    out = run("profile_convert.py", "--smoke", "--workdir", tmp_path)
+    assert re.search(r"convert [\d.]+ s with the checksum|A/B, same process", out), out
+
+
+def test_make_report_regenerates_the_published_report(tmp_path):
+    """docs/benchmarks.md is exactly what the saved results give (report_startup.py makes its start-up
+    section); the plots need matplotlib (the `bench` extra) and are left out here."""
+    run("make_report.py", "--no-plots", "--out", tmp_path / "benchmarks.md")
+    assert (tmp_path / "benchmarks.md").read_text() == (REPO / "docs" / "benchmarks.md").read_text()
+
+
+def test_device_startup_script_parses_and_its_runs_use_real_flags():
+    subprocess.run(["bash", "-n", str(BENCH / "device_startup.sh")], check=True)
+    sys.path.insert(0, str(BENCH))
+    import bench_startup
+
+    text = (BENCH / "device_startup.sh").read_text().replace("\\\n", " ")
+    calls = [re.split(r"\s(?:\d?>|\|)", line.split("$BENCH", 1)[1])[0]
+             for line in text.splitlines() if "$BENCH " in line and not line.lstrip().startswith("#")]
+    assert len(calls) >= 3
+    for call in calls:
+        args = [a for a in shlex.split(call.replace("$RESULTS", "/tmp/r").replace("$layers", "1")
+                                       .replace("$name", "n"))]
+        bench_startup.parse_args(args)  # exits (SystemExit) on an unknown flag
+
+
+def test_bench_startup_smoke_in_vllm_033(tmp_path):
+    """The start-up benchmark's children build vLLM 0.33's real modules (on the CPU here) and load them
+    both ways; their results must be identical."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    engine = os.pathsep.join(map(str, ensure("vllm==0.33.0")))
+    out = run("bench_startup.py", "--smoke", "--work", tmp_path, "--vllm", f"0.33={engine}",
+              "--save", tmp_path / "s.json", env={"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [row["method"] for row in summary["single"]] == ["ours", "vllm033_all"]
+    assert summary["identical"] == {"redundant=0": True}, out

@@ -1,0 +1,92 @@
+"""What ``convert`` writes into ``OUT/config.json`` (the marker every door relies on), and what
+``verify`` checks of it, through the real CLI on real files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from megamoe_convert.output import marker
+from conftest import run_cli
+
+
+def test_convert_writes_the_marker_and_nothing_else_changes(tiny_ckpt, tiny_converted):
+    source = json.loads((tiny_ckpt / "config.json").read_bytes())
+    written = (tiny_converted / "config.json").read_bytes()
+    config = json.loads(written)
+    assert written == marker.mark((tiny_ckpt / "config.json").read_bytes())
+    assert config["architectures"] == [f"MegaMoE-converted {a}: pip install megamoe-convert into this serving environment"
+                                       for a in source["architectures"]]
+    assert config["megamoe"] == {"converted_by": "megamoe-convert", "serve": marker.INSTALL,
+                                 "architectures": source["architectures"]}
+    assert marker.original(config) == source  # every other key, unchanged
+    for name in ("tokenizer_config.json",):  # other small files: verbatim
+        assert (tiny_converted / name).read_bytes() == (tiny_ckpt / name).read_bytes()
+    manifest = json.loads((tiny_converted / "manifest.json").read_bytes())
+    (record,) = [f for f in manifest["files"] if f["path"] == "config.json"]
+    assert record["size"] == len(written)  # the manifest records the marked file
+
+
+def test_verify_checks_the_marker_and_the_small_files_against_the_source(tiny_ckpt, tiny_converted, tmp_path):
+    proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--json")
+    report = json.loads(proc.stdout)
+    assert report["ok"] and report["checks"]["marker"] == 1 and report["checks"]["small files vs source"] == 2
+    out = tmp_path / "unmarked"
+    shutil.copytree(tiny_converted, out)
+    shutil.copy(tiny_ckpt / "config.json", out / "config.json")  # as an older megamoe-convert left it
+    proc = run_cli("verify", out, "--source", tiny_ckpt, check=False)
+    assert proc.returncode != 0
+    assert "config.json: has no megamoe marker" in proc.stdout and "rerun the same convert command" in proc.stdout
+    assert "config.json: differs from the source marked by megamoe-convert" in proc.stdout
+
+
+def test_the_marker_moves_auto_map_so_no_remote_code_stands_in(tmp_path, tiny_ckpt):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    config = json.loads((src / "config.json").read_bytes())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run_cli("convert", src, out, "--ep-size", 2)
+    marked = json.loads((out / "config.json").read_bytes())
+    assert "auto_map" not in marked and marked["megamoe"]["auto_map"] == config["auto_map"]
+    assert marker.original(marked) == config
+    run_cli("verify", out, "--source", src)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("architectures"), "'architectures' must be a non-empty list of names, found None"),
+    (lambda c: c.update(megamoe={"converted_by": "megamoe-convert"}), "already has a 'megamoe' section"),
+])
+def test_convert_refuses_a_config_it_cannot_mark_in_one_line(tmp_path, tiny_ckpt, change, message):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    config = json.loads((src / "config.json").read_bytes())
+    change(config)
+    (src / "config.json").write_text(json.dumps(config))
+    proc = run_cli("convert", src, tmp_path / "out", "--ep-size", 2, check=False)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_rerunning_convert_marks_an_older_conversion(tiny_ckpt, tmp_path):
+    """An older megamoe-convert copied config.json verbatim (and journaled it so): the same command
+    rewrites just that file, and the conversion then verifies."""
+    out = tmp_path / "out"
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    journal = out / ".megamoe" / "journal.jsonl"
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    from megamoe_convert.output.writer import file_checksum
+
+    shutil.copy(tiny_ckpt / "config.json", out / "config.json")
+    for line in lines:
+        if line["path"] == "config.json":
+            line.update(size=(out / "config.json").stat().st_size, checksum=file_checksum(out / "config.json"))
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
+    assert "1 files written" in proc.stdout + proc.stderr
+    assert (out / "config.json").read_bytes() == marker.mark((tiny_ckpt / "config.json").read_bytes())
+    run_cli("verify", out, "--source", tiny_ckpt)
