@@ -127,7 +127,7 @@ def test_n9_a_directory_in_place_of_a_rank_file_is_listed_and_verify_goes_on(ep2
     proc = run_cli("verify", out, "--source", src, check=False)
     assert proc.returncode == 1 and f"{RANK0}/layers.1.safetensors: not a regular file (listed in manifest.json " \
                                    "as one)" in problems(proc)
-    assert json.loads(run_cli("verify", out, "--json", check=False).stdout)["checks"]["rank shards"] == 5
+    assert "expert slots vs source" in proc.stdout  # it went on past the bad file
 
 
 def test_an_unreadable_journal_fails_the_rerun_before_the_manifest_goes(ep2, src, tmp_path):
