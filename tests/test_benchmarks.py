@@ -34,7 +34,8 @@ def test_every_script_has_a_test():
     tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
-              "bench_daemon.py", "report_daemon.py"}  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
+              "bench_daemon.py", "report_daemon.py",
+              "report_store.py"}  # report_*: make_report regenerating docs/benchmarks.md exactly  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
     assert set(scripts) == tested, set(scripts) ^ tested
 
 

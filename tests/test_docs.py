@@ -30,6 +30,9 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 NOT_RUNNABLE = {
     "python3 -m pip install .": "installs into the running environment; CI's `make test` installs the same "
                                 "project with `pip install -e '.[test]'`",
+    "/path/to/engine-env/bin/python -m pip install ": "installs into an engine's environment: tests/engine_envs.py "
+                                                      "builds each engine's environment with the project on its path",
+    "RUN pip install ": "a Dockerfile line (the same pip install, inside an image build)",
     "make test": "is CI itself (.ci/run)",
     "make demo": "runs below, recipe by recipe (test_make_demo_runs), without rebuilding the environment",
     "megamoe push ": "needs the Hugging Face hub: tests/test_hub.py runs push against its fake hub",
@@ -46,6 +49,8 @@ NOT_RUNNABLE = {
     "vllm serve ": "needs GPUs: its flags are parsed by vLLM 0.33's own parser (test_serve_commands_parse)",
     "python -m sglang.launch_server ": "needs GPUs: its flags are parsed by SGLang's own parser",
 }
+#: The README's stand-in for the engine environment's python: its plugin check runs with this environment's.
+ENGINE_PYTHON = "/path/to/engine-env/bin/python -c "
 PYTHON_NOT_RUNNABLE = {
     "install(model,": "needs an engine's model: tests/engines run install() in vLLM's and SGLang's real code",
     'load_rank("my-org/': "reads from the Hugging Face hub: tests/test_hub.py loads from its fake hub",
@@ -140,7 +145,11 @@ def test_every_documented_command_runs_or_says_why_not(tiny_ckpt, tmp_path):
         if reason_not_runnable(kind, text):
             continue
         where = f"{path.relative_to(REPO)}: {text.splitlines()[0]}"
-        if kind == "sh":
+        if kind == "sh" and text.startswith(ENGINE_PYTHON):  # the plugin check: our own environment has it
+            proc = subprocess.run([sys.executable, *shlex.split(text)[1:]], capture_output=True, text=True, cwd=REPO,
+                                  timeout=120)
+            assert proc.returncode == 0 and "megamoe_convert" in proc.stdout, f"{where}\n{proc.stdout}{proc.stderr}"
+        elif kind == "sh":
             assert text.startswith("megamoe "), f"{where}: neither run here nor listed in NOT_RUNNABLE"
             proc = run_megamoe(world.command(text)[1:])
             assert proc.returncode == 0, f"{where}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
@@ -158,7 +167,7 @@ def test_documented_serve_commands_are_what_inspect_prints(tiny_ckpt, tmp_path):
     out = tmp_path / "models" / "V4-Flash-ep8"
     assert run_megamoe(["convert", str(tiny_ckpt), str(out), "--ep-size", "8", "-q"]).returncode == 0
     printed = json.loads(run_megamoe(["inspect", str(out), "--json"]).stdout)["serve"]["vllm"]["command"]
-    serve = [c for path, kind, c in documented() if kind == "sh" and c.startswith("vllm serve /models/V4-Flash-ep8")]
+    serve = [c for path, kind, c in documented() if kind == "sh" and c.startswith("vllm serve /models/V4-Flash-ep8 --load-format megamoe")]
     assert serve and all(c.replace("/models/", f"{tmp_path}/models/") == printed for c in serve), (serve, printed)
 
 

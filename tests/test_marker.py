@@ -17,7 +17,7 @@ def test_convert_writes_the_marker_and_nothing_else_changes(tiny_ckpt, tiny_conv
     written = (tiny_converted / "config.json").read_bytes()
     config = json.loads(written)
     assert written == marker.mark((tiny_ckpt / "config.json").read_bytes())
-    assert config["architectures"] == [f"MegaMoE-converted {a}: pip install megamoe-convert into this serving environment"
+    assert config["architectures"] == [f"MegaMoE-converted {a}: install megamoe-convert into this serving environment"
                                        for a in source["architectures"]]
     assert config["megamoe"] == {"converted_by": "megamoe-convert", "serve": marker.INSTALL,
                                  "architectures": source["architectures"]}

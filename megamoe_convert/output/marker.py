@@ -28,7 +28,7 @@ TOOL = "megamoe-convert"
 #: Keys moved from the top level into the section (restored by :func:`original`).
 MOVED = ("architectures", "auto_map")
 #: What to run, in every marker name and in the section.
-INSTALL = "pip install megamoe-convert into this serving environment"
+INSTALL = "install megamoe-convert into this serving environment"
 #: Converted directories recognised without a marker (made before the marker existed).
 MANIFEST_NAME = "manifest.json"
 

@@ -425,7 +425,7 @@ def model_card(out: Path, manifest: Manifest, repo_id: str, revision: str | None
         "## Use",
         "",
         "```bash",
-        "pip install megamoe-convert",
+        "pip install /path/to/megamoe-convert   # a checkout of megamoe-convert (not on PyPI)",
         f"megamoe pull {repo_id}{revision_flag} --ranks {_ranges(manifest.ranks)} --local-dir ./model"
         "   # only what these ranks need",
         "```",
