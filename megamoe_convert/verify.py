@@ -49,7 +49,7 @@ from megamoe_convert.progress import NoProgress, Phases, Progress
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
 from megamoe_convert.source import formats
-from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 

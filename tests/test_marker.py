@@ -32,7 +32,7 @@ def test_convert_writes_the_marker_and_nothing_else_changes(tiny_ckpt, tiny_conv
 def test_verify_checks_the_marker_and_the_small_files_against_the_source(tiny_ckpt, tiny_converted, tmp_path):
     proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--json")
     report = json.loads(proc.stdout)
-    assert report["ok"] and report["checks"]["marker"] == 1 and report["checks"]["small files vs source"] == 2
+    assert report["ok"] and report["checks"]["marker"] == 1 and report["checks"]["small_files_vs_source"] == 2
     out = tmp_path / "unmarked"
     shutil.copytree(tiny_converted, out)
     shutil.copy(tiny_ckpt / "config.json", out / "config.json")  # as an older megamoe-convert left it

@@ -203,7 +203,7 @@ def test_n3_verify_source_passes_an_untouched_conversion_and_counts_every_extra_
     for name in ("mx", "nv", "v41"):
         proc = run_cli("verify", converted[name], "--source", sources[name], "--numerics", "--json")
         report = json.loads(proc.stdout)
-        assert report["ok"] and report["checks"]["extra tensors vs source"] > 0, report
+        assert report["ok"] and report["checks"]["extra_tensors_vs_source"] > 0, report
 
 
 def test_n4_a_relabelled_family_fails_verify_and_load_rank(converted, sources, tmp_path):

@@ -154,7 +154,7 @@ def test_bad_slots_and_a_tampered_store_are_refused_naming_the_file(tiny_store, 
 def test_verify_checks_a_store_against_its_source_and_finds_a_flipped_byte(tiny_ckpt, tiny_store, tmp_path):
     report = json.loads(run_cli("verify", tiny_store, "--source", tiny_ckpt, "--numerics", "--json").stdout)
     assert report["ok"], report["problems"]
-    assert report["checks"]["rank shards"] == 3 and report["checks"]["expert slots vs source"] == 3 * 8
+    assert report["checks"]["rank_shards"] == 3 and report["checks"]["expert_slots_vs_source"] == 3 * 8
     assert report["numerics"]["max_abs_err"] == 0.0 and report["numerics"]["layers"] == 3
     import shutil
     copy = tmp_path / "copy"

@@ -101,10 +101,10 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
             if as_json:
                 print_json(data)
             else:
-                err_console.print(f"[green]pulled[/green] {repo_id}@{data['commit'][:12]} ranks "
-                                  f"{','.join(map(str, data['ranks']))} of EP {ep_size} into {local_dir}: "
-                                  f"{human_bytes(data['fetched_bytes'])} of the store's "
-                                  f"{human_bytes(data['store_expert_bytes'])} in {data['requests']} ranged reads")
+                status(f"[green]pulled[/green] {repo_id}@{data['commit'][:12]} ranks "
+                       f"{','.join(map(str, data['ranks']))} of EP {ep_size} into {local_dir}: "
+                       f"{human_bytes(data['fetched_bytes'])} of the store's "
+                       f"{human_bytes(data['store_expert_bytes'])} in {data['requests']} ranged reads")
                 print(local_dir)
         run_command(body)
 

@@ -3,7 +3,6 @@ and V4.1 here; Kimi-K3 in ``kimi.py``), with how each is filled. No I/O."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
