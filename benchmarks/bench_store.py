@@ -38,13 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
+from bench_convert import drop_page_cache  # noqa: E402  (the benchmarks' one way to go cold)
 
 
 # --------------------------------------------------------------------------------------
