@@ -8,6 +8,7 @@ byte for byte, whether the parts ran into separate directories or into one share
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,9 @@ def test_parts_in_separate_directories_then_merge_equal_a_single_machine_convert
     assert not (written[0] & written[1]) and not (written[1] & written[2])  # no file converted twice
 
     out = tmp_path / "merged"
-    result = json.loads(run_cli("merge", out, *parts, "--json").stdout)
+    relative = [os.path.relpath(d, REPO) for d in (out, *parts)]  # run_cli runs in REPO
+    result = json.loads(run_cli("merge", *relative, "--json").stdout)
+    assert result["out"] == str(out.resolve())  # --json: absolute paths, whatever the command line said
     assert result["parts"] == 3 and result["verified"] == "checksum" and result["copied"] + result["linked"] == 15
     assert output_files(out) == output_files(tiny_converted)
     # OUT is now an ordinary conversion: the same single-machine command finds every file done.

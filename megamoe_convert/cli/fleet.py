@@ -30,6 +30,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         generated model card (README.md) in one last commit. Rerun the same command to resume."""
         from megamoe_convert.serve.hub import push as hub_push
 
+        out = out.resolve()  # --json reports absolute paths
+
         def body() -> None:
             result = hub_push(out, repo_id, revision=revision, private=private, verify=verify)
             if as_json:
@@ -67,6 +69,7 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         A store with --ep-size: just the byte ranges of its expert files that --ranks read."""
         from megamoe_convert.serve.hub import pull as hub_pull
 
+        local_dir = local_dir.resolve() if local_dir is not None else None  # --json reports absolute paths
         if ep_size is not None:
             _pull_ranges(repo_id, ranks, local_dir, revision, experts_only, verify, as_json, ep_size,
                          num_redundant_experts, placement_file, engine)
@@ -125,6 +128,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
         """Assemble the N parts of a split conversion into one: files hard-linked (or copied) into OUT and
         re-checked, then the non-expert index and manifest.json, byte for byte what one machine writes."""
         from megamoe_convert.convert.fleet import merge as run_merge
+
+        out, parts = out.resolve(), [p.resolve() for p in parts or []]  # --json reports absolute paths
 
         def body() -> None:
             with ByteProgress("merge", quiet=False) as progress:
