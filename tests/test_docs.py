@@ -184,7 +184,7 @@ for flags in json.loads(sys.argv[1]):
     parser = FlexibleArgumentParser()
     AsyncEngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", flags[0], *flags[1:]])
-    assert args.load_format == "megamoe" and args.enable_expert_parallel, flags
+    assert args.load_format in ("megamoe", "ipc_cache") and args.enable_expert_parallel, flags  # ipc_cache: the daemon door
 print("parsed", len(json.loads(sys.argv[1])))
 """
 
