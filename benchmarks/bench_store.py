@@ -178,7 +178,8 @@ def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Pa
         return {"skipped": "cannot drop the page cache (needs root)"}
     cmd = [sys.executable, __file__, "--child", kind, "--store", str(store_dir), "--per-rank", str(per_rank),
            "--ep", str(ep), "--rank", str(rank), "--device", args.device, "--staging", staging]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the wheels' folder too
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     if proc.returncode:
         raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
