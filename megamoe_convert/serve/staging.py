@@ -72,16 +72,24 @@ def _register(buffers: list[torch.Tensor]) -> bool:
     registration's CUDA error stays in them (CUDA's last error is per thread), never reaching the
     engine's. False if any buffer could not be registered (those that were are released)."""
     cudart = torch.cuda.cudart()
+    pinned = [False] * len(buffers)
 
-    def pin(buffer: torch.Tensor) -> bool:
-        buffer.fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
-        return int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0
+    def pin(first: int) -> None:
+        for i in range(first, len(buffers), _PIN_THREADS):
+            buffers[i].fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
+            pinned[i] = int(cudart.cudaHostRegister(buffers[i].data_ptr(), buffers[i].numel(), 0)) == 0
 
-    with ThreadPoolExecutor(_PIN_THREADS, thread_name_prefix="megamoe-pin") as pool:
-        pinned = list(pool.map(pin, buffers))
-        if all(pinned):
-            return True
-        list(pool.map(lambda b: cudart.cudaHostUnregister(b.data_ptr()), [b for b, ok in zip(buffers, pinned) if ok]))
+    # Plain threads, joined here: they finish even while the interpreter is shutting down.
+    threads = [threading.Thread(target=pin, args=(i,), name="megamoe-pin") for i in range(_PIN_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if all(pinned):
+        return True
+    for buffer, ok in zip(buffers, pinned):
+        if ok:
+            cudart.cudaHostUnregister(buffer.data_ptr())
     return False
 
 
@@ -138,7 +146,9 @@ def prepare_gpu_staging() -> threading.Thread | None:
     starts before it is done waits for it. Does nothing without CUDA."""
     if not torch.cuda.is_available() or _RING is not None:
         return None
-    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
+    # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
+    # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
+    thread = threading.Thread(target=shared_ring, name="megamoe-pin")
     thread.start()
     return thread
 
