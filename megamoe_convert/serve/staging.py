@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,12 +98,16 @@ class PinnedRing:
     """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+        started = time.perf_counter()
         self.nbytes = nbytes
         self.events: list[torch.cuda.Event | None] = [None] * count
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         self.buffers = self._registered(count, nbytes) if FAST_PIN else None
         if self.buffers is None:
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+        #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
+        self.ready_at = time.perf_counter()
+        self.pin_seconds = self.ready_at - started
 
     def _registered(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
         try:
