@@ -34,6 +34,7 @@ from torch import nn
 from megamoe_convert.engines import InstallError
 from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
 from megamoe_convert.output import marker
+from megamoe_convert.serve.staging import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,13 @@ def make_model_class(base: type, draft: bool) -> type:
 
     class MegaMoEModel(base):  # type: ignore[misc, valid-type]
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             spec = getattr(vllm_config, "speculative_config", None)
             own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
-            setattr(self, CONVERSION_ATTR, conversion_of(own))
+            out = conversion_of(own)
+            if out is not None:
+                prepare_gpu_staging()  # pin the read ring while vLLM builds the model
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            setattr(self, CONVERSION_ATTR, out)
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             out = getattr(self, CONVERSION_ATTR, None)
