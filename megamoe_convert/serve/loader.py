@@ -315,8 +315,7 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
         for layer, record in files.items():
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
-            if staging.WILLNEED:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            staging.advise(fd)
             for key, dest in dests[layer].items():
                 pieces.extend(_pieces(fd, headers[layer][key], dest, piece_bytes))
         staging.fill_device(pieces, device)

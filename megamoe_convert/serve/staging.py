@@ -47,11 +47,22 @@ READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1,
 #: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
 #: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
 WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
+#: ``0`` turns the kernel's read-ahead off for the files a load reads (``POSIX_FADV_RANDOM``): each
+#: piece is then read as asked, nothing past the end of a range (a store's rank reads ranges with gaps).
+READ_AHEAD = bool(_tunable("READ_AHEAD", 1, 0, 1))
 #: ``0`` pins the ring with torch's allocator (``cudaHostAlloc``) instead of registering huge pages.
 FAST_PIN = bool(_tunable("FAST_PIN", 1, 0, 1))
 
 _HUGE_PAGE = 2 << 20
 _PIN_THREADS = 8
+
+
+def advise(fd: int) -> None:
+    """The read-ahead advice of :data:`WILLNEED` / :data:`READ_AHEAD` for a file a load reads."""
+    if not READ_AHEAD:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    if WILLNEED:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
 
 
 def _huge_page_block(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:

@@ -171,7 +171,11 @@ def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
     device = next(iter(jobs[0][2].values())).device
     piece_bytes = staging.shared_ring().nbytes  # waits for a ring still being pinned in the background
     pieces = []
+    advised = set()
     for fd, reads, dests in jobs:
+        if fd not in advised and not staging.READ_AHEAD:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        advised.add(fd)
         for read in reads:
             flat = _flat(dests[read.key])
             if staging.WILLNEED:
