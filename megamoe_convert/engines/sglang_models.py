@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
+from megamoe_convert.engines import InstallError, hf_config
 from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
 from megamoe_convert.output import marker
 
@@ -120,6 +120,7 @@ def register_hooks() -> None:
     """Register both hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
     HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
     for target in LOAD_WEIGHTS:

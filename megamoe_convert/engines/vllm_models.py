@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
+from megamoe_convert.engines import InstallError, hf_config
 from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
 from megamoe_convert.output import marker
 
@@ -161,6 +161,7 @@ def register_models() -> None:
     from vllm.model_executor.models import ModelRegistry
     from vllm.transformers_utils import config as config_utils
 
+    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     base = config_utils.get_config_parser("hf").__class__
     if base.__name__ != "MegaMoEConfigParser":
         config_utils.register_config_parser("hf")(make_config_parser(base))

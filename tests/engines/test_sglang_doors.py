@@ -11,6 +11,7 @@ loading of the source leaves them, or a refusal before serving; never the constr
 
 from __future__ import annotations
 
+import json
 import shutil
 import types
 from contextlib import contextmanager
@@ -104,6 +105,22 @@ def test_sglang_reads_the_original_architecture_of_a_conversion(sglang_converted
     assert not hasattr(parsed(sglang_ckpt), marker.SECTION)
 
 
+def test_sglang_reads_the_source_s_model_type_and_config(sglang_converted, sglang_ckpt):
+    """OUT's ``config.json`` names a marker model type; with the plugin loaded, transformers' own
+    reading (SGLang's ``get_config``, its tokenizer's ``AutoConfig``) gives back the source's, so
+    SGLang's config is the source's but for the ``megamoe`` section."""
+    from transformers import AutoConfig
+
+    assert json.loads((sglang_converted / "config.json").read_bytes())["model_type"] == \
+        marker.marker_model_type("deepseek_v4")
+    out, src = parsed(sglang_converted), parsed(sglang_ckpt)
+    assert type(out) is type(src) and out.model_type == src.model_type == "deepseek_v4"
+    strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in (marker.SECTION, "_name_or_path")}  # noqa: E731
+    assert strip(out) == strip(src)
+    auto = [AutoConfig.from_pretrained(str(path)) for path in (sglang_converted, sglang_ckpt)]
+    assert type(auto[0]) is type(auto[1]) and auto[0].model_type == auto[1].model_type
+
+
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
 def test_every_load_format_serves_the_pre_baked_experts(sglang_ckpt, sglang_converted, load_format):
     seen: list[str] = []
@@ -191,22 +208,35 @@ def test_the_transformers_backend_is_refused_for_a_conversion(sglang_converted):
 BARE_SGLANG = """
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.utils import get_model_architecture
-for impl in ("auto", "transformers"):
-    try:
-        print(f"ACCEPTED {{impl}}", get_model_architecture(ModelConfig({out!r}, model_impl=impl)))
-    except Exception as e:
-        print(f"REFUSED {{impl}}:", " ".join(str(e).split()))
+for label, out in {dirs!r}:
+    for impl in ("auto", "transformers"):
+        try:
+            print(f"ACCEPTED {{label}} {{impl}}", get_model_architecture(ModelConfig(out, model_impl=impl)))
+        except Exception as e:
+            print(f"REFUSED {{label}} {{impl}}:", " ".join(str(e).split()))
 """
 
 
 def test_sglang_without_megamoe_convert_refuses_the_converted_directory(sglang_converted, tmp_path):
-    """The serving image never installed megamoe-convert: SGLang's own ``ModelConfig`` and
-    ``get_model_architecture`` refuse the marker architecture (the name says what to install).
-    Known gap: ``--model-impl transformers`` skips SGLang's check and builds Hugging Face's
-    modeling from ``model_type``; the marker cannot stop that without the plugin."""
-    proc = bare_env.run_bare(h.TORCHVISION_STAND_IN + BARE_SGLANG.format(out=str(sglang_converted)), tmp_path)
+    """The serving image never installed megamoe-convert: SGLang's own ``ModelConfig`` refuses the
+    converted directory when it reads its config, through transformers' ``AutoConfig``, which knows
+    no marker model type: with SGLang's own implementation and with ``--model-impl transformers``
+    (which would otherwise build Hugging Face's modeling from ``model_type``, past any architecture
+    check), and the model type it prints says what to install. The marker architecture alone
+    refuses SGLang's own implementation too."""
+    arch_only = tmp_path / "architecture-marker-only"
+    shutil.copytree(sglang_converted, arch_only)
+    config = json.loads((arch_only / "config.json").read_bytes())
+    (arch_only / "config.json").write_text(json.dumps(marker.restore_model_type(config)))
+    dirs = [("out", str(sglang_converted)), ("arch", str(arch_only))]
+    proc = bare_env.run_bare(h.TORCHVISION_STAND_IN + BARE_SGLANG.format(dirs=dirs), tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if line.startswith(("REFUSED", "ACC"))}
-    assert "REFUSED auto" in lines, proc.stdout
-    assert marker.marker_name("DeepseekV4ForCausalLM") in lines["REFUSED auto"]
-    assert "is not a registered model" in lines["REFUSED auto"]
+    model_type = marker.marker_model_type("deepseek_v4")
+    for impl in ("auto", "transformers"):
+        assert f"REFUSED out {impl}" in lines, proc.stdout
+        assert f"has model type `{model_type}`" in lines[f"REFUSED out {impl}"]
+        assert "does not recognize this architecture" in lines[f"REFUSED out {impl}"]
+    assert "REFUSED arch auto" in lines, proc.stdout
+    assert marker.marker_name("DeepseekV4ForCausalLM") in lines["REFUSED arch auto"]
+    assert "is not a registered model" in lines["REFUSED arch auto"]

@@ -131,6 +131,29 @@ def test_vllm_reads_the_original_architecture_and_builds_megamoes_subclass(engin
         is None
 
 
+def without_section(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in (marker.SECTION, "_name_or_path")}
+
+
+def test_every_reader_of_the_config_reads_the_source_s_model_type(engine_converted, engine_ckpt):
+    """OUT's ``config.json`` names a marker model type; with the plugin loaded, transformers' own
+    reading (what vLLM's ``hf`` parser, its speculative draft config, the weight-cache daemon and
+    ``AutoTokenizer`` go through) gives back the source's, so vLLM's parsed config is the source's
+    but for the ``megamoe`` section."""
+    from transformers import AutoConfig
+    from transformers.configuration_utils import PretrainedConfig
+
+    assert json.loads((engine_converted / "config.json").read_bytes())["model_type"] == \
+        marker.marker_model_type("deepseek_v4")
+    plugins()
+    assert PretrainedConfig.get_config_dict(str(engine_converted))[0]["model_type"] == "deepseek_v4"
+    out, src = parsed(engine_converted), parsed(engine_ckpt)
+    assert type(out) is type(src) and out.model_type == src.model_type == "deepseek_v4"
+    assert without_section(out) == without_section(src)
+    auto = [AutoConfig.from_pretrained(str(path)) for path in (engine_converted, engine_ckpt)]
+    assert type(auto[0]) is type(auto[1]) and auto[0].model_type == auto[1].model_type
+
+
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
 def test_every_load_format_serves_the_pre_baked_experts(engine_ckpt, engine_converted, load_format):
     config = model_config(engine_converted)
@@ -213,32 +236,52 @@ def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
 
 
 BARE_MODEL_CONFIG = """
-import sys
 from vllm.config import ModelConfig
-for impl in ("auto", "transformers"):
-    try:
-        ModelConfig(model=sys.argv[1] if len(sys.argv) > 1 else {out!r}, model_impl=impl)
-    except Exception as e:
-        print(f"REFUSED {{impl}}:", str(e).splitlines()[0] if str(e).strip() else repr(e))
-        print(f"WHOLE {{impl}}:", " ".join(str(e).split()))
-    else:
-        print(f"ACCEPTED {{impl}}")
+for label, out in {dirs!r}:
+    for impl in ("auto", "transformers"):
+        try:
+            ModelConfig(model=out, model_impl=impl)
+        except Exception as e:
+            print(f"WHOLE {{label}} {{impl}}:", " ".join(str(e).split()))
+        else:
+            print(f"ACCEPTED {{label}} {{impl}}")
 """
+
+
+def bare_refusals(script: str, dirs: dict[str, object], tmp_path) -> dict[str, str]:
+    """``script`` run in the engine's environment without megamoe-convert, on each of ``dirs``:
+    ``{"LABEL IMPL": the whole refusal}``; a directory accepted fails the test."""
+    proc = bare_env.run_bare(script.format(dirs=[(label, str(out)) for label, out in dirs.items()]), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert not any(line.startswith("ACCEPTED") for line in lines), proc.stdout
+    return {line.split(":", 1)[0].removeprefix("WHOLE "): line for line in lines if line.startswith("WHOLE")}
+
+
+def architecture_marker_only(out, tmp_path):
+    """A copy of ``out`` whose ``config.json`` has the source's model type back (the marker
+    architectures stay): what the second line of defence faces."""
+    copy = tmp_path / "architecture-marker-only"
+    shutil.copytree(out, copy)
+    config = json.loads((copy / "config.json").read_bytes())
+    (copy / "config.json").write_text(json.dumps(marker.restore_model_type(config)))
+    return copy
 
 
 def test_vllm_without_megamoe_convert_refuses_the_converted_directory(engine_converted, tmp_path):
     """The serving image never installed megamoe-convert: vLLM's own ``ModelConfig`` refuses the
-    marker architecture at config time (also through its Transformers backend), and the name it
-    prints says what to install."""
-    proc = bare_env.run_bare(BARE_MODEL_CONFIG.format(out=str(engine_converted)), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
-    assert not any(line.startswith("ACCEPTED") for line in lines), proc.stdout
-    whole = {line.split(":", 1)[0].removeprefix("WHOLE "): line for line in lines if line.startswith("WHOLE")}
-    assert set(whole) == {"auto", "transformers"}
-    name = marker.marker_name("DeepseekV4ForCausalLM")
-    assert name in whole["auto"] and "are not supported" in whole["auto"]
-    assert name in whole["transformers"]
+    converted directory when it reads its config, through transformers' ``AutoConfig``, which knows
+    no marker model type (both implementations, before any model class is chosen), and the model
+    type it prints says what to install. The marker architecture alone refuses it too."""
+    whole = bare_refusals(BARE_MODEL_CONFIG, {"out": engine_converted,
+                                              "arch": architecture_marker_only(engine_converted, tmp_path)}, tmp_path)
+    assert set(whole) == {"out auto", "out transformers", "arch auto", "arch transformers"}
+    model_type = marker.marker_model_type("deepseek_v4")
+    for impl in ("auto", "transformers"):
+        assert f"has model type `{model_type}`" in whole[f"out {impl}"], whole[f"out {impl}"]
+        assert "does not recognize this architecture" in whole[f"out {impl}"]
+        assert marker.marker_name("DeepseekV4ForCausalLM") in whole[f"arch {impl}"]
+    assert "are not supported" in whole["arch auto"]
 
 
 def test_the_transformers_backend_is_refused_for_a_conversion(engine_converted, engine_ckpt):
