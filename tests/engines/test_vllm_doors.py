@@ -207,9 +207,7 @@ def test_the_default_loader_refuses_an_experts_only_conversion(engine_ckpt, engi
 
 def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine_converted, tmp_path):
     """No marker in ``config.json`` (an older megamoe-convert): recognised by its manifest."""
-    old = tmp_path / "old"
-    shutil.copytree(engine_converted, old)
-    shutil.copy(engine_ckpt / "config.json", old / "config.json")
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
     config = model_config(old)
     assert config.hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(config.hf_config, "megamoe")
     with h.patched(2, EP_SIZE):
@@ -219,6 +217,97 @@ def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
             load("auto", model, config)
         assert_experts(model, want)
+
+
+def old_conversion(engine_ckpt, engine_converted, root):
+    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
+    recorded so in its sealed manifest."""
+    from megamoe_convert.output.manifest import SEAL_KEY, seal
+    from megamoe_convert.output.writer import file_checksum
+
+    old = root / "old"
+    shutil.copytree(engine_converted, old)
+    shutil.copy(engine_ckpt / "config.json", old / "config.json")
+    data = json.loads((old / "manifest.json").read_bytes())
+    del data[SEAL_KEY]
+    (record,) = [f for f in data["files"] if f["path"] == "config.json"]
+    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
+    (old / "manifest.json").write_text(seal(data))
+    return old
+
+
+@contextmanager
+def hub_repos(root, monkeypatch, **repos):
+    """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
+    ``vllm serve owner/name`` downloaded before the model is built (its ``config.json``, the weights,
+    their index), but not ``manifest.json``. Inside: offline, as vLLM and transformers then read
+    that cache."""
+    import huggingface_hub
+    from hub_fake import FakeHub, cache_put
+
+    hub = FakeHub(root / "hub").install(monkeypatch, root / "cache")
+    api = hub.api()
+    for repo_id, folder in repos.items():
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+        files = {rel: path for rel, path in hub.files(repo_id).items() if rel != "manifest.json"}
+        cache_put(root / "cache", repo_id, hub.resolve(repo_id, None), files)
+    with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+        yield hub
+
+
+def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_ckpt, engine_converted, tmp_path,
+                                                                         monkeypatch):
+    """``vllm serve owner/old``, a conversion made before the marker pulled from the hub by repo id:
+    vLLM's own config parsing (transformers reading the HF cache), the plugin fetches the repo's
+    ``manifest.json`` (the one small file vLLM had not yet) and recognises it; vLLM's default loader
+    then reads the cached weights and the subclass installs the experts from the repo's rank."""
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old, "owner/src": engine_ckpt}) as hub:
+        from vllm.transformers_utils.config import get_config
+
+        plugins()
+        hf_config = get_config("owner/old", trust_remote_code=False)
+        assert hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(hf_config, marker.SECTION)
+        config = types.SimpleNamespace(model="owner/old", revision=None, quantization="fp8", is_moe=True,
+                                       multimodal_config=None, hf_config=hf_config)
+        assert vllm_models.conversion_of(config) == "owner/old" and "manifest.json" in hub.downloaded
+        source = types.SimpleNamespace(model="owner/src", revision=None, hf_config=get_config("owner/src", False))
+        assert vllm_models.conversion_of(source) is None  # the hub has no manifest for it
+        with h.patched(2, EP_SIZE):
+            want = reference(engine_ckpt, 2)
+            model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 2, EP_SIZE, REDUNDANT),
+                                  vllm_models.conversion_of(config))
+            seen: list[str] = []
+            with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, seen):
+                load("auto", model, config)
+            assert_experts(model, want)
+        assert any(name.startswith("layers.0.attn.") for name in seen)
+
+
+def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(engine_ckpt, engine_converted,
+                                                                               tmp_path, monkeypatch):
+    """The same repo when its ``manifest.json`` can be had neither from the cache nor from the hub
+    (offline): not recognised, so vLLM's class loads it, and the subclass refuses once vLLM's
+    default loader fed it a checkpoint without one routed-expert tensor: never the zeros."""
+    import huggingface_hub
+
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old}):
+        def offline(*args, **kwargs):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("offline, and not in the cache")
+
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        plugins()
+        config = model_config("owner/old")
+        assert vllm_models.conversion_of(config) is None
+        with h.patched(0, EP_SIZE):
+            model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT), None)
+            setattr(model, vllm_models.MODEL_ATTR, "owner/old")
+            with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
+                    pytest.raises(InstallError, match=r"owner/old: vLLM read \d+ tensors and not one routed expert.*"
+                                                      r"--load-format megamoe"):
+                load("auto", model, config)
 
 
 def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
