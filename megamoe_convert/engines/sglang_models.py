@@ -1,9 +1,11 @@
 """Every SGLang load format serves a conversion's pre-baked experts, or refuses (SGLang 0.5.23).
 
-A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
-SGLang refuses when it resolves the model class. With megamoe-convert installed, the
-``sglang.srt.plugins`` entry point (:func:`.sglang_loader.register`) adds two hooks through
-SGLang's own ``HookRegistry``:
+A converted directory's ``config.json`` names a marker model type and marker architectures
+(``output/marker.py``): a bare SGLang refuses the model type when it reads the config (through
+transformers' ``AutoConfig``, whatever ``--model-impl``), and the architecture when it resolves the
+model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry point
+(:func:`.sglang_loader.register`) makes transformers read the original model type
+(``engines/hf_config.py``) and adds hooks through SGLang's own ``HookRegistry``:
 
 - around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
   and configures the model exactly as for the source); the ``megamoe`` section stays on the
@@ -18,7 +20,9 @@ SGLang's own ``HookRegistry``:
   is refused.
 
 A conversion made before the marker existed (a megamoe ``manifest.json``, no section) is
-recognised by its manifest and served the same way.
+recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
+cache, else downloaded), and served the same way; one whose manifest cannot be had (offline, not
+cached) is refused by the hooked ``load_weights``: SGLang fed it no routed-expert tensor.
 """
 
 from __future__ import annotations

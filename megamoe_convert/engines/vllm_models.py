@@ -1,12 +1,15 @@
 """Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
 
-A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
-vLLM refuses. With megamoe-convert installed, :func:`register` (run by the ``vllm.general_plugins``
-entry point in every vLLM process, before any config is read) does two things:
+A converted directory's ``config.json`` names a marker model type and marker architectures
+(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, :func:`register`
+(run by the ``vllm.general_plugins`` entry point in every vLLM process, before any config is read)
+does this:
 
-- vLLM's ``hf`` config parser is replaced by one that puts the original architectures back, so
-  vLLM builds and configures the model exactly as for the source (every architecture-keyed
-  setting of vLLM applies); the ``megamoe`` section stays on the config.
+- transformers' JSON config reading gives back the original model type (``engines/hf_config.py``:
+  vLLM's parser, its speculative draft config, the weight-cache daemon and the tokenizer all read
+  through it), and vLLM's ``hf`` config parser is replaced by one that puts the original
+  architectures back, so vLLM builds and configures the model exactly as for the source (every
+  architecture-keyed setting of vLLM applies); the ``megamoe`` section stays on the config.
 - Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
   drafts) is registered again as a thin subclass of vLLM's own class whose ``load_weights``
   first installs the rank's pre-baked experts (``engines/vllm_install.py``'s ``install_layers``, which
@@ -17,8 +20,11 @@ entry point in every vLLM process, before any config is read) does two things:
   subclasses that refuse a conversion before they are built: they have no MegaMoE experts.
 
 A conversion made before the marker existed (no ``megamoe`` section, a ``manifest.json``) is
-recognised by its manifest and served the same way (a bare vLLM would serve it without experts:
-rerun the same ``megamoe convert`` to mark it).
+recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
+cache, else downloaded), and served the same way (a bare vLLM would serve it without experts:
+rerun the same ``megamoe convert`` to mark it). One whose manifest cannot be had (offline, not
+cached) is refused by the subclass's first ``load_weights``: vLLM fed it no routed-expert tensor
+(``load_format.ExpertTensorCount``), so its experts would stay zeros.
 """
 
 from __future__ import annotations
