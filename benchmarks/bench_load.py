@@ -369,15 +369,16 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
 
 def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:
     """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (module defaults)."""
-    from megamoe_convert.serve import loader
+    from megamoe_convert.serve import staging
 
-    defaults = (loader.READ_THREADS, loader.PinnedRing.__init__.__defaults__)
+    defaults = (staging.READ_THREADS, staging.RING_BUFFERS, staging.RING_BUFFER_BYTES)
     rows = []
     try:
         for threads, count, mb in ((4, 6, 32), (6, 12, 32), (8, 12, 32), (8, 16, 32), (8, 8, 64), (12, 16, 32),
                                    (12, 24, 32), (16, 24, 16), (16, 32, 32), (24, 32, 16)):
-            loader.READ_THREADS = threads
-            loader.PinnedRing.__init__.__defaults__ = (count, mb << 20)
+            staging.reset()  # a new ring and readers of this shape for the next load
+            staging.READ_THREADS, staging.RING_BUFFER_BYTES = threads, mb << 20
+            staging.PinnedRing.__init__.__defaults__ = (count, mb << 20)
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
@@ -388,7 +389,9 @@ def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> li
             rows.append({"read_threads": threads, "ring_buffers": count, "ring_mb": mb,
                          "s": round(statistics.median(times[1:]), 4), "first_s": round(times[0], 4)})
     finally:
-        loader.READ_THREADS, loader.PinnedRing.__init__.__defaults__ = defaults
+        staging.reset()
+        staging.READ_THREADS, staging.RING_BUFFERS, staging.RING_BUFFER_BYTES = defaults
+        staging.PinnedRing.__init__.__defaults__ = (defaults[1], defaults[2])
     return rows
 
 

@@ -4,15 +4,21 @@
 For a checkpoint (real expert dims from a preset, fewer layers, ``--experts-only``) this converts
 a store (no ``--ep-size``) and, for each ``--ep-sizes``, the per-rank form of the benchmarked
 ranks; then, for each (EP size, rank, form), times the **first call in a fresh process**: a child
-process imports the package, allocates the rank's destination tensors on the device (as an engine
-does when it builds the model), and times filling them (``load_rank(..., into=)`` for the
-per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same pinned ring).
+process imports the package, starts pinning the read ring in the background as the engines' loaders
+do when vLLM / SGLang make them (``--staging early``; ``none``: the call pays the pinning itself,
+as a bare ``install()`` with no loader does), allocates the rank's destination tensors on the device
+(as an engine does when it builds the model), and times filling them (``load_rank(..., into=)`` for
+the per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same pinned ring),
+any wait for the ring included.
 
   warm   the files in the page cache (a throwaway child reads them first), ``--repeats`` children,
          median; the ceiling beside it is ``host_read``: the rank's bytes read from the page cache
-         into pinned buffers with the loader's thread count and piece size, no device copy, and
-         ``h2d_pinned``: one pinned buffer of the rank's bytes copied to the device;
-  cold   the page cache dropped before each child (needs root; otherwise the rows say so).
+         into pinned buffers with the loader's thread count and piece size (the fastest shape
+         measured), no device copy, and ``h2d_pinned``: one pinned buffer of the rank's bytes
+         copied to the device;
+  cold   the page cache dropped before each child (needs root; otherwise the rows say so); the
+         limit beside it is ``disk_read``: the rank's ranges read cold by the loader's readers or
+         by 64 threads x 4 MB, whichever is faster (the page cache dropped before each).
 
 Correctness is checked once per (EP size, rank): the store's tensors equal the per-rank form's.
 On-disk size: the store's expert bytes against the per-rank form's for every rank of each EP size
@@ -66,15 +72,63 @@ def destinations(store_dir: Path, ep_size: int, rank: int, device: str) -> tuple
     return dests, slots, nbytes
 
 
+def store_ranges(store_dir: Path, ep_size: int, rank: int) -> list[tuple[Path, int, int]]:
+    """``(file, offset, nbytes)`` of every range the rank reads from the store (default placement)."""
+    from megamoe_convert.placement import Placement
+    from megamoe_convert.serve import store
+    from megamoe_convert.serve.loader import open_converted
+
+    converted = open_converted(store_dir)
+    manifest = converted.manifest
+    ranges = []
+    for layer in manifest.layers:
+        ids = Placement.default(manifest.dims.experts_of(layer), ep_size).rank_logical_ids(rank)
+        path = store_dir / manifest.expert_file(layer)
+        ranges += [(path, r.file_offset, r.nbytes) for r in store.rank_read_plan(manifest, layer, ids)]
+    return ranges
+
+
+def host_read(ranges: list[tuple[Path, int, int]], threads: int, piece: int, pinned: bool) -> float:
+    """Seconds to read ``ranges`` into ``threads`` (pinned) buffers of ``piece`` bytes, ``threads`` at once."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from megamoe_convert.source.safetensors_io import read_into
+
+    pieces = [(path, off + s, min(piece, n - s)) for path, off, n in ranges for s in range(0, n, piece)]
+    buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)]
+    fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
+    own, taken = threading.local(), iter(buffers)
+    t0 = time.perf_counter()
+
+    def read(i: int) -> None:
+        path, off, n = pieces[i]
+        if not hasattr(own, "buffer"):
+            own.buffer = next(taken)
+        read_into(fds[path], off, own.buffer[:n])
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(len(pieces))))
+    seconds = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return seconds
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     import torch
 
-    from megamoe_convert.serve import store
+    from megamoe_convert.serve import staging, store
     from megamoe_convert.serve.loader import load_rank, open_converted
 
     imported = time.perf_counter() - started
     device = torch.device(args.device)
+    if args.staging == "early" and device.type == "cuda":
+        torch.cuda.init()
+        staging.prepare_gpu_staging()  # as the engines' loaders do when they are made, before the model is built
     dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
 
     def sync() -> None:
@@ -93,32 +147,18 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         t0 = time.perf_counter()
         flat.copy_(host, non_blocking=True)
-    elif args.child == "host_read":
-        from concurrent.futures import ThreadPoolExecutor
-
-        from megamoe_convert.serve import loader
-        from megamoe_convert.source.safetensors_io import read_into
-
-        converted = open_converted(args.per_rank)
-        ring = [torch.empty(loader.RING_BUFFER_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
-                for _ in range(loader.READ_THREADS)]
-        pieces = []
-        for layer, record in converted.manifest.rank_files(args.rank).items():
-            size = (Path(args.per_rank) / record.path).stat().st_size
-            pieces += [(Path(args.per_rank) / record.path, off, min(loader.RING_BUFFER_BYTES, size - off))
-                       for off in range(0, size, loader.RING_BUFFER_BYTES)]
-        t0 = time.perf_counter()
-
-        def read(i: int) -> None:
-            path, off, n = pieces[i]
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                read_into(fd, off, ring[i % len(ring)][:n])
-            finally:
-                os.close(fd)
-
-        with ThreadPoolExecutor(loader.READ_THREADS) as pool:
-            list(pool.map(read, range(len(pieces))))
+    elif args.child in ("host_read", "disk_read"):  # the rank's store ranges, best of the reader shapes
+        ranges = store_ranges(Path(args.store), args.ep, args.rank)
+        shapes = [(staging.READ_THREADS, staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
+            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES), (64, 4 << 20)]
+        best = {}
+        for threads, piece in shapes:
+            if args.child == "disk_read" and best and not drop_page_cache():
+                break
+            seconds = host_read(ranges, threads, piece, pinned=device.type == "cuda")
+            if not best or seconds < best["seconds"]:
+                best = {"seconds": seconds, "threads": threads, "piece_mb": piece >> 20}
+        return {**best, "bytes": nbytes, "gb_per_s": nbytes / best["seconds"] / 1e9}
     elif args.child == "check":
         other = {layer: {k: torch.empty_like(t) for k, t in d.items()} for layer, d in dests.items()}
         store.load_slots(open_converted(args.store), slots, into=dests)
@@ -133,12 +173,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Path, ep: int, rank: int,
-              cold: bool = False) -> dict[str, Any]:
+              cold: bool = False, staging: str = "early") -> dict[str, Any]:
     if cold and not drop_page_cache():
         return {"skipped": "cannot drop the page cache (needs root)"}
     cmd = [sys.executable, __file__, "--child", kind, "--store", str(store_dir), "--per-rank", str(per_rank),
-           "--ep", str(ep), "--rank", str(rank), "--device", args.device]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+           "--ep", str(ep), "--rank", str(rank), "--device", args.device, "--staging", staging]
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the wheels' folder too
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     if proc.returncode:
         raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -220,6 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     run_child(form, args, store_dir, pr, ep, rank)  # the page cache warm
                 row[f"{form}_warm"] = median_of([run_child(form, args, store_dir, pr, ep, rank)
                                                  for _ in range(args.repeats)])
+                row[f"{form}_warm_unprepared"] = median_of([run_child(form, args, store_dir, pr, ep, rank, staging="none")
+                                                            for _ in range(args.repeats)])
                 if args.cold:
                     row[f"{form}_cold"] = median_of([run_child(form, args, store_dir, pr, ep, rank, cold=True)
                                                      for _ in range(args.cold_repeats)])
@@ -229,7 +272,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row[ceiling] = median_of([run_child(ceiling, args, store_dir, pr, ep, rank) for _ in range(args.repeats)])
             limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
             for form in ("per_rank", "store"):
-                row[f"{form}_warm_vs_ceiling"] = round(row[f"{form}_warm"]["gb_per_s"] / limit, 3)
+                for case in ("warm", "warm_unprepared"):
+                    row[f"{form}_{case}_vs_ceiling"] = round(row[f"{form}_{case}"]["gb_per_s"] / limit, 3)
+            if args.cold:
+                row["disk_read"] = median_of([run_child("disk_read", args, store_dir, pr, ep, rank, cold=True)
+                                              for _ in range(args.cold_repeats)])
+                for form in ("per_rank", "store"):
+                    if "gb_per_s" in row[f"{form}_cold"] and "gb_per_s" in row["disk_read"]:
+                        row[f"{form}_cold_vs_disk"] = round(row[f"{form}_cold"]["gb_per_s"] / row["disk_read"]["gb_per_s"], 3)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     summary = {"benchmark": "bench_store", "device": args.device, "preset": args.preset, "layers": args.layers,
@@ -269,6 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--per-rank", default=None)
     p.add_argument("--ep", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--staging", choices=("early", "none"), default="early",
+                   help="early: pin the read ring when the 'engine' starts, as the loaders do; none: the call pays it")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.layers, args.experts, args.device = "tiny", 1, 0, "cpu"

@@ -8,6 +8,8 @@
 #   benchmarks/device_startup.sh job       # the measured runs (about 15 min), results in /tmp/startup-results
 #   benchmarks/device_startup.sh wait DEST # wait for the job, copy its results to DEST
 #   benchmarks/device_startup.sh daemon    # vLLM 0.33's weight-cache daemon (bench_daemon.py), warm and cold
+#   benchmarks/device_startup.sh store     # one store vs the per-rank form (bench_store.py), in the background;
+#                                          # then `wait DEST` as for job (needs only the project's wheels)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=/tmp/startup-results
@@ -59,8 +61,17 @@ daemon() {
     done
 }
 
+store() {
+    # Flash dims, 2 MoE layers, rank 0 of EP 8 and EP 16, warm and cold (issue 27's measurement).
+    python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16 --no-last-rank --cold \
+        --save "$RESULTS/store.json" > "$RESULTS/store.log" 2>&1
+    touch "$RESULTS/done"
+}
+
 case "${1:-}" in
     setup) setup ;;
+    store) mkdir -p "$RESULTS"; setsid nohup bash "$0" store-fg > "$RESULTS/job.log" 2>&1 < /dev/null & ;;
+    store-fg) store ;;
     daemon) daemon ;;
     job) setsid nohup bash "$0" job-fg > "$RESULTS/job.log" 2>&1 < /dev/null & ;;
     job-fg) job ;;
@@ -68,5 +79,5 @@ case "${1:-}" in
         for _ in $(seq 1 ${WAIT_S:-560}); do [ -e "$RESULTS/done" ] && break; sleep 1; done
         tar czf "$2/startup-results.tgz" -C "$RESULTS" .
         tail -n 40 "$RESULTS"/*.log ;;
-    *) echo "usage: $0 setup|job|daemon|wait DEST" >&2; exit 2 ;;
+    *) echo "usage: $0 setup|job|daemon|store|wait DEST" >&2; exit 2 ;;
 esac

@@ -241,6 +241,32 @@ def test_cuda_loads_racing_the_background_pinning_and_each_other_are_exact(tiny_
                 assert torch.equal(a, b.cpu())
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fast_pin", ["1", "0"])
+def test_cuda_staging_ring_is_page_locked_either_way_and_loads_exact_bytes(tiny_converted, fast_pin):
+    """The ring pinned by registering huge-page memory (the default) or by torch's allocator
+    (``MEGAMOE_FAST_PIN=0``, also the fallback) is page-locked, and a fresh process's first load
+    through it equals the CPU load."""
+    code = f"""
+import torch
+from megamoe_convert.serve import staging
+from megamoe_convert.serve.loader import load_rank
+ring = staging.shared_ring()
+assert all(b.is_pinned() for b in ring.buffers), "ring buffers are not page-locked"
+assert (ring._mapping is not None) == {fast_pin == "1"}, "the ring was not pinned the requested way"
+for rank in range(4):
+    cpu, gpu = load_rank({str(tiny_converted)!r}, rank), load_rank({str(tiny_converted)!r}, rank, device="cuda")
+    for prefix in cpu:
+        for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2)):
+            assert torch.equal(a, b.cpu())
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "MEGAMOE_FAST_PIN": fast_pin, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
 def test_loading_under_a_default_device_context_still_reads_into_host_memory(tiny_converted):
     """Engines build models under ``with torch.device(...)``; the loader's own host buffers must
     not follow that default (on a GPU they became CUDA tensors and the read failed)."""

@@ -44,6 +44,7 @@ from megamoe_convert.engines.load_format import (
     without_expert_tensors,
 )
 from megamoe_convert.output import marker
+from megamoe_convert.serve.staging import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
             raise InstallError(f"{section.get(PATH_KEY, 'the converted directory')}: SGLang would build {arch}, which "
                                f"megamoe-convert cannot install experts into (it serves {', '.join(sorted(served))}); "
                                "drop --model-impl transformers")
+        prepare_gpu_staging()  # in the worker, right before the model is built: pin the read ring meanwhile
     return model_cls, arch
 
 

@@ -47,6 +47,7 @@ from megamoe_convert.engines.load_format import (
     without_expert_tensors,
 )
 from megamoe_convert.output import marker
+from megamoe_convert.serve.staging import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,13 @@ def make_model_class(base: type, draft: bool) -> type:
 
     class MegaMoEModel(base):  # type: ignore[misc, valid-type]
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             spec = getattr(vllm_config, "speculative_config", None)
             own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
-            setattr(self, CONVERSION_ATTR, conversion_of(own))
+            out = conversion_of(own)
+            if out is not None:
+                prepare_gpu_staging()  # pin the read ring while vLLM builds the model
+            super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+            setattr(self, CONVERSION_ATTR, out)
             setattr(self, MODEL_ATTR, str(getattr(own, "model", base.__name__)))
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:

@@ -2,8 +2,8 @@
 
 On the CPU the tensors are zero-copy views of memory-mapped shard files: nothing is read
 until touched. On a GPU, a small ring of pinned buffers is filled by parallel reads while
-earlier buffers are copied to the device on a side stream, so disk/page-cache reads and
-host-to-device copies overlap; each destination tensor is allocated once, in its final
+earlier buffers are copied to the device on a side stream (:mod:`.staging`), so disk/page-cache
+reads and host-to-device copies overlap; each destination tensor is allocated once, in its final
 strided form. Either way the result needs no transform: it is what ``finalize_weights``
 would have produced.
 """
@@ -13,8 +13,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +34,7 @@ from megamoe_convert.output.manifest import (
 from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.writer import FileRecord, file_problems
 from megamoe_convert.placement import Placement
+from megamoe_convert.serve import staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CheckpointError, parse_layer_spec
@@ -50,25 +49,10 @@ from megamoe_convert.source.safetensors_io import (
 )
 
 
-def _tunable(name: str, default: int, low: int, high: int) -> int:
-    """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
-    raw = os.environ.get(f"MEGAMOE_{name}")
-    if raw is None:
-        return default
-    if not jsonio.is_uint(raw) or not low <= int(raw) <= high:  # the one strict parser's digits ('²' is not one)
-        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
-    return int(raw)
-
-
-#: Pinned staging ring for the GPU path: buffers x bytes each. Reads from the page cache are
-#: memory copies done by the kernel, one core each: it takes many in flight to keep up with
-#: a PCIe 5 host-to-device copy (benchmarks/bench_load.py; docs/benchmarks.md).
-RING_BUFFERS = _tunable("RING_BUFFERS", 24, 2, 1024)
-RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
-READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
-#: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
-#: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
-WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
+#: The GPU path's knobs and staging live in :mod:`.staging`; these names stay importable from here.
+RING_BUFFERS, RING_BUFFER_BYTES, READ_THREADS = staging.RING_BUFFERS, staging.RING_BUFFER_BYTES, staging.READ_THREADS
+PinnedRing, shared_ring, shared_readers = staging.PinnedRing, staging.shared_ring, staging.shared_readers
+prepare_gpu_staging, copy_pieces_to_device = staging.prepare_gpu_staging, staging.copy_pieces_to_device
 
 
 @dataclass
@@ -280,90 +264,11 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
 # GPU: pipelined page cache -> pinned ring -> device
 # --------------------------------------------------------------------------------------
 
-@dataclass
-class _Piece:
-    fd: int
-    file_offset: int
-    dest: torch.Tensor  # flat uint8 view of the destination, on the GPU
-
-
-class PinnedRing:
-    """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
-
-    def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
-        self.events: list[torch.cuda.Event | None] = [None] * count
-        self.nbytes = nbytes
-
-
-_RING: PinnedRing | None = None
-_READERS: ThreadPoolExecutor | None = None
-_RING_LOCK = threading.Lock()
-
-
-def shared_ring() -> PinnedRing:
-    """One pinned ring per process: pinning host memory is slow (~2.3 GB/s: 24 x 16 MB take
-    ~170 ms), so it is paid once, ideally early (:func:`prepare_gpu_staging`), never per call.
-    Calls that use it hold ``_RING_LOCK``."""
-    global _RING
-    with _RING_LOCK:
-        if _RING is None:
-            _RING = PinnedRing()
-        return _RING
-
-
-def shared_readers() -> ThreadPoolExecutor:
-    """The process's reader threads (idle ones cost nothing; starting them per call did)."""
-    global _READERS
-    with _RING_LOCK:
-        if _READERS is None:
-            _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read")
-        return _READERS
-
-
-def prepare_gpu_staging() -> threading.Thread | None:
-    """Pin the staging ring in the background, now. Engines call this when their loader is made,
-    so the pinning overlaps building the model instead of delaying the first load; a load that
-    starts before it is done waits for it. Does nothing without CUDA."""
-    if not torch.cuda.is_available() or _RING is not None:
-        return None
-    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
-    thread.start()
-    return thread
-
-
-def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[_Piece]:
+def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[staging.Piece]:
     flat = dest.view(torch.uint8).reshape(-1)
     for start in range(0, entry.nbytes, piece_bytes):
         n = min(piece_bytes, entry.nbytes - start)
-        yield _Piece(fd, entry.begin + start, flat[start:start + n])
-
-
-def copy_pieces_to_device(pieces: list[_Piece], ring: PinnedRing, stream: torch.cuda.Stream,
-                          readers: ThreadPoolExecutor) -> None:
-    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream)."""
-    slots = len(ring.buffers)
-
-    def read(i: int) -> int:
-        slot = i % slots
-        event = ring.events[slot]
-        if event is not None:
-            event.synchronize()  # the copy that last used this buffer has finished
-        n = pieces[i].dest.numel()
-        read_into(pieces[i].fd, pieces[i].file_offset, ring.buffers[slot][:n])
-        return slot
-
-    futures = {i: readers.submit(read, i) for i in range(min(slots, len(pieces)))}
-    for i, piece in enumerate(pieces):
-        slot = futures.pop(i).result()
-        with torch.cuda.stream(stream):
-            piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        ring.events[slot] = event
-        if i + slots < len(pieces):
-            futures[i + slots] = readers.submit(read, i + slots)
-    stream.synchronize()
+        yield staging.Piece(fd, entry.begin + start, flat[start:start + n])
 
 
 #: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
@@ -403,22 +308,18 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
                dests: dict[MoELayer, Destinations]) -> None:
     """Fill every destination (all on one CUDA device) through the pinned ring."""
     device = next(iter(next(iter(dests.values())).values())).device
-    ring = shared_ring()
-    stream = torch.cuda.Stream(device=device)
-    pieces: list[_Piece] = []
+    piece_bytes = staging.shared_ring().nbytes  # waits for a ring still being pinned in the background
+    pieces: list[staging.Piece] = []
     fds = []
     try:
         for layer, record in files.items():
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
-            if WILLNEED:
+            if staging.WILLNEED:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             for key, dest in dests[layer].items():
-                pieces.extend(_pieces(fd, headers[layer][key], dest, ring.nbytes))
-        readers = shared_readers()
-        with _RING_LOCK:
-            copy_pieces_to_device(pieces, ring, stream, readers)
-        torch.cuda.current_stream(device).wait_stream(stream)
+                pieces.extend(_pieces(fd, headers[layer][key], dest, piece_bytes))
+        staging.fill_device(pieces, device)
     finally:
         for fd in fds:
             os.close(fd)

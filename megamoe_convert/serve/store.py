@@ -28,7 +28,7 @@ from megamoe_convert.jsonio import one_line
 from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_specs, store_file, store_metadata
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import Placement
-from megamoe_convert.serve import loader
+from megamoe_convert.serve import loader, staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
@@ -169,22 +169,18 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
     """Every read into CUDA destinations (one device) through the process's pinned ring."""
     device = next(iter(jobs[0][2].values())).device
-    ring = loader.shared_ring()
+    piece_bytes = staging.shared_ring().nbytes  # waits for a ring still being pinned in the background
     pieces = []
     for fd, reads, dests in jobs:
         for read in reads:
             flat = _flat(dests[read.key])
-            if loader.WILLNEED:
+            if staging.WILLNEED:
                 os.posix_fadvise(fd, read.file_offset, read.nbytes, os.POSIX_FADV_WILLNEED)
-            for start in range(0, read.nbytes, ring.nbytes):
-                n = min(ring.nbytes, read.nbytes - start)
-                pieces.append(loader._Piece(fd, read.file_offset + start,
+            for start in range(0, read.nbytes, piece_bytes):
+                n = min(piece_bytes, read.nbytes - start)
+                pieces.append(staging.Piece(fd, read.file_offset + start,
                                             flat[read.dest_offset + start:read.dest_offset + start + n]))
-    stream = torch.cuda.Stream(device=device)
-    readers = loader.shared_readers()
-    with loader._RING_LOCK:
-        loader.copy_pieces_to_device(pieces, ring, stream, readers)
-    torch.cuda.current_stream(device).wait_stream(stream)
+    staging.fill_device(pieces, device)
 
 
 def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]], dests: dict[MoELayer, Destinations]) -> None:

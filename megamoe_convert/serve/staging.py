@@ -1,0 +1,200 @@
+"""The GPU path's staging: a pinned ring filled by parallel reads, copied to the device on a side stream.
+
+Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
+(each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
+host-to-device copy), while earlier buffers are copied to the device asynchronously. The ring and
+the reader threads are made once per process and reused by every load.
+
+Pinning is the one cost a fresh process pays before its first byte moves, so the ring is pinned
+the fast way: one anonymous mapping backed by transparent huge pages, its buffers faulted in and
+registered with CUDA (``cudaHostRegister``) by several threads at once: about 30 ms for the
+384 MB ring on an H100 host, against about 170 ms through the CUDA allocator's ``cudaHostAlloc``
+(``benchmarks/bench_store.py``, ``docs/benchmarks.md``). Where registering fails, the ring falls
+back to ``torch``'s pinned allocator. Engines start the pinning in the background when their
+loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from megamoe_convert import jsonio
+from megamoe_convert.source.safetensors_io import read_into
+
+
+def _tunable(name: str, default: int, low: int, high: int) -> int:
+    """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
+    raw = os.environ.get(f"MEGAMOE_{name}")
+    if raw is None:
+        return default
+    if not jsonio.is_uint(raw) or not low <= int(raw) <= high:  # the one strict parser's digits ('²' is not one)
+        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
+    return int(raw)
+
+
+#: Pinned staging ring for the GPU path: buffers x bytes each (16 readers x 16 MB pieces read the
+#: page cache fastest on the H100 host: ``benchmarks/bench_load.py``, ``bench_store.py``).
+RING_BUFFERS = _tunable("RING_BUFFERS", 24, 2, 1024)
+RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
+#: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
+#: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
+WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
+#: ``0`` pins the ring with torch's allocator (``cudaHostAlloc``) instead of registering huge pages.
+FAST_PIN = bool(_tunable("FAST_PIN", 1, 0, 1))
+
+_HUGE_PAGE = 2 << 20
+_PIN_THREADS = 8
+
+
+def _huge_page_block(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """``nbytes`` of anonymous memory aligned to a huge page, asking the kernel for huge pages
+    (fewer pages to fault in and lock). Returns the tensor and the mapping that owns it."""
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # transparent huge pages off: ordinary pages, still registered in parallel
+            pass
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start:start + nbytes], mapping
+
+
+def _register(buffers: list[torch.Tensor]) -> bool:
+    """Fault in and page-lock every buffer, several at once. Runs in its own threads, so a failed
+    registration's CUDA error stays in them (CUDA's last error is per thread), never reaching the
+    engine's. False if any buffer could not be registered (those that were are released)."""
+    cudart = torch.cuda.cudart()
+
+    def pin(buffer: torch.Tensor) -> bool:
+        buffer.fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
+        return int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0
+
+    with ThreadPoolExecutor(_PIN_THREADS, thread_name_prefix="megamoe-pin") as pool:
+        pinned = list(pool.map(pin, buffers))
+        if all(pinned):
+            return True
+        list(pool.map(lambda b: cudart.cudaHostUnregister(b.data_ptr()), [b for b, ok in zip(buffers, pinned) if ok]))
+    return False
+
+
+class PinnedRing:
+    """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
+
+    def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+        self.nbytes = nbytes
+        self.events: list[torch.cuda.Event | None] = [None] * count
+        self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
+        self.buffers = self._registered(count, nbytes) if FAST_PIN else None
+        if self.buffers is None:
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+
+    def _registered(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
+        try:
+            block, mapping = _huge_page_block(count * nbytes)
+        except (OSError, ValueError):
+            return None
+        buffers = [block[i * nbytes:(i + 1) * nbytes] for i in range(count)]
+        if not _register(buffers):
+            return None  # the mapping goes with the last view of it
+        self._mapping = mapping
+        return buffers
+
+
+_RING: PinnedRing | None = None
+_READERS: ThreadPoolExecutor | None = None
+RING_LOCK = threading.Lock()
+
+
+def shared_ring() -> PinnedRing:
+    """One pinned ring per process, pinned once, ideally early (:func:`prepare_gpu_staging`),
+    never per call. Calls that use it hold :data:`RING_LOCK`."""
+    global _RING
+    with RING_LOCK:
+        if _RING is None:
+            _RING = PinnedRing()
+        return _RING
+
+
+def shared_readers() -> ThreadPoolExecutor:
+    """The process's reader threads (idle ones cost nothing; starting them per call did)."""
+    global _READERS
+    with RING_LOCK:
+        if _READERS is None:
+            _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read")
+        return _READERS
+
+
+def prepare_gpu_staging() -> threading.Thread | None:
+    """Pin the staging ring in the background, now. Engines call this when their loader is made,
+    so the pinning overlaps building the model instead of delaying the first load; a load that
+    starts before it is done waits for it. Does nothing without CUDA."""
+    if not torch.cuda.is_available() or _RING is not None:
+        return None
+    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
+    thread.start()
+    return thread
+
+
+@dataclass
+class Piece:
+    """One read of a file range into (a slice of) a device tensor."""
+
+    fd: int
+    file_offset: int
+    dest: torch.Tensor  # flat uint8 view of the destination, on the GPU
+
+
+def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.cuda.Stream,
+                          readers: ThreadPoolExecutor) -> None:
+    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream)."""
+    slots = len(ring.buffers)
+
+    def read(i: int) -> int:
+        slot = i % slots
+        event = ring.events[slot]
+        if event is not None:
+            event.synchronize()  # the copy that last used this buffer has finished
+        n = pieces[i].dest.numel()
+        read_into(pieces[i].fd, pieces[i].file_offset, ring.buffers[slot][:n])
+        return slot
+
+    futures = {i: readers.submit(read, i) for i in range(min(slots, len(pieces)))}
+    for i, piece in enumerate(pieces):
+        slot = futures.pop(i).result()
+        with torch.cuda.stream(stream):
+            piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        ring.events[slot] = event
+        if i + slots < len(pieces):
+            futures[i + slots] = readers.submit(read, i + slots)
+    stream.synchronize()
+
+
+def fill_device(pieces: list[Piece], device: torch.device) -> None:
+    """Every piece into its (one ``device``'s) destination through the process's ring; the
+    device's current stream then waits for the copies."""
+    ring = shared_ring()
+    stream = torch.cuda.Stream(device=device)
+    readers = shared_readers()
+    with RING_LOCK:
+        copy_pieces_to_device(pieces, ring, stream, readers)
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def reset() -> None:
+    """Forget the process's ring and readers (a benchmark's sweep of the knobs above); the next
+    load makes new ones. The old ring's memory stays pinned until the process ends."""
+    global _RING, _READERS
+    with RING_LOCK:
+        if _READERS is not None:
+            _READERS.shutdown()
+        _RING, _READERS = None, None
