@@ -35,17 +35,14 @@ import sys
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 START = time.perf_counter()
 REPO = Path(__file__).resolve().parent.parent
 for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
     sys.path.insert(0, str(path))
-
-WC = "vllm.model_executor.model_loader.weight_cache"
 
 
 # --------------------------------------------------------------------------------------
@@ -78,29 +75,11 @@ def tree(args: argparse.Namespace, on: Any = None):
     return model
 
 
-@contextlib.contextmanager
-def patches(args: argparse.Namespace) -> Iterator[None]:
-    import importlib
-
+def patches(args: argparse.Namespace):
+    """The tests' patches (``vllm_harness.weight_cache_patched``) for this rank."""
     import vllm_harness as h
 
-    one = types.SimpleNamespace(world_size=1, rank_in_group=0)
-    ipc, daemon = importlib.import_module(f"{WC}.ipc_loader"), importlib.import_module(f"{WC}.daemon")
-    uuid = "GPU-bench"
-    with contextlib.ExitStack() as stack:
-        enter = stack.enter_context
-        enter(h.patched(args.rank, args.ep_size))
-        for module in (ipc, daemon):
-            enter(mock.patch.object(module, "get_current_device_uuid", lambda: uuid))
-        enter(mock.patch.object(ipc, "check_ipc_platform_support", lambda: None))
-        for name in ("get_dp_group", "get_pp_group"):
-            enter(mock.patch.object(ipc, name, lambda: one))
-        enter(mock.patch.object(ipc, "get_tensor_model_parallel_world_size", lambda: 1))
-        enter(mock.patch.object(ipc, "get_tensor_model_parallel_rank", lambda: 0))
-        if device().type == "cpu":
-            enter(mock.patch("torch.accelerator.current_device_index", lambda: 0))
-            enter(mock.patch("torch.accelerator.empty_cache", lambda: None))
-        yield
+    return h.weight_cache_patched(args.rank, args.ep_size)
 
 
 def vllm_config(model: str, **load):
@@ -124,8 +103,6 @@ def kernel_fingerprint(model) -> str:
 
 
 def role_daemon(args: argparse.Namespace) -> None:
-    import importlib
-
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.plugins import load_general_plugins
@@ -137,7 +114,7 @@ def role_daemon(args: argparse.Namespace) -> None:
         prepare_daemon()  # what megamoe preload's daemon entry does first
     else:
         load_general_plugins()  # vllm preload's daemons do not; the same cost either way
-    daemon_py = importlib.import_module(f"{WC}.daemon")
+    from vllm.model_executor.model_loader.weight_cache import daemon as daemon_py, protocol
     imported = time.perf_counter()
     dev = device()
     if dev.type == "cuda":
@@ -154,8 +131,7 @@ def role_daemon(args: argparse.Namespace) -> None:
             daemon.model = daemon.get_model()
         sync()
         loaded = time.perf_counter()
-        daemon.loaded_rope_parameters_hash = importlib.import_module(f"{WC}.protocol").hash_rope_parameters(
-            daemon.model_config)
+        daemon.loaded_rope_parameters_hash = protocol.hash_rope_parameters(daemon.model_config)
         report = {"role": "daemon", "from": "prebaked" if prebaked else "source", "import_s": imported - START,
                   "config_s": configured - imported, "load_s": loaded - configured,
                   "fingerprint": kernel_fingerprint(daemon.model),
@@ -169,8 +145,6 @@ def role_daemon(args: argparse.Namespace) -> None:
 
 
 def role_engine(args: argparse.Namespace) -> None:
-    import importlib
-
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -182,7 +156,7 @@ def role_engine(args: argparse.Namespace) -> None:
     from megamoe_convert.vllm_integration import register
 
     register()
-    importlib.import_module(f"{WC}.ipc_loader")
+    from vllm.model_executor.model_loader.weight_cache import ipc_loader
     imported = time.perf_counter()
     if device().type == "cuda":
         torch.empty(1, device=device())
@@ -192,8 +166,7 @@ def role_engine(args: argparse.Namespace) -> None:
         loader = get_model_loader(config.load_config)
         configured = time.perf_counter()
         build = lambda vllm_config, model_config, prefix="": tree(args)  # noqa: E731
-        with set_current_vllm_config(config), mock.patch.object(importlib.import_module(f"{WC}.ipc_loader"),
-                                                                "initialize_model", build):
+        with set_current_vllm_config(config), mock.patch.object(ipc_loader, "initialize_model", build):
             model = loader.load_model(config, config.model_config)
         sync()
         mapped = time.perf_counter()

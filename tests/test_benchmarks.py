@@ -8,9 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
 
 from conftest import REPO
 

@@ -267,6 +267,19 @@ print("ok")
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_process_ending_while_the_ring_is_pinned_exits_cleanly():
+    """An engine that fails (or ends) right after its loader started pinning must exit normally,
+    not abort with CUDA torn down under a registration (seen on the H100 before the fix)."""
+    code = ("import torch; torch.cuda.init(); from megamoe_convert.serve import staging; "
+            "staging.prepare_gpu_staging(); torch.empty(1 << 20, device='cuda').copy_(torch.ones(1 << 20))")
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_loading_under_a_default_device_context_still_reads_into_host_memory(tiny_converted):
     """Engines build models under ``with torch.device(...)``; the loader's own host buffers must
     not follow that default (on a GPU they became CUDA tensors and the read failed)."""

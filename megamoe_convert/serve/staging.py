@@ -19,6 +19,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -72,16 +73,24 @@ def _register(buffers: list[torch.Tensor]) -> bool:
     registration's CUDA error stays in them (CUDA's last error is per thread), never reaching the
     engine's. False if any buffer could not be registered (those that were are released)."""
     cudart = torch.cuda.cudart()
+    pinned = [False] * len(buffers)
 
-    def pin(buffer: torch.Tensor) -> bool:
-        buffer.fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
-        return int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)) == 0
+    def pin(first: int) -> None:
+        for i in range(first, len(buffers), _PIN_THREADS):
+            buffers[i].fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
+            pinned[i] = int(cudart.cudaHostRegister(buffers[i].data_ptr(), buffers[i].numel(), 0)) == 0
 
-    with ThreadPoolExecutor(_PIN_THREADS, thread_name_prefix="megamoe-pin") as pool:
-        pinned = list(pool.map(pin, buffers))
-        if all(pinned):
-            return True
-        list(pool.map(lambda b: cudart.cudaHostUnregister(b.data_ptr()), [b for b, ok in zip(buffers, pinned) if ok]))
+    # Plain threads, joined here: they finish even while the interpreter is shutting down.
+    threads = [threading.Thread(target=pin, args=(i,), name="megamoe-pin") for i in range(_PIN_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if all(pinned):
+        return True
+    for buffer, ok in zip(buffers, pinned):
+        if ok:
+            cudart.cudaHostUnregister(buffer.data_ptr())
     return False
 
 
@@ -89,12 +98,16 @@ class PinnedRing:
     """Pinned host buffers reused round-robin; each remembers the copy that last read it."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+        started = time.perf_counter()
         self.nbytes = nbytes
         self.events: list[torch.cuda.Event | None] = [None] * count
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         self.buffers = self._registered(count, nbytes) if FAST_PIN else None
         if self.buffers is None:
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+        #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
+        self.ready_at = time.perf_counter()
+        self.pin_seconds = self.ready_at - started
 
     def _registered(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
         try:
@@ -138,7 +151,9 @@ def prepare_gpu_staging() -> threading.Thread | None:
     starts before it is done waits for it. Does nothing without CUDA."""
     if not torch.cuda.is_available() or _RING is not None:
         return None
-    thread = threading.Thread(target=shared_ring, name="megamoe-pin", daemon=True)
+    # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
+    # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
+    thread = threading.Thread(target=shared_ring, name="megamoe-pin")
     thread.start()
     return thread
 

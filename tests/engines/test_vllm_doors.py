@@ -85,6 +85,13 @@ def megamoe_model(model, conversion, draft=False):
     return model
 
 
+def main_model(ckpt, rank, config):
+    """The main model of ``ckpt``'s shape for ``rank`` (EP_SIZE, REDUNDANT), as the class vLLM's
+    registry hands out for ``config``: the plugin's subclass on a conversion."""
+    return megamoe_model(h.build_main_model(h.hf_config(ckpt), rank, EP_SIZE, REDUNDANT),
+                         vllm_models.conversion_of(config))
+
+
 def load(load_format, model, config) -> None:
     """vLLM's own loader for ``--load-format load_format``, as ``BaseModelLoader.load_model`` runs it."""
     from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
@@ -161,8 +168,7 @@ def test_every_load_format_serves_the_pre_baked_experts(engine_ckpt, engine_conv
     seen: list[str] = []
     with h.patched(3, EP_SIZE):
         want = reference(engine_ckpt, 3)
-        model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 3, EP_SIZE, REDUNDANT),
-                              vllm_models.conversion_of(config))
+        model = main_model(engine_ckpt, 3, config)
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, seen):
             load(load_format, model, config)
         assert_experts(model, want)
@@ -198,8 +204,7 @@ def test_the_default_loader_refuses_a_model_of_another_ep_size_before_reading(en
 def test_the_default_loader_refuses_an_experts_only_conversion(engine_ckpt, engine_experts_only):
     config = model_config(engine_experts_only)
     with h.patched(0, EP_SIZE):
-        model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT),
-                              vllm_models.conversion_of(config))
+        model = main_model(engine_ckpt, 0, config)
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
                 pytest.raises(InstallError, match="converted with --experts-only"):
             load("auto", model, config)
@@ -212,8 +217,7 @@ def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine
     assert config.hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(config.hf_config, "megamoe")
     with h.patched(2, EP_SIZE):
         want = reference(engine_ckpt, 2)
-        model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 2, EP_SIZE, REDUNDANT),
-                              vllm_models.conversion_of(config))
+        model = main_model(engine_ckpt, 2, config)
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
             load("auto", model, config)
         assert_experts(model, want)
@@ -276,8 +280,7 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_
         assert vllm_models.conversion_of(source) is None  # the hub has no manifest for it
         with h.patched(2, EP_SIZE):
             want = reference(engine_ckpt, 2)
-            model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 2, EP_SIZE, REDUNDANT),
-                                  vllm_models.conversion_of(config))
+            model = main_model(engine_ckpt, 2, config)
             seen: list[str] = []
             with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, seen):
                 load("auto", model, config)
@@ -316,8 +319,7 @@ def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
     assert json.loads((engine_ckpt / "config.json").read_text())["architectures"] == config.hf_config.architectures
     with h.patched(0, EP_SIZE):
         want = reference(engine_ckpt, 0)
-        model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT),
-                              vllm_models.conversion_of(config))
+        model = main_model(engine_ckpt, 0, config)
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
             load("auto", model, config)
         assert not hasattr(model, vllm_models.INSTALLED_ATTR)

@@ -3,21 +3,19 @@ ipc_cache``), with vLLM's own ``weight_cache`` code on the CPU.
 
 CUDA IPC itself cannot run here: vLLM's ``TensorEntry`` ships CPU tensors by value, through the
 same pickled Unix-socket protocol the daemon and the engine speak. Patched: only what needs an
-accelerator (the platform's IPC check, the device index and UUID), process groups, and the
-model's GPU constructor, whose place the harness's tree of vLLM's own classes takes.
+accelerator (the platform's IPC check, the device index and UUID) and process groups
+(``h.weight_cache_patched``, which the daemon benchmark uses too), and the model's GPU
+constructor, whose place the harness's tree of vLLM's own classes takes.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import multiprocessing
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import types
 from pathlib import Path
 from typing import Iterator
 from unittest import mock
@@ -29,7 +27,6 @@ import vllm_harness as h
 
 pytestmark = pytest.mark.only_kernel_layout  # vLLM >= 0.33: the weight cache exists there only
 
-WC = "vllm.model_executor.model_loader.weight_cache"
 EP = 4
 
 
@@ -42,10 +39,6 @@ def megamoe(*args: object, check: bool = False) -> subprocess.CompletedProcess:
 def run_convert(src: Path, out: Path, *args: object) -> Path:
     megamoe("convert", src, out, *args, check=True)
     return out
-
-
-def wc(name: str):
-    return importlib.import_module(f"{WC}.{name}")
 
 
 # --------------------------------------------------------------------------------------
@@ -96,29 +89,6 @@ def plugins() -> None:
 # The daemon and the engine, each with vLLM's own code
 # --------------------------------------------------------------------------------------
 
-GPU_UUID = "GPU-cpu-test"
-
-
-@contextlib.contextmanager
-def no_accelerator() -> Iterator[None]:
-    """What needs a GPU (the IPC platform check, device index and UUID) and the engine's
-    process groups (one rank: TP = PP = DP = 1, EP from ``h.patched``)."""
-    one = types.SimpleNamespace(world_size=1, rank_in_group=0)
-    ipc, daemon = wc("ipc_loader"), wc("daemon")
-    with contextlib.ExitStack() as stack:
-        enter = stack.enter_context
-        for module in (ipc, daemon):
-            enter(mock.patch.object(module, "get_current_device_uuid", lambda: GPU_UUID))
-        enter(mock.patch.object(ipc, "check_ipc_platform_support", lambda: None))
-        for name in ("get_dp_group", "get_pp_group"):
-            enter(mock.patch.object(ipc, name, lambda: one))
-        enter(mock.patch.object(ipc, "get_tensor_model_parallel_world_size", lambda: 1))
-        enter(mock.patch.object(ipc, "get_tensor_model_parallel_rank", lambda: 0))
-        enter(mock.patch("torch.accelerator.current_device_index", lambda: 0))
-        enter(mock.patch("torch.accelerator.empty_cache", lambda: None))
-        yield
-
-
 def tree(config, rank: int, ep: int = EP) -> torch.nn.Module:
     """The model vLLM builds (the harness's tree of its own classes), its own ``load_weights``
     fed what vLLM's default iterator reads (the tree holds only the MoE layers: nothing else has
@@ -139,7 +109,7 @@ def serve(out: Path, socket_dir: Path, rank: int, ep: int = EP) -> threading.Thr
     and ``serve_forever`` on a real Unix socket, in a thread."""
     from vllm.config import set_current_vllm_config
 
-    daemon_py = wc("daemon")
+    daemon_py = h.weight_cache("daemon")
     plugins()
     config = engine_config(out, load_format="megamoe")
     daemon = daemon_py.WeightCacheDaemon(config, global_rank=0, local_rank=0, distributed_init_method="",
@@ -149,7 +119,7 @@ def serve(out: Path, socket_dir: Path, rank: int, ep: int = EP) -> threading.Thr
             mock.patch("vllm.model_executor.model_loader.base_loader.BaseModelLoader.create_model",
                        lambda self, vllm_config, model_config, prefix="": tree(hf, rank, ep)):
         daemon.model = daemon.get_model()
-    daemon.loaded_rope_parameters_hash = wc("protocol").hash_rope_parameters(daemon.model_config)
+    daemon.loaded_rope_parameters_hash = h.weight_cache("protocol").hash_rope_parameters(daemon.model_config)
     ready = threading.Event()
     thread = threading.Thread(target=daemon.serve_forever, kwargs={"ready_callback": ready.set}, daemon=True)
     thread.start()
@@ -171,7 +141,7 @@ def engine_load(out: Path, socket_dir: Path, rank: int, loader_cls: type | None 
     loader = loader_cls(config.load_config) if loader_cls else get_model_loader(config.load_config)
     hf = h.hf_config(out)
     build = lambda vllm_config, model_config, prefix="": tree(hf, rank)  # noqa: E731
-    with set_current_vllm_config(config), mock.patch.object(wc("ipc_loader"), "initialize_model", build), \
+    with set_current_vllm_config(config), mock.patch.object(h.weight_cache("ipc_loader"), "initialize_model", build), \
             mock.patch("vllm.model_executor.model_loader.base_loader.initialize_model", build):
         return loader.load_model(config, config.model_config)
 
@@ -202,7 +172,7 @@ def test_engine_maps_a_daemons_conversion_byte_exact(engine_ckpt, ep4, socket_di
     """Daemon: vLLM's ``get_model`` with ``--load-format megamoe``; its ``get_state`` exports
     (``export_entries``) over the socket; engine: the meta model, the daemon's tensors registered
     in place, ``process_weights_after_loading`` in pre-processed mode. No fallback allowed."""
-    with h.patched(rank, EP), no_accelerator():
+    with h.weight_cache_patched(rank, EP):
         serve(ep4, socket_dir, rank)
         model = engine_load(ep4, socket_dir, rank, fallback=False)
         assert_experts_as_vllm_loads_the_source(model, engine_ckpt, rank)
@@ -213,7 +183,7 @@ def test_cache_key_tells_conversions_apart(engine_ckpt, ep4, ep2, tmp_path):
     """vLLM's key hashes the top-level shards' headers only: the same for every conversion of one
     source. With megamoe-convert registered it also hashes the manifest and the rank files (or a
     store's layer files)."""
-    protocol = wc("protocol")
+    protocol = h.weight_cache("protocol")
     plugins()
     vllm_hash = protocol.hash_checkpoint.__wrapped__
     copy = Path(shutil.copytree(ep4, tmp_path / "copy-of-ep4"))
@@ -236,10 +206,10 @@ def test_cache_key_tells_conversions_apart(engine_ckpt, ep4, ep2, tmp_path):
 
 def test_engine_refuses_a_daemon_of_another_conversion(engine_ckpt, ep4, ep2, socket_dir):
     """A daemon holding EP 2's conversion: the engine of EP 4's sees another key, never its experts."""
-    mismatch = wc("protocol").CacheConfigMismatchError
-    with h.patched(0, 2), no_accelerator():
+    mismatch = h.weight_cache("protocol").CacheConfigMismatchError
+    with h.weight_cache_patched(0, 2):
         serve(ep2, socket_dir, 0, ep=2)
-    with h.patched(0, EP), no_accelerator():
+    with h.weight_cache_patched(0, EP):
         with pytest.raises(mismatch, match=r"mismatch on fields: \['checkpoint'\]"):
             engine_load(ep4, socket_dir, 0, fallback=False)
 
@@ -248,8 +218,8 @@ def test_fallback_loads_the_experts_where_vllms_own_reads_none(engine_ckpt, ep4,
     """No daemon at the socket: vLLM's own ``IpcModelLoader`` falls back to ``DefaultModelLoader("auto")``,
     which reads no expert from a conversion; the one megamoe-convert registers falls back to
     ``--load-format megamoe``."""
-    with h.patched(2, EP), no_accelerator():
-        bare = engine_load(ep4, socket_dir, 2, loader_cls=wc("ipc_loader").IpcModelLoader)
+    with h.weight_cache_patched(2, EP):
+        bare = engine_load(ep4, socket_dir, 2, loader_cls=h.weight_cache("ipc_loader").IpcModelLoader)
         assert all(torch.count_nonzero(t) == 0 for m in h.experts_of(bare).values() for t in h.kernel_view(m))
         model = engine_load(ep4, socket_dir, 2)
         assert_experts_as_vllm_loads_the_source(model, engine_ckpt, 2)
@@ -258,8 +228,8 @@ def test_fallback_loads_the_experts_where_vllms_own_reads_none(engine_ckpt, ep4,
 def test_engine_never_maps_nvfp4_from_a_daemon(nvfp4, socket_dir):
     """NVFP4's L2 activation scale is a plain attribute the weight cache does not carry: refused
     before any daemon is asked (with fallback on, the disk load follows)."""
-    mismatch = wc("protocol").CacheConfigMismatchError
-    with h.patched(0, EP), no_accelerator():
+    mismatch = h.weight_cache("protocol").CacheConfigMismatchError
+    with h.weight_cache_patched(0, EP):
         with pytest.raises(mismatch, match="NVFP4 experts: vLLM's weight cache does not carry their L2 activation"):
             engine_load(nvfp4, socket_dir, 0, fallback=False)
 
@@ -280,7 +250,7 @@ def _spawned_daemon_probe(queue) -> None:
 
     before = loader()
     vllm_preload.prepare_daemon()
-    queue.put((before, loader(), getattr(wc("protocol").hash_checkpoint, "megamoe", False)))
+    queue.put((before, loader(), getattr(h.weight_cache("protocol").hash_checkpoint, "megamoe", False)))
 
 
 def test_a_spawned_daemon_knows_megamoe_only_through_daemon_entry():
@@ -303,7 +273,7 @@ def test_daemon_entry_is_vllms_run_daemon_after_the_registration():
 
     assert pickle.loads(pickle.dumps(vllm_preload.daemon_entry)) is vllm_preload.daemon_entry
     calls = []
-    with mock.patch.object(wc("daemon"), "_run_daemon", lambda *a, **k: calls.append((a, k))), \
+    with mock.patch.object(h.weight_cache("daemon"), "_run_daemon", lambda *a, **k: calls.append((a, k))), \
             mock.patch.object(vllm_preload, "prepare_daemon", lambda: calls.append("prepared")):
         vllm_preload.daemon_entry(0, 0, "config", init_method="tcp://x")
     assert calls == ["prepared", ((0, 0, "config"), {"init_method": "tcp://x"})]

@@ -1,7 +1,7 @@
 """Real vLLM modules on the CPU, built and loaded by vLLM's own code.
 
 Only what needs hardware or a process group is patched: the SM100 capability check, the
-pipeline/EP groups, and (0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
+pipeline/EP groups, (0.33) the weight cache's IPC platform check, device UUID and groups, and (0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
 which cannot run on a CPU: it is replaced by the project's spec-exact equivalent
 (``megamoe_convert.layout.sf_into_required_layout``) while DeepGEMM's own Python
 ``transform_weights_for_mega_moe`` (bundled in vLLM) does the rest.
@@ -100,6 +100,41 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
             else:  # 0.30-0.31: the module asks CUDA for the device's capability itself
                 enter(mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (10, 0)))
             enter(mock.patch.dict(sys.modules, {"deep_gemm": _bundled_deep_gemm()}))
+        yield
+
+
+#: vLLM >= 0.33's weight cache: its daemon, its engine-side ``IpcModelLoader``, their protocol.
+WEIGHT_CACHE = "vllm.model_executor.model_loader.weight_cache"
+#: The device UUID the daemon and the engine both report (vLLM hashes it into the socket's name).
+DEVICE_UUID = "GPU-vllm-harness"
+
+
+def weight_cache(name: str) -> types.ModuleType:
+    """A module of vLLM's weight cache (``daemon``, ``ipc_loader``, ``protocol``): 0.33+ only."""
+    return importlib.import_module(f"{WEIGHT_CACHE}.{name}")
+
+
+@contextlib.contextmanager
+def weight_cache_patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
+    """:func:`patched`, and what vLLM's weight cache asks of an accelerator and of process groups,
+    so that its own daemon, export and ``IpcModelLoader`` run in one process per role: the IPC
+    platform check, the device UUID, the engine's groups (one rank: TP = PP = DP = 1) and, without
+    a CUDA device, the accelerator's device index and cache."""
+    one = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    ipc, daemon = weight_cache("ipc_loader"), weight_cache("daemon")
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(patched(ep_rank, ep_size))
+        for module in (ipc, daemon):
+            enter(mock.patch.object(module, "get_current_device_uuid", lambda: DEVICE_UUID))
+        enter(mock.patch.object(ipc, "check_ipc_platform_support", lambda: None))
+        for name in ("get_dp_group", "get_pp_group"):
+            enter(mock.patch.object(ipc, name, lambda: one))
+        enter(mock.patch.object(ipc, "get_tensor_model_parallel_world_size", lambda: 1))
+        enter(mock.patch.object(ipc, "get_tensor_model_parallel_rank", lambda: 0))
+        if not torch.cuda.is_available():
+            enter(mock.patch("torch.accelerator.current_device_index", lambda: 0))
+            enter(mock.patch("torch.accelerator.empty_cache", lambda: None))
         yield
 
 
