@@ -19,9 +19,14 @@ def test_convert_writes_the_marker_and_nothing_else_changes(tiny_ckpt, tiny_conv
     assert written == marker.mark((tiny_ckpt / "config.json").read_bytes())
     assert config["architectures"] == [f"MegaMoE-converted {a}: install megamoe-convert into this serving environment"
                                        for a in source["architectures"]]
+    assert config["model_type"] == \
+        f"MegaMoE-converted {source['model_type']}: install megamoe-convert into this serving environment"
     assert config["megamoe"] == {"converted_by": "megamoe-convert", "serve": marker.INSTALL,
-                                 "architectures": source["architectures"]}
+                                 "architectures": source["architectures"], "model_type": source["model_type"]}
+    assert list(config) == list(source) + ["megamoe"]  # every key where the source has it
     assert marker.original(config) == source  # every other key, unchanged
+    restored = marker.restore_model_type(config)  # what transformers reads with the plugin
+    assert restored["model_type"] == source["model_type"] and restored["architectures"] == config["architectures"]
     for name in ("tokenizer_config.json",):  # other small files: verbatim
         assert (tiny_converted / name).read_bytes() == (tiny_ckpt / name).read_bytes()
     manifest = json.loads((tiny_converted / "manifest.json").read_bytes())
@@ -54,6 +59,46 @@ def test_the_marker_moves_auto_map_so_no_remote_code_stands_in(tmp_path, tiny_ck
     assert "auto_map" not in marked and marked["megamoe"]["auto_map"] == config["auto_map"]
     assert marker.original(marked) == config
     run_cli("verify", out, "--source", src)
+
+
+def test_a_source_without_model_type_gets_a_marker_model_type_that_original_removes(tmp_path, tiny_ckpt):
+    """DeepSeek-V4's flat config may have no ``model_type``: the marker adds one (a bare engine's
+    ``AutoConfig`` refuses it all the same) and records that there was none."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_ckpt, src)
+    config = json.loads((src / "config.json").read_bytes())
+    del config["model_type"]
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    run_cli("convert", src, out, "--ep-size", 2)
+    marked = json.loads((out / "config.json").read_bytes())
+    assert list(marked)[:2] == ["architectures", "model_type"] and marked["megamoe"]["model_type"] is None
+    assert marked["model_type"] == "MegaMoE-converted checkpoint: install megamoe-convert into this serving environment"
+    assert marker.original(marked) == config and "model_type" not in marker.restore_model_type(marked)
+    run_cli("verify", out, "--source", src)
+
+
+def test_mark_refuses_a_model_type_that_is_no_name():
+    """(``convert`` refuses such a source earlier, by its family.)"""
+    with pytest.raises(marker.MarkerError, match=r"src/config.json: 'model_type' must be a name, found \['x'\]"):
+        marker.mark(json.dumps({"architectures": ["X"], "model_type": ["x"]}).encode(), "src/config.json")
+
+
+def test_verify_reports_a_marker_that_leaves_model_type_unmarked(tiny_ckpt, tiny_converted, tmp_path):
+    """A conversion marked before the model type was (architectures only): SGLang's
+    ``--model-impl transformers`` without megamoe-convert would build it from ``model_type``;
+    ``verify`` says to rerun ``convert``, and :func:`marker.original` still reads it."""
+    out = tmp_path / "older-marker"
+    shutil.copytree(tiny_converted, out)
+    source = json.loads((tiny_ckpt / "config.json").read_bytes())
+    config = json.loads((out / "config.json").read_bytes())
+    config["model_type"] = config["megamoe"].pop("model_type")
+    (out / "config.json").write_text(json.dumps(config))
+    assert marker.original(config) == source and marker.restore_model_type(config) is config
+    assert "model_type is not marked" in marker.problem((out / "config.json").read_bytes())
+    proc = run_cli("verify", out, check=False)
+    assert proc.returncode != 0 and "config.json: its model_type is not marked" in proc.stdout
+    assert "rerun the same convert command" in proc.stdout
 
 
 @pytest.mark.parametrize("change, message", [

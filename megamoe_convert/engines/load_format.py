@@ -1,13 +1,16 @@
-"""What every engine's ``--load-format megamoe`` shares: the engine's default loader underneath
-reads the converted directory's non-expert shards as plain safetensors, minus the routed-expert
-tensors and the shared experts that ``install`` put in place (both from the rank's own shards),
-and never fetches the rank folders of a hub repo.
+"""What every engine's ``--load-format megamoe`` and doors share: the engine's default loader
+underneath reads the converted directory's non-expert shards as plain safetensors, minus the
+routed-expert tensors and the shared experts that ``install`` put in place (both from the rank's
+own shards), and never fetches the rank folders of a hub repo; a conversion made before the marker
+is recognised by its manifest (local, or a hub repo's), and a checkpoint without routed experts
+that nobody recognised is refused (:class:`ExpertTensorCount`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -16,6 +19,7 @@ import torch
 
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.output import marker
+from megamoe_convert.source import families
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders
@@ -28,16 +32,97 @@ EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
 #: Set on a model once its conversion's experts are installed (by the load format or by the
 #: model's own ``load_weights``), so that the other does not install them again.
 INSTALLED_ATTR = "megamoe_installed"
+#: A snapshot directory of the HF cache: ``.../models--owner--name/snapshots/<commit>``.
+HF_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
+
+log = logging.getLogger(__name__)
 
 
-def is_unmarked_conversion(path: Any) -> bool:
-    """A local directory converted before the marker existed: a megamoe manifest, no marker."""
-    manifest = Path(str(path)) / marker.MANIFEST_NAME
+def is_unmarked_conversion(model: Any, revision: str | None = None, *, hub: bool = True) -> bool:
+    """A conversion made before the marker existed (a megamoe manifest, no marker): a local
+    directory, or (``hub``) a hub repo id or a snapshot of one in the HF cache, whose
+    ``manifest.json`` is read from the cache or downloaded (one small file, as the engine
+    downloads ``config.json``). A repo whose manifest cannot be had (offline and not cached, the
+    hub unreachable) is not recognised here: the models' ``load_weights`` then refuses a checkpoint
+    without routed experts (:class:`ExpertTensorCount`)."""
+    return conversion_manifest(model, revision, hub=hub) is not None
+
+
+def conversion_manifest(model: Any, revision: str | None = None, *, hub: bool = True) -> dict[str, Any] | None:
+    """The megamoe ``manifest.json`` of ``model`` (a local directory or, ``hub``, a hub repo, see
+    :func:`is_unmarked_conversion`) as read, or None when it has none."""
+    manifest = Path(str(model)) / marker.MANIFEST_NAME
+    if not manifest.is_file():
+        found = hub_manifest(model, revision) if hub else None
+        if found is None:
+            return None
+        manifest = found
     try:
         data = json.loads(manifest.read_bytes())
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "layout_version" in data and "placement" in data
+        return None
+    return data if isinstance(data, dict) and "layout_version" in data and "placement" in data else None
+
+
+def may_be_conversion(model_type: Any) -> bool:
+    """A config of a family megamoe-convert converts (by ``model_type``; none: DeepSeek-V4's flat
+    config): only those are looked up on the hub by :func:`is_unmarked_conversion`."""
+    return model_type is None or any(model_type in family.model_types for family in families.FAMILIES)
+
+
+def hub_manifest(model: Any, revision: str | None = None) -> Path | None:
+    """``manifest.json`` of the hub repo ``model`` (``owner/name``, ``owner/name@revision``, or a
+    snapshot directory of the HF cache), from the cache or else downloaded; None when the repo has
+    none, or it cannot be had."""
+    text = str(model)
+    snapshot = HF_SNAPSHOT.search(text) if Path(text).is_dir() else None
+    if snapshot is not None:
+        repo_id, revision = f"{snapshot['owner']}/{snapshot['name']}", snapshot["commit"]
+    elif Path(text).exists():
+        return None
+    else:
+        from megamoe_convert.serve.hub import parse_repo_ref
+
+        ref = parse_repo_ref(text)
+        if ref is None:
+            return None
+        repo_id, revision = ref[0], revision or ref[1]
+    import huggingface_hub
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, marker.MANIFEST_NAME, revision=revision)
+        if isinstance(cached, str):
+            return Path(cached)
+        if cached is not None:  # the cache knows the repo has no manifest
+            return None
+        return Path(huggingface_hub.hf_hub_download(repo_id, marker.MANIFEST_NAME, revision=revision))
+    except Exception as e:  # no such file or repo, offline, unreachable: not recognised (see above)
+        log.debug("megamoe: no manifest for %s@%s: %s", repo_id, revision, e)
+        return None
+
+
+class ExpertTensorCount:
+    """The weights an engine feeds a model's ``load_weights``, counted as they pass: a checkpoint
+    of a MegaMoE model always holds routed-expert tensors, so a stream without any (while other
+    tensors came) is a conversion nobody recognised, whose experts would stay zeros:
+    :meth:`refusal` says so."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.weights, self.experts, self.tensors = weights, 0, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.weights:
+            self.tensors += 1
+            self.experts += bool(EXPERT_TENSOR_NAME.search(name))
+            yield name, tensor
+
+    def refusal(self, model: str, engine: str) -> str | None:
+        if self.experts or not self.tensors:
+            return None
+        return (f"{model}: {engine} read {self.tensors} tensors and not one routed expert: the checkpoint holds "
+                "none, so its MegaMoE experts would stay zeros (a megamoe-convert conversion that could not be "
+                "recognised, e.g. a hub repo whose manifest.json is neither cached nor reachable); serve a "
+                f"conversion with --load-format {LOAD_FORMAT}, or rerun the megamoe convert that made it")
 
 
 def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,

@@ -1,9 +1,11 @@
 """Every SGLang load format serves a conversion's pre-baked experts, or refuses (SGLang 0.5.23).
 
-A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
-SGLang refuses when it resolves the model class. With megamoe-convert installed, the
-``sglang.srt.plugins`` entry point (:func:`.sglang_loader.register`) adds two hooks through
-SGLang's own ``HookRegistry``:
+A converted directory's ``config.json`` names a marker model type and marker architectures
+(``output/marker.py``): a bare SGLang refuses the model type when it reads the config (through
+transformers' ``AutoConfig``, whatever ``--model-impl``), and the architecture when it resolves the
+model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry point
+(:func:`.sglang_loader.register`) makes transformers read the original model type
+(``engines/hf_config.py``) and adds hooks through SGLang's own ``HookRegistry``:
 
 - around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
   and configures the model exactly as for the source); the ``megamoe`` section stays on the
@@ -18,12 +20,13 @@ SGLang's own ``HookRegistry``:
   is refused.
 
 A conversion made before the marker existed (a megamoe ``manifest.json``, no section) is
-recognised by its manifest and served the same way.
+recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
+cache, else downloaded), and served the same way; one whose manifest cannot be had (offline, not
+cached) is refused by the hooked ``load_weights``: SGLang fed it no routed-expert tensor.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -31,8 +34,15 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.engines import InstallError, hf_config
+from megamoe_convert.engines.load_format import (
+    INSTALLED_ATTR,
+    ExpertTensorCount,
+    conversion_manifest,
+    is_unmarked_conversion,
+    may_be_conversion,
+    without_expert_tensors,
+)
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
 
@@ -48,33 +58,36 @@ LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weight
                 "sglang.srt.models.deepseek_v4_nextn.DeepseekV4ForCausalLMNextN.load_weights")
 #: The section's key recording the directory (or hub repo id) the config was read from.
 PATH_KEY = "path"
+#: Set on a model that is no conversion once its first ``load_weights`` was checked to hold routed experts.
+CHECKED_ATTR = "megamoe_checked"
 
 
-def manifest_engine(path: str) -> str | None:
-    """The engine a local conversion was made for (``None``: not local, or unreadable: install decides)."""
-    try:
-        data = json.loads((Path(path) / marker.MANIFEST_NAME).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return data.get("engine", "vllm") if isinstance(data, dict) else None
+def manifest_engine(path: str, revision: str | None = None) -> str | None:
+    """The engine a conversion (local, or a hub repo's) was made for (``None``: no manifest could be
+    read: install decides)."""
+    data = conversion_manifest(path, revision)
+    return data.get("engine", "vllm") if data is not None else None
 
 
 def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
     """``AROUND`` hook of SGLang's ``get_config`` (see the module docstring)."""
     config = get_config(model, *args, **kwargs)
     section = marker.restore(config)
-    if section is None and is_unmarked_conversion(model):
+    revision = kwargs.get("revision", args[1] if len(args) > 1 else None)
+    if section is None and may_be_conversion(getattr(config, "model_type", None)) and \
+            is_unmarked_conversion(model, revision):
         log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but an SGLang "
                     "without megamoe-convert would serve none; rerun the same megamoe convert", model)
         section = {"converted_by": marker.TOOL}
         setattr(config, marker.SECTION, section)
     if section is None:
         return config
-    engine = manifest_engine(str(model))
+    engine = manifest_engine(str(model), revision)
     if engine is not None and engine != "sglang":
         raise InstallError(f"{model}: converted for {engine}'s expert placement, which SGLang does not serve; "
                            "convert a DeepSeek-V4 checkpoint with --engine sglang (or serve this one with vLLM)")
-    section[PATH_KEY] = str(model)
+    local = Path(str(model)).exists() or "@" in str(model) or not revision
+    section[PATH_KEY] = str(model) if local else f"{model}@{revision}"  # a hub repo: at the revision served
     return config
 
 
@@ -90,8 +103,19 @@ def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
                         weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> Any:
     """``AROUND`` hook of the models' ``load_weights``: a conversion's experts first, then the rest."""
     out = conversion_of(model)
-    if out is None:
-        return load_weights(model, weights, *args, **kwargs)
+    if out is None:  # no conversion: SGLang's loading, checked once that the checkpoint had experts
+        from megamoe_convert.engines.sglang import CONTRACT
+
+        if getattr(model, INSTALLED_ATTR, None) is not None or getattr(model, CHECKED_ATTR, False) or \
+                not any(CONTRACT.detect(m) for m in model.modules()):
+            return load_weights(model, weights, *args, **kwargs)
+        counted = ExpertTensorCount(weights)
+        loaded = load_weights(model, counted, *args, **kwargs)
+        setattr(model, CHECKED_ATTR, True)
+        name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+        if getattr(model, INSTALLED_ATTR, None) is None and (refusal := counted.refusal(str(name), "SGLang")):
+            raise InstallError(refusal)
+        return loaded
     from megamoe_convert.engines.sglang import install_layers
 
     installed = getattr(model, INSTALLED_ATTR, None)
@@ -122,6 +146,7 @@ def register_hooks() -> None:
     """Register both hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
     HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
     for target in LOAD_WEIGHTS:

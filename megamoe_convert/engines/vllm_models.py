@@ -1,12 +1,15 @@
 """Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
 
-A converted directory's ``config.json`` names a marker architecture (``output/marker.py``) that a bare
-vLLM refuses. With megamoe-convert installed, :func:`register` (run by the ``vllm.general_plugins``
-entry point in every vLLM process, before any config is read) does two things:
+A converted directory's ``config.json`` names a marker model type and marker architectures
+(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, :func:`register`
+(run by the ``vllm.general_plugins`` entry point in every vLLM process, before any config is read)
+does this:
 
-- vLLM's ``hf`` config parser is replaced by one that puts the original architectures back, so
-  vLLM builds and configures the model exactly as for the source (every architecture-keyed
-  setting of vLLM applies); the ``megamoe`` section stays on the config.
+- transformers' JSON config reading gives back the original model type (``engines/hf_config.py``:
+  vLLM's parser, its speculative draft config, the weight-cache daemon and the tokenizer all read
+  through it), and vLLM's ``hf`` config parser is replaced by one that puts the original
+  architectures back, so vLLM builds and configures the model exactly as for the source (every
+  architecture-keyed setting of vLLM applies); the ``megamoe`` section stays on the config.
 - Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
   drafts) is registered again as a thin subclass of vLLM's own class whose ``load_weights``
   first installs the rank's pre-baked experts (``engines/vllm_install.py``'s ``install_layers``, which
@@ -17,8 +20,11 @@ entry point in every vLLM process, before any config is read) does two things:
   subclasses that refuse a conversion before they are built: they have no MegaMoE experts.
 
 A conversion made before the marker existed (no ``megamoe`` section, a ``manifest.json``) is
-recognised by its manifest and served the same way (a bare vLLM would serve it without experts:
-rerun the same ``megamoe convert`` to mark it).
+recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
+cache, else downloaded), and served the same way (a bare vLLM would serve it without experts:
+rerun the same ``megamoe convert`` to mark it). One whose manifest cannot be had (offline, not
+cached) is refused by the subclass's first ``load_weights``: vLLM fed it no routed-expert tensor
+(``load_format.ExpertTensorCount``), so its experts would stay zeros.
 """
 
 from __future__ import annotations
@@ -26,13 +32,20 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.load_format import INSTALLED_ATTR, is_unmarked_conversion, without_expert_tensors
+from megamoe_convert.engines import InstallError, hf_config
+from megamoe_convert.engines.load_format import (
+    INSTALLED_ATTR,
+    ExpertTensorCount,
+    is_unmarked_conversion,
+    may_be_conversion,
+    without_expert_tensors,
+)
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
 
@@ -44,17 +57,23 @@ TARGETS = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "KimiK3ForConditio
 DRAFTS = ("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel", "KimiK3MTPModel")
 #: Where the subclass keeps the conversion it serves (``None``: vLLM's class, unchanged).
 CONVERSION_ATTR = "megamoe_conversion"
+#: The model (directory or hub repo id) the subclass was built for, and whether its first
+#: ``load_weights`` (of a model that is no conversion) was checked to hold routed experts.
+MODEL_ATTR, CHECKED_ATTR = "megamoe_model", "megamoe_checked"
 
 
 def conversion_of(model_config: Any) -> str | None:
-    """The converted directory (or hub repo id) a vLLM ``ModelConfig`` loads, or None: its config
-    carries the marker's section, or (made before the marker) its local directory has a
-    megamoe ``manifest.json``."""
+    """The converted directory (or hub repo id, ``@revision`` when one is asked for) a vLLM
+    ``ModelConfig`` loads, or None: its config carries the marker's section, or (made before the
+    marker) its directory or hub repo has a megamoe ``manifest.json``."""
     if model_config is None:
         return None
+    model, revision = str(model_config.model), getattr(model_config, "revision", None)
+    where = f"{model}@{revision}" if revision and not Path(model).exists() and "@" not in model else model
     if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is not None:
-        return str(model_config.model)
-    return str(model_config.model) if is_unmarked_conversion(model_config.model) else None
+        return where
+    hub = may_be_conversion(getattr(model_config.hf_config, "model_type", None))
+    return where if is_unmarked_conversion(model, revision, hub=hub) else None
 
 
 def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> set[str]:
@@ -78,12 +97,22 @@ def make_model_class(base: type, draft: bool) -> type:
                 prepare_gpu_staging()  # pin the read ring while vLLM builds the model
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             setattr(self, CONVERSION_ATTR, out)
+            setattr(self, MODEL_ATTR, str(getattr(own, "model", base.__name__)))
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             out = getattr(self, CONVERSION_ATTR, None)
-            if out is None or getattr(self, INSTALLED_ATTR, None) is not None:
-                return super().load_weights(weights)  # no conversion, or --load-format megamoe installed
+            if getattr(self, INSTALLED_ATTR, None) is not None:
+                return super().load_weights(weights)  # --load-format megamoe installed
             experts = [m for m in self.modules() if any(c.detect(m) for c in CONTRACTS)]
+            if out is None:  # no conversion: vLLM's loading, checked once that the checkpoint had experts
+                if not experts or getattr(self, CHECKED_ATTR, False):
+                    return super().load_weights(weights)
+                counted = ExpertTensorCount(weights)
+                loaded = super().load_weights(counted)
+                setattr(self, CHECKED_ATTR, True)
+                if refusal := counted.refusal(getattr(self, MODEL_ATTR, base.__name__), "vLLM"):
+                    raise InstallError(refusal)
+                return loaded
             names = installed_parameter_names(self, experts)  # before 0.30-0.32 release them
             installed = install_layers(self, out, serving=True)
             setattr(self, INSTALLED_ATTR, installed)
@@ -152,7 +181,8 @@ def make_config_parser(base: type) -> type:
             config_dict, config = super().parse(model, *args, **kwargs)
             if marker.restore(config) is not None:
                 log.info("megamoe: %s is a megamoe-convert conversion of %s", model, config.architectures)
-            elif is_unmarked_conversion(model):
+            elif may_be_conversion(getattr(config, "model_type", None)) and is_unmarked_conversion(
+                    model, kwargs.get("revision", args[1] if len(args) > 1 else None)):
                 log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but a "
                             "vLLM without megamoe-convert would serve none; rerun the same megamoe convert", model)
             return config_dict, config
@@ -165,6 +195,7 @@ def register_models() -> None:
     from vllm.model_executor.models import ModelRegistry
     from vllm.transformers_utils import config as config_utils
 
+    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     base = config_utils.get_config_parser("hf").__class__
     if base.__name__ != "MegaMoEConfigParser":
         config_utils.register_config_parser("hf")(make_config_parser(base))

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from megamoe_convert import jsonio
-from megamoe_convert.output import rank_extras
+from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.manifest import Manifest, rank_shard_specs
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.families import FamilyError
@@ -113,8 +113,9 @@ def copied_family_problem(out: Path, manifest: Manifest) -> str | None:
     if not any(f.path == "config.json" for f in manifest.files) or not os.path.lexists(config):
         return None
     try:
-        family = families.detect(jsonio.read(config, FamilyError, "config.json", jsonio.MAX_CONFIG_BYTES), config)
-    except FamilyError as e:
+        family = families.detect(marker.original(jsonio.read(config, FamilyError, "config.json",
+                                                             jsonio.MAX_CONFIG_BYTES), str(config)), config)
+    except (FamilyError, marker.MarkerError) as e:
         return str(e)
     if family.name != manifest.family:
         return f"family is {manifest.family!r}, but {config} is {family.title}'s ({family.name!r}); the manifest was edited"

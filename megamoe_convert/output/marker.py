@@ -1,13 +1,23 @@
-"""The converted directory's own guard: ``config.json`` names a marker architecture.
+"""The converted directory's own guard: ``config.json`` names a marker architecture and model type.
 
 A converted directory's top-level shards hold no routed experts, so an engine that loads it as an
-ordinary checkpoint would serve zeros. ``convert`` therefore writes ``OUT/config.json`` with every
-``architectures`` entry replaced by a marker name that no engine registers (a bare vLLM or SGLang
-refuses it at config time, "Model architectures [...] are not supported", and the name itself says
-what to install), and a ``megamoe`` section holding what was replaced. With megamoe-convert
-installed in the engine's environment, its plugin puts the original names back while the engine
-reads the config and installs each rank's pre-baked experts whichever load format reads the
-directory (``engines/vllm_models.py``, ``engines/sglang_models.py``).
+ordinary checkpoint would serve zeros. ``convert`` therefore writes ``OUT/config.json`` with
+
+- every ``architectures`` entry replaced by a marker name that no engine registers (a bare vLLM or
+  SGLang refuses it when it resolves the model class: "Model architectures [...] are not
+  supported"), and
+- ``model_type`` replaced by a marker model type that no config registry knows: transformers'
+  ``AutoConfig`` (which every engine's config reading goes through) refuses it ("has model type
+  `MegaMoE-converted deepseek_v4: ...` but Transformers does not recognize this architecture"),
+  so a bare engine refuses the directory before any model class is chosen, even one that builds
+  Hugging Face's modeling from ``model_type`` (SGLang's ``--model-impl transformers``),
+
+each saying what to install, and a ``megamoe`` section holding what was replaced. With
+megamoe-convert installed in the engine's environment, its plugin gives every reader of the
+config the original ``model_type`` back (transformers' JSON reading: :func:`restore_model_type`)
+and the original architectures (the engine's config parser: :func:`restore`), and installs each
+rank's pre-baked experts whichever load format reads the directory (``engines/vllm_models.py``,
+``engines/sglang_models.py``).
 
 The change is exact and deterministic: :func:`mark` of the source's bytes is what ``config.json``
 holds (``verify --source`` checks that byte for byte), and :func:`original` gives back the source's
@@ -29,6 +39,8 @@ TOOL = "megamoe-convert"
 MOVED = ("architectures", "auto_map")
 #: What to run, in every marker name and in the section.
 INSTALL = "install megamoe-convert into this serving environment"
+#: The key replaced by a marker model type; the section holds the original (``None``: the source had none).
+MODEL_TYPE = "model_type"
 #: Converted directories recognised without a marker (made before the marker existed).
 MANIFEST_NAME = "manifest.json"
 
@@ -40,6 +52,12 @@ class MarkerError(ValueError):
 def marker_name(architecture: str) -> str:
     """The name a bare engine reads in place of ``architecture`` (and prints when it refuses it)."""
     return f"MegaMoE-converted {architecture}: {INSTALL}"
+
+
+def marker_model_type(model_type: str | None) -> str:
+    """The ``model_type`` a bare engine reads in place of ``model_type`` (``None``: the source had
+    none); transformers prints it when it refuses it."""
+    return f"MegaMoE-converted {model_type or 'checkpoint'}: {INSTALL}"
 
 
 def mark(config_bytes: bytes, where: str = "config.json") -> bytes:
@@ -56,9 +74,15 @@ def mark(config_bytes: bytes, where: str = "config.json") -> bytes:
     architectures = config.get("architectures")
     if not (isinstance(architectures, list) and architectures and all(isinstance(a, str) for a in architectures)):
         raise MarkerError(f"{where}: 'architectures' must be a non-empty list of names, found {architectures!r}")
+    model_type = config.get(MODEL_TYPE)
+    if model_type is not None and not isinstance(model_type, str):
+        raise MarkerError(f"{where}: 'model_type' must be a name, found {model_type!r}")
     section: dict[str, Any] = {"converted_by": TOOL, "serve": INSTALL}
     section.update((key, config.pop(key)) for key in MOVED if key in config)
-    marked = {"architectures": [marker_name(a) for a in architectures], **config, SECTION: section}
+    section[MODEL_TYPE] = model_type
+    marks = {MODEL_TYPE: marker_model_type(model_type)}  # where the source had it (else after architectures)
+    marked = {"architectures": [marker_name(a) for a in architectures], **({} if MODEL_TYPE in config else marks),
+              **{k: marks.get(k, v) for k, v in config.items()}, SECTION: section}
     return (json.dumps(marked, indent=2, ensure_ascii=False) + "\n").encode()
 
 
@@ -81,16 +105,38 @@ def original(config: dict[str, Any], where: str = "config.json") -> dict[str, An
     if config.get("architectures") != [marker_name(a) for a in architectures]:
         raise MarkerError(f"{where}: architectures {config.get('architectures')!r} are not the markers of "
                           f"{architectures!r}")
-    restored = {k: v for k, v in config.items() if k != SECTION}
+    if MODEL_TYPE in section and config.get(MODEL_TYPE) != marker_model_type(section[MODEL_TYPE]):
+        raise MarkerError(f"{where}: model_type {config.get(MODEL_TYPE)!r} is not the marker of "
+                          f"{section[MODEL_TYPE]!r}")
+    restored = restore_model_type({k: v for k, v in config.items() if k != SECTION}, section)
     restored.update((key, section[key]) for key in MOVED if key in section)
+    return restored
+
+
+def restore_model_type(config: dict[str, Any], section: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``config`` (a ``config.json`` object) with the original ``model_type`` in place of the marker
+    model type, everything else as it is (architecture markers and the section included): what
+    the plugin makes transformers read, so that every reader of the config sees the source's model
+    type. Anything else (no conversion's, an older marker, a model type already changed) is
+    returned unchanged, as the same object."""
+    section = section_of(config) if section is None else section
+    if section is None or MODEL_TYPE not in section or config.get(MODEL_TYPE) != marker_model_type(section[MODEL_TYPE]):
+        return config
+    restored = dict(config)
+    if section[MODEL_TYPE] is None:
+        del restored[MODEL_TYPE]
+    else:
+        restored[MODEL_TYPE] = section[MODEL_TYPE]
     return restored
 
 
 def restore(config: Any) -> dict[str, Any] | None:
     """An engine's parsed config object (attributes, ``PretrainedConfig``-like): put the original
-    architectures (and ``auto_map``) back in place of the markers; returns the section, or None
-    when the config is not a conversion's. The section stays on the object, so the model knows it
-    is one. Idempotent; architectures the user overrode (no longer the markers) are left alone."""
+    architectures (and ``auto_map``) back in place of the markers, and the original model type in
+    place of a marker one (transformers reads it restored already when the plugin is loaded);
+    returns the section, or None when the config is not a conversion's. The section stays on the
+    object, so the model knows it is one. Idempotent; what the user overrode (no longer the
+    markers) is left alone."""
     section = getattr(config, SECTION, None)
     if not isinstance(section, dict) or section.get("converted_by") != TOOL:
         return None
@@ -99,6 +145,8 @@ def restore(config: Any) -> dict[str, Any] | None:
         for key in MOVED:
             if key in section:
                 setattr(config, key, section[key])
+    if MODEL_TYPE in section and getattr(config, MODEL_TYPE, None) == marker_model_type(section[MODEL_TYPE]):
+        setattr(config, MODEL_TYPE, section[MODEL_TYPE])
     return section
 
 
@@ -110,6 +158,10 @@ def problem(config_bytes: bytes) -> str | None:
             return ("has no megamoe marker (converted by an older megamoe-convert): an engine without "
                     "megamoe-convert would serve no experts; rerun the same convert command")
         original(config)
+        if MODEL_TYPE not in config[SECTION]:
+            return ("its model_type is not marked (converted by an older megamoe-convert): an engine without "
+                    "megamoe-convert that builds the model from model_type (SGLang's --model-impl transformers) "
+                    "would serve no experts; rerun the same convert command")
     except (UnicodeDecodeError, ValueError) as e:
         return str(e)
     return None

@@ -11,6 +11,7 @@ loading of the source leaves them, or a refusal before serving; never the constr
 
 from __future__ import annotations
 
+import json
 import shutil
 import types
 from contextlib import contextmanager
@@ -104,6 +105,22 @@ def test_sglang_reads_the_original_architecture_of_a_conversion(sglang_converted
     assert not hasattr(parsed(sglang_ckpt), marker.SECTION)
 
 
+def test_sglang_reads_the_source_s_model_type_and_config(sglang_converted, sglang_ckpt):
+    """OUT's ``config.json`` names a marker model type; with the plugin loaded, transformers' own
+    reading (SGLang's ``get_config``, its tokenizer's ``AutoConfig``) gives back the source's, so
+    SGLang's config is the source's but for the ``megamoe`` section."""
+    from transformers import AutoConfig
+
+    assert json.loads((sglang_converted / "config.json").read_bytes())["model_type"] == \
+        marker.marker_model_type("deepseek_v4")
+    out, src = parsed(sglang_converted), parsed(sglang_ckpt)
+    assert type(out) is type(src) and out.model_type == src.model_type == "deepseek_v4"
+    strip = lambda c: {k: v for k, v in c.to_dict().items() if k not in (marker.SECTION, "_name_or_path")}  # noqa: E731
+    assert strip(out) == strip(src)
+    auto = [AutoConfig.from_pretrained(str(path)) for path in (sglang_converted, sglang_ckpt)]
+    assert type(auto[0]) is type(auto[1]) and auto[0].model_type == auto[1].model_type
+
+
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
 def test_every_load_format_serves_the_pre_baked_experts(sglang_ckpt, sglang_converted, load_format):
     seen: list[str] = []
@@ -158,9 +175,7 @@ def test_the_default_loader_refuses_an_experts_only_conversion(sglang_ckpt, tmp_
 
 
 def test_a_conversion_made_before_the_marker_is_still_served(sglang_ckpt, sglang_converted, tmp_path):
-    old = tmp_path / "old"
-    shutil.copytree(sglang_converted, old)
-    shutil.copy(sglang_ckpt / "config.json", old / "config.json")
+    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
     with h.patched(2, EP_SIZE, REDUNDANT):
         want = reference(sglang_ckpt, 2)
         config = tree_config(sglang_ckpt, old)
@@ -168,6 +183,89 @@ def test_a_conversion_made_before_the_marker_is_still_served(sglang_ckpt, sglang
         with hooked_load_weights(h.DeepseekV4ForCausalLM, []):
             load("auto", model, old, config)
         assert_experts(model, want)
+
+
+def old_conversion(ckpt, converted, root):
+    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
+    recorded so in its sealed manifest."""
+    from megamoe_convert.output.manifest import SEAL_KEY, seal
+    from megamoe_convert.output.writer import file_checksum
+
+    old = root / "old"
+    shutil.copytree(converted, old)
+    shutil.copy(ckpt / "config.json", old / "config.json")
+    data = json.loads((old / "manifest.json").read_bytes())
+    del data[SEAL_KEY]
+    (record,) = [f for f in data["files"] if f["path"] == "config.json"]
+    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
+    (old / "manifest.json").write_text(seal(data))
+    return old
+
+
+@contextmanager
+def hub_repos(root, monkeypatch, **repos):
+    """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
+    SGLang downloaded before the model is built (``config.json``, the weights, their index), but
+    not ``manifest.json``. Inside: offline, as SGLang and transformers then read that cache."""
+    import huggingface_hub
+    from hub_fake import FakeHub, cache_put
+
+    hub = FakeHub(root / "hub").install(monkeypatch, root / "cache")
+    api = hub.api()
+    for repo_id, folder in repos.items():
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+        files = {rel: path for rel, path in hub.files(repo_id).items() if rel != "manifest.json"}
+        cache_put(root / "cache", repo_id, hub.resolve(repo_id, None), files)
+    with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+        yield hub
+
+
+def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_ckpt, sglang_converted, tmp_path,
+                                                                         monkeypatch):
+    """``launch_server --model-path owner/old``, a conversion made before the marker pulled from the
+    hub by repo id: SGLang's own (hooked) ``get_config`` reads the cached ``config.json``, the plugin
+    fetches the repo's ``manifest.json`` and recognises it; SGLang's default loader reads the cached
+    weights and the hooked ``load_weights`` installs the experts from the repo's rank."""
+    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/sg-old": old, "owner/sg-src": sglang_ckpt}) as hub:
+        config = parsed("owner/sg-old")
+        assert config.architectures == ["DeepseekV4ForCausalLM"]
+        assert getattr(config, marker.SECTION)[sglang_models.PATH_KEY] == "owner/sg-old"
+        assert "manifest.json" in hub.downloaded
+        assert not hasattr(parsed("owner/sg-src"), marker.SECTION)  # the hub has no manifest for it
+        seen: list[str] = []
+        with h.patched(2, EP_SIZE, REDUNDANT):
+            want = reference(sglang_ckpt, 2)
+            tree = tree_config(sglang_ckpt, sglang_converted)
+            setattr(tree, marker.SECTION, getattr(config, marker.SECTION))
+            model = h.build_main_model(tree, 2, REDUNDANT)
+            with hooked_load_weights(h.DeepseekV4ForCausalLM, seen):
+                load("auto", model, "owner/sg-old", tree)
+            assert_experts(model, want)
+        assert any(name.startswith("layers.0.attn.") for name in seen)
+
+
+def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(sglang_ckpt, sglang_converted,
+                                                                               tmp_path, monkeypatch):
+    """The same repo when its ``manifest.json`` can be had neither from the cache nor from the hub
+    (offline): not recognised, and the hooked ``load_weights`` refuses once SGLang's default
+    loader fed it a checkpoint without one routed-expert tensor: never the zeros."""
+    import huggingface_hub
+
+    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/sg-offline": old}):
+        def offline(*args, **kwargs):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("offline, and not in the cache")
+
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        assert not hasattr(parsed("owner/sg-offline"), marker.SECTION)
+        with h.patched(0, EP_SIZE, REDUNDANT):
+            model = h.build_main_model(h.hf_config(sglang_ckpt), 0, REDUNDANT)
+            with hooked_load_weights(h.DeepseekV4ForCausalLM, []), \
+                    pytest.raises(InstallError, match=r"SGLang read \d+ tensors and not one routed expert.*"
+                                                      r"--load-format megamoe"):
+                load("auto", model, "owner/sg-offline", model.config)
 
 
 def test_the_transformers_backend_is_refused_for_a_conversion(sglang_converted):
@@ -191,22 +289,35 @@ def test_the_transformers_backend_is_refused_for_a_conversion(sglang_converted):
 BARE_SGLANG = """
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.utils import get_model_architecture
-for impl in ("auto", "transformers"):
-    try:
-        print(f"ACCEPTED {{impl}}", get_model_architecture(ModelConfig({out!r}, model_impl=impl)))
-    except Exception as e:
-        print(f"REFUSED {{impl}}:", " ".join(str(e).split()))
+for label, out in {dirs!r}:
+    for impl in ("auto", "transformers"):
+        try:
+            print(f"ACCEPTED {{label}} {{impl}}", get_model_architecture(ModelConfig(out, model_impl=impl)))
+        except Exception as e:
+            print(f"REFUSED {{label}} {{impl}}:", " ".join(str(e).split()))
 """
 
 
 def test_sglang_without_megamoe_convert_refuses_the_converted_directory(sglang_converted, tmp_path):
-    """The serving image never installed megamoe-convert: SGLang's own ``ModelConfig`` and
-    ``get_model_architecture`` refuse the marker architecture (the name says what to install).
-    Known gap: ``--model-impl transformers`` skips SGLang's check and builds Hugging Face's
-    modeling from ``model_type``; the marker cannot stop that without the plugin."""
-    proc = bare_env.run_bare(h.TORCHVISION_STAND_IN + BARE_SGLANG.format(out=str(sglang_converted)), tmp_path)
+    """The serving image never installed megamoe-convert: SGLang's own ``ModelConfig`` refuses the
+    converted directory when it reads its config, through transformers' ``AutoConfig``, which knows
+    no marker model type: with SGLang's own implementation and with ``--model-impl transformers``
+    (which would otherwise build Hugging Face's modeling from ``model_type``, past any architecture
+    check), and the model type it prints says what to install. The marker architecture alone
+    refuses SGLang's own implementation too."""
+    arch_only = tmp_path / "architecture-marker-only"
+    shutil.copytree(sglang_converted, arch_only)
+    config = json.loads((arch_only / "config.json").read_bytes())
+    (arch_only / "config.json").write_text(json.dumps(marker.restore_model_type(config)))
+    dirs = [("out", str(sglang_converted)), ("arch", str(arch_only))]
+    proc = bare_env.run_bare(h.TORCHVISION_STAND_IN + BARE_SGLANG.format(dirs=dirs), tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = {line.split(":", 1)[0]: line for line in proc.stdout.splitlines() if line.startswith(("REFUSED", "ACC"))}
-    assert "REFUSED auto" in lines, proc.stdout
-    assert marker.marker_name("DeepseekV4ForCausalLM") in lines["REFUSED auto"]
-    assert "is not a registered model" in lines["REFUSED auto"]
+    model_type = marker.marker_model_type("deepseek_v4")
+    for impl in ("auto", "transformers"):
+        assert f"REFUSED out {impl}" in lines, proc.stdout
+        assert f"has model type `{model_type}`" in lines[f"REFUSED out {impl}"]
+        assert "does not recognize this architecture" in lines[f"REFUSED out {impl}"]
+    assert "REFUSED arch auto" in lines, proc.stdout
+    assert marker.marker_name("DeepseekV4ForCausalLM") in lines["REFUSED arch auto"]
+    assert "is not a registered model" in lines["REFUSED arch auto"]

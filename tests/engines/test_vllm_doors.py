@@ -138,6 +138,29 @@ def test_vllm_reads_the_original_architecture_and_builds_megamoes_subclass(engin
         is None
 
 
+def without_section(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if k not in (marker.SECTION, "_name_or_path")}
+
+
+def test_every_reader_of_the_config_reads_the_source_s_model_type(engine_converted, engine_ckpt):
+    """OUT's ``config.json`` names a marker model type; with the plugin loaded, transformers' own
+    reading (what vLLM's ``hf`` parser, its speculative draft config, the weight-cache daemon and
+    ``AutoTokenizer`` go through) gives back the source's, so vLLM's parsed config is the source's
+    but for the ``megamoe`` section."""
+    from transformers import AutoConfig
+    from transformers.configuration_utils import PretrainedConfig
+
+    assert json.loads((engine_converted / "config.json").read_bytes())["model_type"] == \
+        marker.marker_model_type("deepseek_v4")
+    plugins()
+    assert PretrainedConfig.get_config_dict(str(engine_converted))[0]["model_type"] == "deepseek_v4"
+    out, src = parsed(engine_converted), parsed(engine_ckpt)
+    assert type(out) is type(src) and out.model_type == src.model_type == "deepseek_v4"
+    assert without_section(out) == without_section(src)
+    auto = [AutoConfig.from_pretrained(str(path)) for path in (engine_converted, engine_ckpt)]
+    assert type(auto[0]) is type(auto[1]) and auto[0].model_type == auto[1].model_type
+
+
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
 def test_every_load_format_serves_the_pre_baked_experts(engine_ckpt, engine_converted, load_format):
     config = model_config(engine_converted)
@@ -189,9 +212,7 @@ def test_the_default_loader_refuses_an_experts_only_conversion(engine_ckpt, engi
 
 def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine_converted, tmp_path):
     """No marker in ``config.json`` (an older megamoe-convert): recognised by its manifest."""
-    old = tmp_path / "old"
-    shutil.copytree(engine_converted, old)
-    shutil.copy(engine_ckpt / "config.json", old / "config.json")
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
     config = model_config(old)
     assert config.hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(config.hf_config, "megamoe")
     with h.patched(2, EP_SIZE):
@@ -200,6 +221,96 @@ def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
             load("auto", model, config)
         assert_experts(model, want)
+
+
+def old_conversion(engine_ckpt, engine_converted, root):
+    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
+    recorded so in its sealed manifest."""
+    from megamoe_convert.output.manifest import SEAL_KEY, seal
+    from megamoe_convert.output.writer import file_checksum
+
+    old = root / "old"
+    shutil.copytree(engine_converted, old)
+    shutil.copy(engine_ckpt / "config.json", old / "config.json")
+    data = json.loads((old / "manifest.json").read_bytes())
+    del data[SEAL_KEY]
+    (record,) = [f for f in data["files"] if f["path"] == "config.json"]
+    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
+    (old / "manifest.json").write_text(seal(data))
+    return old
+
+
+@contextmanager
+def hub_repos(root, monkeypatch, **repos):
+    """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
+    ``vllm serve owner/name`` downloaded before the model is built (its ``config.json``, the weights,
+    their index), but not ``manifest.json``. Inside: offline, as vLLM and transformers then read
+    that cache."""
+    import huggingface_hub
+    from hub_fake import FakeHub, cache_put
+
+    hub = FakeHub(root / "hub").install(monkeypatch, root / "cache")
+    api = hub.api()
+    for repo_id, folder in repos.items():
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+        files = {rel: path for rel, path in hub.files(repo_id).items() if rel != "manifest.json"}
+        cache_put(root / "cache", repo_id, hub.resolve(repo_id, None), files)
+    with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+        yield hub
+
+
+def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_ckpt, engine_converted, tmp_path,
+                                                                         monkeypatch):
+    """``vllm serve owner/old``, a conversion made before the marker pulled from the hub by repo id:
+    vLLM's own config parsing (transformers reading the HF cache), the plugin fetches the repo's
+    ``manifest.json`` (the one small file vLLM had not yet) and recognises it; vLLM's default loader
+    then reads the cached weights and the subclass installs the experts from the repo's rank."""
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old, "owner/src": engine_ckpt}) as hub:
+        from vllm.transformers_utils.config import get_config
+
+        plugins()
+        hf_config = get_config("owner/old", trust_remote_code=False)
+        assert hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(hf_config, marker.SECTION)
+        config = types.SimpleNamespace(model="owner/old", revision=None, quantization="fp8", is_moe=True,
+                                       multimodal_config=None, hf_config=hf_config)
+        assert vllm_models.conversion_of(config) == "owner/old" and "manifest.json" in hub.downloaded
+        source = types.SimpleNamespace(model="owner/src", revision=None, hf_config=get_config("owner/src", False))
+        assert vllm_models.conversion_of(source) is None  # the hub has no manifest for it
+        with h.patched(2, EP_SIZE):
+            want = reference(engine_ckpt, 2)
+            model = main_model(engine_ckpt, 2, config)
+            seen: list[str] = []
+            with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, seen):
+                load("auto", model, config)
+            assert_experts(model, want)
+        assert any(name.startswith("layers.0.attn.") for name in seen)
+
+
+def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(engine_ckpt, engine_converted,
+                                                                               tmp_path, monkeypatch):
+    """The same repo when its ``manifest.json`` can be had neither from the cache nor from the hub
+    (offline): not recognised, so vLLM's class loads it, and the subclass refuses once vLLM's
+    default loader fed it a checkpoint without one routed-expert tensor: never the zeros."""
+    import huggingface_hub
+
+    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
+    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old}):
+        def offline(*args, **kwargs):
+            raise huggingface_hub.errors.LocalEntryNotFoundError("offline, and not in the cache")
+
+        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+        plugins()
+        config = model_config("owner/old")
+        assert vllm_models.conversion_of(config) is None
+        with h.patched(0, EP_SIZE):
+            model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT), None)
+            setattr(model, vllm_models.MODEL_ATTR, "owner/old")
+            with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
+                    pytest.raises(InstallError, match=r"owner/old: vLLM read \d+ tensors and not one routed expert.*"
+                                                      r"--load-format megamoe"):
+                load("auto", model, config)
 
 
 def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
@@ -216,32 +327,52 @@ def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
 
 
 BARE_MODEL_CONFIG = """
-import sys
 from vllm.config import ModelConfig
-for impl in ("auto", "transformers"):
-    try:
-        ModelConfig(model=sys.argv[1] if len(sys.argv) > 1 else {out!r}, model_impl=impl)
-    except Exception as e:
-        print(f"REFUSED {{impl}}:", str(e).splitlines()[0] if str(e).strip() else repr(e))
-        print(f"WHOLE {{impl}}:", " ".join(str(e).split()))
-    else:
-        print(f"ACCEPTED {{impl}}")
+for label, out in {dirs!r}:
+    for impl in ("auto", "transformers"):
+        try:
+            ModelConfig(model=out, model_impl=impl)
+        except Exception as e:
+            print(f"WHOLE {{label}} {{impl}}:", " ".join(str(e).split()))
+        else:
+            print(f"ACCEPTED {{label}} {{impl}}")
 """
+
+
+def bare_refusals(script: str, dirs: dict[str, object], tmp_path) -> dict[str, str]:
+    """``script`` run in the engine's environment without megamoe-convert, on each of ``dirs``:
+    ``{"LABEL IMPL": the whole refusal}``; a directory accepted fails the test."""
+    proc = bare_env.run_bare(script.format(dirs=[(label, str(out)) for label, out in dirs.items()]), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert not any(line.startswith("ACCEPTED") for line in lines), proc.stdout
+    return {line.split(":", 1)[0].removeprefix("WHOLE "): line for line in lines if line.startswith("WHOLE")}
+
+
+def architecture_marker_only(out, tmp_path):
+    """A copy of ``out`` whose ``config.json`` has the source's model type back (the marker
+    architectures stay): what the second line of defence faces."""
+    copy = tmp_path / "architecture-marker-only"
+    shutil.copytree(out, copy)
+    config = json.loads((copy / "config.json").read_bytes())
+    (copy / "config.json").write_text(json.dumps(marker.restore_model_type(config)))
+    return copy
 
 
 def test_vllm_without_megamoe_convert_refuses_the_converted_directory(engine_converted, tmp_path):
     """The serving image never installed megamoe-convert: vLLM's own ``ModelConfig`` refuses the
-    marker architecture at config time (also through its Transformers backend), and the name it
-    prints says what to install."""
-    proc = bare_env.run_bare(BARE_MODEL_CONFIG.format(out=str(engine_converted)), tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = proc.stdout.splitlines()
-    assert not any(line.startswith("ACCEPTED") for line in lines), proc.stdout
-    whole = {line.split(":", 1)[0].removeprefix("WHOLE "): line for line in lines if line.startswith("WHOLE")}
-    assert set(whole) == {"auto", "transformers"}
-    name = marker.marker_name("DeepseekV4ForCausalLM")
-    assert name in whole["auto"] and "are not supported" in whole["auto"]
-    assert name in whole["transformers"]
+    converted directory when it reads its config, through transformers' ``AutoConfig``, which knows
+    no marker model type (both implementations, before any model class is chosen), and the model
+    type it prints says what to install. The marker architecture alone refuses it too."""
+    whole = bare_refusals(BARE_MODEL_CONFIG, {"out": engine_converted,
+                                              "arch": architecture_marker_only(engine_converted, tmp_path)}, tmp_path)
+    assert set(whole) == {"out auto", "out transformers", "arch auto", "arch transformers"}
+    model_type = marker.marker_model_type("deepseek_v4")
+    for impl in ("auto", "transformers"):
+        assert f"has model type `{model_type}`" in whole[f"out {impl}"], whole[f"out {impl}"]
+        assert "does not recognize this architecture" in whole[f"out {impl}"]
+        assert marker.marker_name("DeepseekV4ForCausalLM") in whole[f"arch {impl}"]
+    assert "are not supported" in whole["arch auto"]
 
 
 def test_the_transformers_backend_is_refused_for_a_conversion(engine_converted, engine_ckpt):

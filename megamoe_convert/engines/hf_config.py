@@ -1,0 +1,58 @@
+"""Transformers reads a conversion's ``config.json`` with the source's ``model_type`` (with the plugin).
+
+A converted directory's ``config.json`` carries a marker ``model_type`` (``output/marker.py``) that no
+config registry knows, so that an engine without megamoe-convert refuses it wherever it reads the
+config: every engine reads it through transformers (``AutoConfig.from_pretrained``,
+``PretrainedConfig.get_config_dict``: vLLM's ``hf`` config parser, its speculative draft config,
+the weight-cache daemon; SGLang's ``get_config``; both engines' ``AutoTokenizer``, whose choice of
+tokenizer class depends on ``model_type``). With megamoe-convert installed, :func:`register` (run
+by each engine's plugin entry point, in every process that loads plugins) wraps the one function
+all of those go through, ``PretrainedConfig._dict_from_json_file`` (transformers 4.x and 5.x), so
+that a conversion's dict comes back with the original ``model_type``
+(:func:`marker.restore_model_type`: only a conversion's marker is touched, anything else is
+returned as read). The engine then parses, configures and tokenizes exactly as for the source;
+the architecture markers are restored by the engine's own config hook, as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from megamoe_convert.output import marker
+
+log = logging.getLogger(__name__)
+
+#: Set on the wrapping function, so that a second :func:`register` in one process is a no-op.
+WRAPPED_ATTR = "megamoe_restores_model_type"
+
+
+def config_base() -> type | None:
+    """transformers' configuration base class (``PreTrainedConfig``, ``PretrainedConfig`` before 5.0),
+    or None without transformers."""
+    try:
+        from transformers import configuration_utils
+    except ImportError:
+        return None
+    return getattr(configuration_utils, "PreTrainedConfig", None) or getattr(configuration_utils, "PretrainedConfig")
+
+
+def register() -> bool:
+    """Wrap transformers' JSON config reading (idempotent); False without transformers."""
+    base = config_base()
+    if base is None:
+        log.debug("megamoe: transformers not importable; config.json read as written")
+        return False
+    read = base.__dict__["_dict_from_json_file"].__func__
+    if getattr(read, WRAPPED_ATTR, False):
+        return True
+
+    @functools.wraps(read)
+    def _dict_from_json_file(cls: type, json_file: Any) -> Any:
+        config = read(cls, json_file)
+        return marker.restore_model_type(config) if isinstance(config, dict) else config
+
+    setattr(_dict_from_json_file, WRAPPED_ATTR, True)
+    base._dict_from_json_file = classmethod(_dict_from_json_file)
+    return True
