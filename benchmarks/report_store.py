@@ -76,24 +76,27 @@ median of 3, cold: page cache dropped, 2 runs). `store-h100/` is the loader befo
 work (the read ring pinned through `cudaHostAlloc` inside the first call, not started early);
 `store-h100-r2/` after it (`serve/staging.py`: huge-page memory registered by 8 threads, started
 when the engine's loader or model class is made). `run1` ran on another machine of the kind; `run2`
-is the full set, and the figures below are from it.
+is the full set; `run3` adds the ring's CUDA events and side stream made once and the reader threads
+started early (the first call made 60 events, a stream and 16 threads: ~7 ms). The figures below are
+from `run3`.
 
 """ + "\n\n".join(tables) + f"""
 
-- **Same bytes, same speed.** The store fills a rank like the per-rank form (one range per tensor
-  through the same ring): 0.038 vs 0.036 s (EP 8) and 0.029 vs 0.028 s (EP 16) warm with the ring
+- **Same bytes, same speed warm.** The store fills a rank like the per-rank form (one range per
+  tensor through the same ring): 0.039 vs 0.040 s (EP 8) and 0.026 vs 0.024 s (EP 16) with the ring
   pinned.
-- **Warm: 8x faster than before, goal not met.** The first call fell from 0.36 s to 0.045 s (EP 8) and
-  from 0.32 s to 0.034 s (EP 16) with the ring started as the loaders start it; pinning the ring
-  now takes about 35 ms in the foreground (it was about 170 ms). Against the page cache -> pinned
-  ceiling that is 0.55x (started early) and 0.66x (ring pinned before the call) at EP 8, 0.52x
-  and 0.62x at EP 16; the goal is 0.8x. What is left: the reads and the device copies share the
-  host's memory (0.76x of the bare read even with the ring ready) and about 5 ms of checks and
-  set-up per call, which weighs on a 17-25 ms ceiling; a whole model's rank (tens of GB) hides the
-  fixed part, not the shared bandwidth.
-- **Cold: at the disk for EP 8, not for the store at EP 16.** Against the disk's parallel read of
-  the same ranges in the same run (`disk_read`): 0.99x (per-rank) and 0.91x (store) at EP 8; 0.90x
-  and 0.68x at EP 16. Before: 0.6-0.9 GB/s, now 1.2-1.6 GB/s.
+- **Warm: 7-9x faster than before, goal not met.** The first call fell from 0.36 s to 0.049 s (EP 8)
+  and from 0.32 s to 0.045 s (EP 16) with the ring started as the loaders start it, and to 0.039 /
+  0.026 s once it is pinned (a real model's build, seconds, hides the pinning; this benchmark's
+  "model" is a few allocations, so the call waited ~10 ms for it). Pinning takes ~30 ms in the
+  foreground (it was ~170 ms). Against the page cache -> pinned ceiling: 0.72-0.78x with the ring
+  pinned, 0.42-0.60x started early, 0.32-0.45x with nothing started; the goal is 0.8x. What is left:
+  the reads and the device copies share the host's memory bandwidth, and a few ms of checks per call
+  weigh on a 19-29 ms ceiling.
+- **Cold: the per-rank form at the disk, the store not yet.** Against the disk's parallel read of the
+  same ranges in the same run (`disk_read`): per-rank 1.02x (EP 8) and 0.94x (EP 16); store 0.81x and
+  0.70x (goal 0.9x). Turning read-ahead off for the store's gapped ranges (`MEGAMOE_READ_AHEAD=0`)
+  made no difference beyond the noise (`readahead-cold-ep16.log`). Before: 0.6-0.9 GB/s, now 1.1-1.7.
 
 On-disk size:{sizes}
 """
