@@ -24,6 +24,7 @@ from megamoe_convert.output import marker
 from megamoe_convert.engines import InstallError, sglang_models
 
 import bare_env
+from doors_common import hub_repos, old_conversion
 import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
@@ -183,42 +184,6 @@ def test_a_conversion_made_before_the_marker_is_still_served(sglang_ckpt, sglang
         with hooked_load_weights(h.DeepseekV4ForCausalLM, []):
             load("auto", model, old, config)
         assert_experts(model, want)
-
-
-def old_conversion(ckpt, converted, root):
-    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
-    recorded so in its sealed manifest."""
-    from megamoe_convert.output.manifest import SEAL_KEY, seal
-    from megamoe_convert.output.writer import file_checksum
-
-    old = root / "old"
-    shutil.copytree(converted, old)
-    shutil.copy(ckpt / "config.json", old / "config.json")
-    data = json.loads((old / "manifest.json").read_bytes())
-    del data[SEAL_KEY]
-    (record,) = [f for f in data["files"] if f["path"] == "config.json"]
-    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
-    (old / "manifest.json").write_text(seal(data))
-    return old
-
-
-@contextmanager
-def hub_repos(root, monkeypatch, **repos):
-    """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
-    SGLang downloaded before the model is built (``config.json``, the weights, their index), but
-    not ``manifest.json``. Inside: offline, as SGLang and transformers then read that cache."""
-    import huggingface_hub
-    from hub_fake import FakeHub, cache_put
-
-    hub = FakeHub(root / "hub").install(monkeypatch, root / "cache")
-    api = hub.api()
-    for repo_id, folder in repos.items():
-        api.create_repo(repo_id)
-        api.upload_folder(repo_id=repo_id, folder_path=folder)
-        files = {rel: path for rel, path in hub.files(repo_id).items() if rel != "manifest.json"}
-        cache_put(root / "cache", repo_id, hub.resolve(repo_id, None), files)
-    with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
-        yield hub
 
 
 def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_ckpt, sglang_converted, tmp_path,

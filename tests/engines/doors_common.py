@@ -1,0 +1,44 @@
+"""Engine-neutral helpers of the doors tests (``test_vllm_doors.py``, ``test_sglang_doors.py``)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from unittest import mock
+
+
+def old_conversion(ckpt, converted, root):
+    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
+    recorded so in its sealed manifest."""
+    from megamoe_convert.output.manifest import SEAL_KEY, seal
+    from megamoe_convert.output.writer import file_checksum
+
+    old = root / "old"
+    shutil.copytree(converted, old)
+    shutil.copy(ckpt / "config.json", old / "config.json")
+    data = json.loads((old / "manifest.json").read_bytes())
+    del data[SEAL_KEY]
+    (record,) = [f for f in data["files"] if f["path"] == "config.json"]
+    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
+    (old / "manifest.json").write_text(seal(data))
+    return old
+
+
+@contextmanager
+def hub_repos(root, monkeypatch, **repos):
+    """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
+    the engine downloaded before the model is built (``config.json``, the weights, their index), but
+    not ``manifest.json``. Inside: offline, as the engine and transformers then read that cache."""
+    import huggingface_hub
+    from hub_fake import FakeHub, cache_put
+
+    hub = FakeHub(root / "hub").install(monkeypatch, root / "cache")
+    api = hub.api()
+    for repo_id, folder in repos.items():
+        api.create_repo(repo_id)
+        api.upload_folder(repo_id=repo_id, folder_path=folder)
+        files = {rel: path for rel, path in hub.files(repo_id).items() if rel != "manifest.json"}
+        cache_put(root / "cache", repo_id, hub.resolve(repo_id, None), files)
+    with mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True):
+        yield hub
