@@ -14,7 +14,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from megamoe_convert import __version__
+from megamoe_convert import __version__, interrupts
 from megamoe_convert.devices import Device
 from megamoe_convert.jsonio import one_line
 from megamoe_convert.cli import conventions
@@ -84,6 +84,7 @@ def run_command(body: Callable[[], Any]) -> Any:
 
 def _interrupt(signum: int, frame: Any) -> None:
     """SIGTERM as Ctrl-C: the command cleans up what it started, then exits 130."""
+    interrupts.request(KeyboardInterrupt)
     raise KeyboardInterrupt
 
 

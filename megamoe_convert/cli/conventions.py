@@ -21,7 +21,7 @@ from typing import Any
 import typer
 from typer._click import exceptions as click_exceptions
 
-from megamoe_convert import ui
+from megamoe_convert import interrupts, ui
 
 HELP_OPTIONS = ["-h", "--help"]
 
@@ -61,11 +61,19 @@ class Terminated(KeyboardInterrupt):
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    interrupts.request(Terminated)
     raise Terminated()
 
 
+def _on_sigint(signum: int, frame: Any) -> None:
+    interrupts.request(KeyboardInterrupt)  # remembered too: a KeyboardInterrupt raised in a finalizer is dropped
+    raise KeyboardInterrupt
+
+
 def install_signal_handlers() -> None:
+    interrupts.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigint)
 
 
 def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megamoe_convert import faults
+from megamoe_convert import faults, interrupts
 from megamoe_convert.convert.gather import ExpertReader, non_expert_units, rank_shard_unit, small_file_units
 from megamoe_convert.convert.plan import (
     ConvertOptions,
@@ -200,6 +200,7 @@ def _run_units(units: list[Unit], state: OutputState, records: dict[str, FileRec
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION, timeout=0.5)
+            interrupts.check()  # a Ctrl-C whose KeyboardInterrupt Python dropped (raised in a finalizer)
             for future in done:
                 record = future.result()  # re-raises the first failure
                 records[record.path] = record
