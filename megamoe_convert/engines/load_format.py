@@ -13,10 +13,11 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from megamoe_convert.engines import InstallError
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.output import marker
 from megamoe_convert.source import families
@@ -144,3 +145,28 @@ def as_safetensors_config(load_config: Any) -> Any:
     config.ignore_patterns = [*([ignore] if isinstance(ignore, str) else (ignore or [])), RANK_FILES_PATTERN,
                              STORE_FILES_PATTERN]
     return config
+
+
+#: Set on a model that is no recognised conversion once its first ``load_weights`` was checked.
+CHECKED_ATTR = "megamoe_checked"
+
+
+def served_reference(model: str, revision: str | None) -> str:
+    """What a conversion is installed from: a local directory as named, a hub repo id at the
+    revision the engine serves (``owner/name@revision``)."""
+    return f"{model}@{revision}" if revision and "@" not in model and not Path(model).exists() else model
+
+
+def load_checked(model: Any, load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
+                 weights: Iterable[tuple[str, torch.Tensor]], name: str, engine: str) -> Any:
+    """``load(weights)`` for a MegaMoE model that is no recognised conversion: its first load is
+    counted, and refused when the engine fed it tensors but not one routed expert
+    (:class:`ExpertTensorCount`); later loads (and an installed model's) pass through."""
+    if getattr(model, CHECKED_ATTR, False) or getattr(model, INSTALLED_ATTR, None) is not None:
+        return load(weights)
+    counted = ExpertTensorCount(weights)
+    loaded = load(counted)
+    setattr(model, CHECKED_ATTR, True)
+    if getattr(model, INSTALLED_ATTR, None) is None and (refusal := counted.refusal(name, engine)):
+        raise InstallError(refusal)
+    return loaded

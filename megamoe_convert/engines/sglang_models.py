@@ -28,7 +28,6 @@ cached) is refused by the hooked ``load_weights``: SGLang fed it no routed-exper
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -37,10 +36,11 @@ from torch import nn
 from megamoe_convert.engines import InstallError, hf_config
 from megamoe_convert.engines.load_format import (
     INSTALLED_ATTR,
-    ExpertTensorCount,
     conversion_manifest,
     is_unmarked_conversion,
+    load_checked,
     may_be_conversion,
+    served_reference,
     without_expert_tensors,
 )
 from megamoe_convert.output import marker
@@ -58,8 +58,6 @@ LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weight
                 "sglang.srt.models.deepseek_v4_nextn.DeepseekV4ForCausalLMNextN.load_weights")
 #: The section's key recording the directory (or hub repo id) the config was read from.
 PATH_KEY = "path"
-#: Set on a model that is no conversion once its first ``load_weights`` was checked to hold routed experts.
-CHECKED_ATTR = "megamoe_checked"
 
 
 def manifest_engine(path: str, revision: str | None = None) -> str | None:
@@ -86,8 +84,7 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
     if engine is not None and engine != "sglang":
         raise InstallError(f"{model}: converted for {engine}'s expert placement, which SGLang does not serve; "
                            "convert a DeepSeek-V4 checkpoint with --engine sglang (or serve this one with vLLM)")
-    local = Path(str(model)).exists() or "@" in str(model) or not revision
-    section[PATH_KEY] = str(model) if local else f"{model}@{revision}"  # a hub repo: at the revision served
+    section[PATH_KEY] = served_reference(str(model), revision)
     return config
 
 
@@ -106,16 +103,10 @@ def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
     if out is None:  # no conversion: SGLang's loading, checked once that the checkpoint had experts
         from megamoe_convert.engines.sglang import CONTRACT
 
-        if getattr(model, INSTALLED_ATTR, None) is not None or getattr(model, CHECKED_ATTR, False) or \
-                not any(CONTRACT.detect(m) for m in model.modules()):
+        if not any(CONTRACT.detect(m) for m in model.modules()):
             return load_weights(model, weights, *args, **kwargs)
-        counted = ExpertTensorCount(weights)
-        loaded = load_weights(model, counted, *args, **kwargs)
-        setattr(model, CHECKED_ATTR, True)
         name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-        if getattr(model, INSTALLED_ATTR, None) is None and (refusal := counted.refusal(str(name), "SGLang")):
-            raise InstallError(refusal)
-        return loaded
+        return load_checked(model, lambda w: load_weights(model, w, *args, **kwargs), weights, str(name), "SGLang")
     from megamoe_convert.engines.sglang import install_layers
 
     installed = getattr(model, INSTALLED_ATTR, None)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -41,9 +40,10 @@ from torch import nn
 from megamoe_convert.engines import InstallError, hf_config
 from megamoe_convert.engines.load_format import (
     INSTALLED_ATTR,
-    ExpertTensorCount,
     is_unmarked_conversion,
+    load_checked,
     may_be_conversion,
+    served_reference,
     without_expert_tensors,
 )
 from megamoe_convert.output import marker
@@ -57,9 +57,8 @@ TARGETS = ("DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM", "KimiK3ForConditio
 DRAFTS = ("DeepSeekV4MTPModel", "DSparkDraftModel", "DSparkV41DraftModel", "KimiK3MTPModel")
 #: Where the subclass keeps the conversion it serves (``None``: vLLM's class, unchanged).
 CONVERSION_ATTR = "megamoe_conversion"
-#: The model (directory or hub repo id) the subclass was built for, and whether its first
-#: ``load_weights`` (of a model that is no conversion) was checked to hold routed experts.
-MODEL_ATTR, CHECKED_ATTR = "megamoe_model", "megamoe_checked"
+#: The model (directory or hub repo id) the subclass was built for (named in a refusal).
+MODEL_ATTR = "megamoe_model"
 
 
 def conversion_of(model_config: Any) -> str | None:
@@ -69,7 +68,7 @@ def conversion_of(model_config: Any) -> str | None:
     if model_config is None:
         return None
     model, revision = str(model_config.model), getattr(model_config, "revision", None)
-    where = f"{model}@{revision}" if revision and not Path(model).exists() and "@" not in model else model
+    where = served_reference(model, revision)
     if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is not None:
         return where
     hub = may_be_conversion(getattr(model_config.hf_config, "model_type", None))
@@ -105,14 +104,10 @@ def make_model_class(base: type, draft: bool) -> type:
                 return super().load_weights(weights)  # --load-format megamoe installed
             experts = [m for m in self.modules() if any(c.detect(m) for c in CONTRACTS)]
             if out is None:  # no conversion: vLLM's loading, checked once that the checkpoint had experts
-                if not experts or getattr(self, CHECKED_ATTR, False):
+                if not experts:
                     return super().load_weights(weights)
-                counted = ExpertTensorCount(weights)
-                loaded = super().load_weights(counted)
-                setattr(self, CHECKED_ATTR, True)
-                if refusal := counted.refusal(getattr(self, MODEL_ATTR, base.__name__), "vLLM"):
-                    raise InstallError(refusal)
-                return loaded
+                return load_checked(self, super().load_weights, weights, getattr(self, MODEL_ATTR, base.__name__),
+                                    "vLLM")
             names = installed_parameter_names(self, experts)  # before 0.30-0.32 release them
             installed = install_layers(self, out, serving=True)
             setattr(self, INSTALLED_ATTR, installed)

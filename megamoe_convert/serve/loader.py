@@ -264,13 +264,6 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
 # GPU: pipelined page cache -> pinned ring -> device
 # --------------------------------------------------------------------------------------
 
-def _pieces(fd: int, entry: TensorEntry, dest: torch.Tensor, piece_bytes: int) -> Iterable[staging.Piece]:
-    flat = dest.view(torch.uint8).reshape(-1)
-    for start in range(0, entry.nbytes, piece_bytes):
-        n = min(piece_bytes, entry.nbytes - start)
-        yield staging.Piece(fd, entry.begin + start, flat[start:start + n])
-
-
 #: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
 #: tensors go, scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
 Destinations = dict[str, torch.Tensor]
@@ -308,17 +301,16 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
                dests: dict[MoELayer, Destinations]) -> None:
     """Fill every destination (all on one CUDA device) through the pinned ring."""
     device = next(iter(next(iter(dests.values())).values())).device
-    piece_bytes = staging.shared_ring().nbytes  # waits for a ring still being pinned in the background
-    pieces: list[staging.Piece] = []
+    ranges: list[staging.Range] = []
     fds = []
     try:
         for layer, record in files.items():
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
             staging.advise(fd)
-            for key, dest in dests[layer].items():
-                pieces.extend(_pieces(fd, headers[layer][key], dest, piece_bytes))
-        staging.fill_device(pieces, device)
+            ranges += [(fd, headers[layer][key].begin, dest.view(torch.uint8).reshape(-1))
+                       for key, dest in dests[layer].items()]
+        staging.fill_device(ranges, device)
     finally:
         for fd in fds:
             os.close(fd)

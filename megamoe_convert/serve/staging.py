@@ -22,6 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -57,12 +58,14 @@ _HUGE_PAGE = 2 << 20
 _PIN_THREADS = 8
 
 
-def advise(fd: int) -> None:
-    """The read-ahead advice of :data:`WILLNEED` / :data:`READ_AHEAD` for a file a load reads."""
+def advise(fd: int, ranges: Iterable[tuple[int, int]] = ((0, 0),)) -> None:
+    """The read-ahead advice of :data:`READ_AHEAD` / :data:`WILLNEED` for a file a load reads
+    (``WILLNEED`` over ``ranges``, ``(offset, nbytes)``: by default the whole file)."""
     if not READ_AHEAD:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     if WILLNEED:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        for offset, nbytes in ranges:
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def _huge_page_block(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
@@ -236,10 +239,21 @@ def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.c
     stream.synchronize()
 
 
-def fill_device(pieces: list[Piece], device: torch.device) -> None:
-    """Every piece into its (one ``device``'s) destination through the process's ring; the
+#: One read of a load: ``(fd, file offset, flat uint8 destination)``, the destination's size bytes.
+Range = tuple[int, int, torch.Tensor]
+
+
+def split(ranges: Iterable[Range], piece_bytes: int) -> list[Piece]:
+    """Each range as pieces of at most ``piece_bytes`` (one ring buffer each), in order."""
+    return [Piece(fd, offset + start, dest[start:start + piece_bytes])
+            for fd, offset, dest in ranges for start in range(0, dest.numel(), piece_bytes)]
+
+
+def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
+    """Every range into its (one ``device``'s) destination through the process's ring; the
     device's current stream then waits for the copies."""
-    ring = shared_ring()
+    ring = shared_ring()  # waits for a ring still being pinned in the background
+    pieces = split(ranges, ring.nbytes)
     readers = shared_readers()
     with RING_LOCK:
         _, stream = ring.tools_for(device)

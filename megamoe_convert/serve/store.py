@@ -169,22 +169,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
     """Every read into CUDA destinations (one device) through the process's pinned ring."""
     device = next(iter(jobs[0][2].values())).device
-    piece_bytes = staging.shared_ring().nbytes  # waits for a ring still being pinned in the background
-    pieces = []
-    advised = set()
+    ranges: list[staging.Range] = []
+    by_fd: dict[int, list[Read]] = {}
     for fd, reads, dests in jobs:
-        if fd not in advised and not staging.READ_AHEAD:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        advised.add(fd)
-        for read in reads:
-            flat = _flat(dests[read.key])
-            if staging.WILLNEED:
-                os.posix_fadvise(fd, read.file_offset, read.nbytes, os.POSIX_FADV_WILLNEED)
-            for start in range(0, read.nbytes, piece_bytes):
-                n = min(piece_bytes, read.nbytes - start)
-                pieces.append(staging.Piece(fd, read.file_offset + start,
-                                            flat[read.dest_offset + start:read.dest_offset + start + n]))
-    staging.fill_device(pieces, device)
+        by_fd.setdefault(fd, []).extend(reads)
+        ranges += [(fd, r.file_offset, _flat(dests[r.key])[r.dest_offset:r.dest_offset + r.nbytes]) for r in reads]
+    for fd, reads in by_fd.items():
+        staging.advise(fd, [(r.file_offset, r.nbytes) for r in reads])  # the rank's ranges, not the whole store
+    staging.fill_device(ranges, device)
 
 
 def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]], dests: dict[MoELayer, Destinations]) -> None:
