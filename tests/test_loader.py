@@ -332,16 +332,3 @@ def test_expected_ep_size_layer_spec_and_rank_type(tiny_converted):
         with pytest.raises(LoadError, match="rank must be an int"):
             load_rank(tiny_converted, bad)
 
-
-def test_staging_splits_each_range_into_ring_sized_pieces_that_tile_it():
-    """The GPU path's one splitting (per-rank files and stores alike): pieces of at most one ring
-    buffer, in order, covering each range's file bytes and destination exactly once."""
-    from megamoe_convert.serve import staging
-
-    dests = [torch.arange(10, dtype=torch.uint8), torch.arange(4, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8)]
-    pieces = staging.split([(7, 100, dests[0]), (8, 5, dests[1]), (7, 0, dests[2])], 4)
-    assert [(p.fd, p.file_offset, p.dest.numel()) for p in pieces] == \
-        [(7, 100, 4), (7, 104, 4), (7, 108, 2), (8, 5, 4), (7, 0, 3)]
-    for piece in pieces:  # views of the destinations, not copies: the device copy lands in place
-        piece.dest.fill_(255)
-    assert all(bool((d == 255).all()) for d in dests)

@@ -1,5 +1,11 @@
 """The GPU path's staging: a pinned ring filled by parallel reads, copied to the device on a side stream.
 
+Readers take their next piece when they come free, from one queue of the load's ranges in file
+order (a cold disk reads a store rank's gapped ranges in one sweep), and each device copy is issued
+as soon as its read is done, in the order reads complete. (Pieces that shrink towards the end of a
+load, to shorten the last copies' tail, were measured slower on the H100 host: more pieces cost
+more than the tail; see ``docs/benchmarks.md``.)
+
 Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
 (each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
 host-to-device copy), while earlier buffers are copied to the device asynchronously. The ring and
@@ -22,6 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Iterable
 
 import torch
@@ -148,6 +155,8 @@ class PinnedRing:
 
 
 _RING: PinnedRing | None = None
+_PINNING: threading.Thread | None = None  # the background pinning, once started
+_PIN_LOCK = threading.Lock()
 _READERS: ThreadPoolExecutor | None = None
 RING_LOCK = threading.Lock()
 
@@ -188,18 +197,24 @@ def _prepare(device: int) -> None:
         pass
 
 
-def prepare_gpu_staging() -> threading.Thread | None:
-    """Pin the staging ring, start the reader threads and make the caller's device's events and
-    stream, in the background, now. Engines call this when their loader or model is made, so all
-    of it overlaps building the model instead of delaying the first load; a load that starts
-    before it is done waits for the ring. Does nothing without CUDA."""
-    if not torch.cuda.is_available() or _RING is not None:
+def prepare_gpu_staging(device: torch.device | int | None = None) -> threading.Thread | None:
+    """Pin the staging ring, start the reader threads and make ``device``'s (default: the
+    caller's) events and stream, in the background, now. Engines call this when their loader or
+    model is made, so all of it overlaps building the model instead of delaying the first load; a
+    load that starts before it is done waits for the ring. Does nothing without CUDA, or once
+    started."""
+    global _PINNING
+    if not torch.cuda.is_available():
         return None
-    # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
-    # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
-    thread = threading.Thread(target=_prepare, args=(torch.cuda.current_device(),), name="megamoe-pin")
-    thread.start()
-    return thread
+    with _PIN_LOCK:
+        if _RING is not None or _PINNING is not None:
+            return None
+        index = torch.cuda._get_device_index(device, optional=True)
+        # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
+        # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
+        _PINNING = threading.Thread(target=_prepare, args=(index,), name="megamoe-pin")
+        _PINNING.start()
+        return _PINNING
 
 
 @dataclass
@@ -211,61 +226,114 @@ class Piece:
     dest: torch.Tensor  # flat uint8 view of the destination, on the GPU
 
 
-def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.cuda.Stream,
-                          readers: ThreadPoolExecutor) -> None:
-    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream)."""
+class WorkQueue:
+    """A load's ranges in file order (a disk reads them in one sweep), handed out a piece at a
+    time to whichever reader comes free."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int, torch.Tensor]]) -> None:
+        self._ranges = sorted(ranges, key=lambda r: (r[0], r[1]))
+        self._at, self._done = 0, 0  # the range being handed out, and its bytes handed out
+        self._lock = threading.Lock()
+
+    def take(self, most: int) -> Piece | None:
+        """The next piece of at most ``most`` bytes, ``None`` once all is handed out."""
+        with self._lock:
+            if self._at >= len(self._ranges):
+                return None
+            fd, offset, dest = self._ranges[self._at]
+            n = min(most, dest.numel() - self._done)
+            piece = Piece(fd, offset + self._done, dest[self._done:self._done + n])
+            self._done += n
+            if self._done == dest.numel():
+                self._at, self._done = self._at + 1, 0
+            return piece
+
+    def abort(self) -> None:
+        """Hand out nothing more (a load failed)."""
+        with self._lock:
+            self._at = len(self._ranges)
+
+
+def _ring_copy(queue: WorkQueue, ring: PinnedRing, stream: torch.cuda.Stream, readers: ThreadPoolExecutor) -> None:
+    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream), each
+    copy issued as soon as its read is done. On an error every read in flight ends before it is
+    raised: no reader writes into a buffer the next load owns."""
     slots = len(ring.buffers)
     events, _ = ring.tools_for(stream.device)
     # No buffer is being copied from yet: every earlier call synchronized its stream before returning.
     recorded = [False] * slots
+    finished: SimpleQueue[tuple[int, Piece | None, BaseException | None]] = SimpleQueue()
 
-    def read(i: int) -> int:
-        slot = i % slots
-        if recorded[slot]:
-            events[slot].synchronize()  # the copy that last used this buffer has finished
-        n = pieces[i].dest.numel()
-        read_into(pieces[i].fd, pieces[i].file_offset, ring.buffers[slot][:n])
-        return slot
+    def read(slot: int) -> None:
+        try:
+            if recorded[slot]:
+                events[slot].synchronize()  # the copy that last used this buffer has finished
+            piece = queue.take(ring.nbytes)
+            if piece is not None:
+                read_into(piece.fd, piece.file_offset, ring.buffers[slot][:piece.dest.numel()])
+            finished.put((slot, piece, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the loop below
+            finished.put((slot, None, e))
 
-    futures = {i: readers.submit(read, i) for i in range(min(slots, len(pieces)))}
-    with torch.cuda.stream(stream):
-        for i, piece in enumerate(pieces):
-            slot = futures.pop(i).result()
-            piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
-            events[slot].record(stream)  # the read of piece i + slots waits for it, then reuses the buffer
-            recorded[slot] = True
-            if i + slots < len(pieces):
-                futures[i + slots] = readers.submit(read, i + slots)
-    stream.synchronize()
+    in_flight, error = 0, None
+    for slot in range(slots):
+        readers.submit(read, slot)
+        in_flight += 1
+    try:
+        with torch.cuda.stream(stream):
+            while in_flight:
+                slot, piece, failed = finished.get()
+                in_flight -= 1
+                if failed is not None and error is None:
+                    error = failed
+                    queue.abort()
+                if piece is None or error is not None:
+                    continue  # the queue is empty (or the load failed): this buffer is done
+                piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
+                events[slot].record(stream)  # the buffer's next read waits for this copy
+                recorded[slot] = True
+                readers.submit(read, slot)
+                in_flight += 1
+    except BaseException:
+        queue.abort()
+        for _ in range(in_flight):
+            finished.get()
+        raise
+    finally:
+        stream.synchronize()
+    if error is not None:
+        raise error
+
+
+def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.cuda.Stream,
+                          readers: ThreadPoolExecutor) -> None:
+    """``pieces`` through the ring (each range cut as the ring's readers take it)."""
+    _ring_copy(WorkQueue([(p.fd, p.file_offset, p.dest) for p in pieces]), ring, stream, readers)
 
 
 #: One read of a load: ``(fd, file offset, flat uint8 destination)``, the destination's size bytes.
 Range = tuple[int, int, torch.Tensor]
 
 
-def split(ranges: Iterable[Range], piece_bytes: int) -> list[Piece]:
-    """Each range as pieces of at most ``piece_bytes`` (one ring buffer each), in order."""
-    return [Piece(fd, offset + start, dest[start:start + piece_bytes])
-            for fd, offset, dest in ranges for start in range(0, dest.numel(), piece_bytes)]
-
-
 def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
     """Every range into its (one ``device``'s) destination through the process's ring; the
-    device's current stream then waits for the copies."""
+    caller's stream then waits for the copies."""
+    queue = WorkQueue(ranges)
     ring = shared_ring()  # waits for a ring still being pinned in the background
-    pieces = split(ranges, ring.nbytes)
     readers = shared_readers()
+    caller = torch.cuda.current_stream(device)
     with RING_LOCK:
         _, stream = ring.tools_for(device)
-        copy_pieces_to_device(pieces, ring, stream, readers)
-    torch.cuda.current_stream(device).wait_stream(stream)
+        stream.wait_stream(caller)  # after the caller's work (the destinations' memory may be reused)
+        _ring_copy(queue, ring, stream, readers)
+    caller.wait_stream(stream)
 
 
 def reset() -> None:
     """Forget the process's ring and readers (a benchmark's sweep of the knobs above); the next
     load makes new ones. The old ring's memory stays pinned until the process ends."""
-    global _RING, _READERS
+    global _RING, _READERS, _PINNING
     with RING_LOCK:
         if _READERS is not None:
             _READERS.shutdown()
-        _RING, _READERS = None, None
+        _RING, _READERS, _PINNING = None, None, None

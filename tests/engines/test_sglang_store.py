@@ -56,7 +56,7 @@ def test_one_store_installs_sglangs_explicit_expert_location_as_its_own_loading(
 def test_a_table_naming_an_expert_the_store_lacks_is_refused_before_any_module_changes(sglang_ckpt, sglang_store):
     config = h.hf_config(sglang_ckpt)
     with h.patched(1, EP_SIZE, REDUNDANT):
-        main = h.build_main_model(config, 1, REDUNDANT)
+        h.build_main_model(config, 1, REDUNDANT)  # built first, as SGLang does: the draft model follows it
         nextn = h.build_nextn_model(config)
         nextn.model.decoder.mlp.experts.num_experts = 12  # 12 slots 0..11 without expert location: no such experts
         before = {p: [t.clone() for t in m.parameters()] for p, m in h.experts_of(nextn).items()}
