@@ -8,8 +8,8 @@ process imports the package, starts pinning the read ring in the background as t
 do when vLLM / SGLang make them (``--staging early``; ``none``: the call pays the pinning itself,
 as a bare ``install()`` with no loader does), allocates the rank's destination tensors on the device
 (as an engine does when it builds the model), and times filling them (``load_rank(..., into=)`` for
-the per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same pinned ring),
-any wait for the ring included.
+the per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same staging, the
+pinned ring), any wait for the ring included.
 
   warm   the files in the page cache (a throwaway child reads them first), ``--repeats`` children,
          median, with the ring started early (the rows' ``waited_for_ring_s``), pinned before the
@@ -19,7 +19,8 @@ any wait for the ring included.
          copied to the device;
   cold   the page cache dropped before each child (needs root; otherwise the rows say so); the
          limit beside it is ``disk_read``: the rank's ranges read cold by the loader's readers or
-         by 64 threads x 4 MB, whichever is faster (the page cache dropped before each).
+         by 64 threads x 4 MB, whichever is faster (the page cache dropped before each);
+         ``--cold-knobs`` times the store cold under other reader shapes (``MEGAMOE_*`` settings).
 
 Correctness is checked once per (EP size, rank): the store's tensors equal the per-rank form's.
 On-disk size: the store's expert bytes against the per-rank form's for every rank of each EP size
@@ -179,14 +180,19 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+#: The forms timed: (child, environment); ``--forms`` picks some. Other entries time a form under
+#: other ``MEGAMOE_*`` settings side by side.
+FORMS = {"per_rank": ("per_rank", {}), "store": ("store", {})}
+
+
 def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Path, ep: int, rank: int,
-              cold: bool = False, staging: str = "early") -> dict[str, Any]:
+              cold: bool = False, staging: str = "early", env: dict[str, str] | None = None) -> dict[str, Any]:
     if cold and not drop_page_cache():
         return {"skipped": "cannot drop the page cache (needs root)"}
     cmd = [sys.executable, __file__, "--child", kind, "--store", str(store_dir), "--per-rank", str(per_rank),
            "--ep", str(ep), "--rank", str(rank), "--device", args.device, "--staging", staging]
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the wheels' folder too
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {}), "PYTHONPATH": path})
     if proc.returncode:
         raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -201,6 +207,8 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("pin_s", "waited_for_ring_s"):
         if all(key in r for r in rows):
             result[key] = round(statistics.median(r[key] for r in rows), 4)
+    fastest = min(rows, key=lambda r: r["seconds"])
+    result.update({key: fastest[key] for key in ("threads", "piece_mb") if key in fastest})  # disk_read's shape
     return result
 
 
@@ -267,29 +275,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pr = per_rank[ep]
             check = run_child("check", args, store_dir, pr, ep, rank)
             row: dict[str, Any] = {"ep_size": ep, "rank": rank, "bytes": check["bytes"], "same_bytes": check["same"]}
-            for form in ("per_rank", "store"):
+            for form, (kind, env) in FORMS.items():
+                def timed(runs: int, **how: Any) -> dict[str, Any]:
+                    return median_of([run_child(kind, args, store_dir, pr, ep, rank, env=env, **how) for _ in range(runs)])
+
                 if not args.quick:
-                    run_child(form, args, store_dir, pr, ep, rank)  # the page cache warm
-                row[f"{form}_warm"] = median_of([run_child(form, args, store_dir, pr, ep, rank)
-                                                 for _ in range(args.repeats)])
-                for staged in ("ready", "none"):
-                    row[f"{form}_warm_{'unprepared' if staged == 'none' else staged}"] = median_of(
-                        [run_child(form, args, store_dir, pr, ep, rank, staging=staged) for _ in range(args.repeats)])
+                    run_child(kind, args, store_dir, pr, ep, rank, env=env)  # the page cache warm
+                row[f"{form}_warm"] = timed(args.repeats)
+                row[f"{form}_warm_ready"] = timed(args.repeats, staging="ready")
+                row[f"{form}_warm_unprepared"] = timed(args.repeats, staging="none")
                 if args.cold:
-                    row[f"{form}_cold"] = median_of([run_child(form, args, store_dir, pr, ep, rank, cold=True)
-                                                     for _ in range(args.cold_repeats)])
+                    row[f"{form}_cold"] = timed(args.cold_repeats, cold=True)
             for ceiling in ("host_read", "h2d_pinned"):
                 if not args.quick:
                     run_child(ceiling, args, store_dir, pr, ep, rank)
                 row[ceiling] = median_of([run_child(ceiling, args, store_dir, pr, ep, rank) for _ in range(args.repeats)])
             limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
-            for form in ("per_rank", "store"):
+            for form in FORMS:
                 for case in ("warm", "warm_ready", "warm_unprepared"):
                     row[f"{form}_{case}_vs_ceiling"] = round(row[f"{form}_{case}"]["gb_per_s"] / limit, 3)
             if args.cold:
                 row["disk_read"] = median_of([run_child("disk_read", args, store_dir, pr, ep, rank, cold=True)
                                               for _ in range(args.cold_repeats)])
-                for form in ("per_rank", "store"):
+                for knobs in args.cold_knobs:
+                    env = dict(kv.split("=", 1) for kv in knobs.split(","))
+                    row.setdefault("store_cold_knobs", {})[knobs] = median_of(
+                        [run_child("store", args, store_dir, pr, ep, rank, cold=True, env=env)
+                         for _ in range(args.cold_repeats)])
+                for form in FORMS:
                     if "gb_per_s" in row[f"{form}_cold"] and "gb_per_s" in row["disk_read"]:
                         row[f"{form}_cold_vs_disk"] = round(row[f"{form}_cold"]["gb_per_s"] / row["disk_read"]["gb_per_s"], 3)
             rows.append(row)
@@ -322,6 +335,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cold", action="store_true", help="also cold runs (drops the page cache: root)")
     p.add_argument("--cold-repeats", type=int, default=2)
+    p.add_argument("--cold-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
+                   help="with --cold: also time the store cold under each of these settings, e.g. "
+                        "'MEGAMOE_READ_THREADS=64,MEGAMOE_RING_MB=4;MEGAMOE_WILLNEED=1'")
     p.add_argument("--workdir", default="/tmp/megamoe-bench-store")
     p.add_argument("--save", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke test: the tiny preset, rank 1 of EP 2, one run")

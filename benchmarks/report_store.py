@@ -36,25 +36,45 @@ def _x(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.2f}x" if key in r else "-"
 
 
+FORM_NAMES = (("per_rank", "per-rank"), ("store", "store"), ("store_ring", "store, ring alone"),
+              ("store_fixed", "store, full-size pieces"))
+
+
 def _rows(r: dict[str, Any]) -> list[str]:
     """One line per form of one (EP size, rank) measurement."""
     lines = []
-    for form, name in (("per_rank", "per-rank"), ("store", "store")):
+    for form, name in FORM_NAMES:
+        if f"{form}_warm" not in r:
+            continue
         waited = r.get(f"{form}_warm", {}).get("waited_for_ring_s")
         early = _s(r, f"{form}_warm") + (f" ({waited * 1e3:.0f} ms)" if waited is not None else "")
         unprepared = _s(r, f"{form}_warm_unprepared")
+        early_ratio = _x(r, f"{form}_warm_vs_ceiling")
         if f"{form}_warm_unprepared" not in r:  # before the staging work nothing was started early
-            early, unprepared = "-", _s(r, f"{form}_warm")
+            early, unprepared, early_ratio = "-", _s(r, f"{form}_warm"), "-"
         lines.append(f"| {r['ep_size']} | {r['rank']} | {r['bytes'] / 1e9:.2f} | {name} | {early} | "
                      f"{_s(r, f'{form}_warm_ready')} | {unprepared} | {_s(r, 'host_read')} | "
-                     f"{_x(r, f'{form}_warm_ready_vs_ceiling')} | {_s(r, f'{form}_cold', 2)} | {_s(r, 'disk_read', 2)} | "
+                     f"{early_ratio} | {_x(r, f'{form}_warm_ready_vs_ceiling')} | "
+                     f"{_s(r, f'{form}_cold', 2)} | {_s(r, 'disk_read', 2)} | "
                      f"{_x(r, f'{form}_cold_vs_disk')} | {r['same_bytes']} |")
     return lines
 
 
+def _knobs(r: dict[str, Any]) -> str:
+    """The store cold under other reader shapes (``--cold-knobs``), beside the default."""
+    knobs = r.get("store_cold_knobs")
+    if not knobs or "disk_read" not in r:
+        return ""
+    disk = r["disk_read"]["seconds"]
+    cells = [f"default {_s(r, 'store_cold', 2)} s ({_x(r, 'store_cold_vs_disk')})"]
+    cells += [f"`{k}` {v['seconds']:.2f} s ({disk / v['seconds']:.2f}x)" for k, v in knobs.items() if "seconds" in v]
+    return f"- EP {r['ep_size']} rank {r['rank']}, store cold vs disk read: " + "; ".join(cells)
+
+
 HEADER = ["| EP | rank | rank GB | form | warm, ring started early (s) (of it waiting for the ring) | warm, ring pinned "
-          "(s) | warm, nothing started (s) | page cache -> pinned (s) | ring pinned vs ceiling | cold (s) | disk read "
-          "(s) | cold vs disk | same bytes |", "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+          "(s) | warm, nothing started (s) | page cache -> pinned (s) | "
+          "early vs ceiling | ring pinned vs ceiling | cold (s) | disk read (s) | cold vs disk | same bytes |",
+          "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
 
 def section() -> str:
@@ -66,37 +86,57 @@ def section() -> str:
     for f in files:
         rows = sorted(json.loads(f.read_text())["rows"], key=lambda r: (r["ep_size"], r["rank"]))
         lines = [line for r in rows for line in _rows(r)]
-        tables.append(f"`{f.parent.name}/{f.name}`:\n\n" + "\n".join(HEADER + lines))
+        knobs = "\n".join(filter(None, map(_knobs, rows)))
+        tables.append(f"`{f.parent.name}/{f.name}`:\n\n" + "\n".join(HEADER + lines) + (f"\n\n{knobs}" if knobs else ""))
     disk = {k: v for f in files for k, v in json.loads(f.read_text()).get("on_disk", {}).items()}
     sizes = "".join(f"\n- EP {ep}: the store holds {d['store_expert_bytes'] / 1e9:.2f} GB of experts, every rank "
                     f"of the per-rank form {d['per_rank_expert_bytes_all_ranks'] / 1e9:.2f} GB." for ep, d in disk.items())
     return head + """
 Measured on the lent H100 (Flash dims, 2 MoE layers, rank 0, first call in a fresh process; warm:
-median of 3, cold: page cache dropped, 2 runs). `store-h100/` is the loader before the staging
-work (the read ring pinned through `cudaHostAlloc` inside the first call, not started early);
-`store-h100-r2/` after it (`serve/staging.py`: huge-page memory registered by 8 threads, started
-when the engine's loader or model class is made). `run1` ran on another machine of the kind; `run2`
-is the full set; `run3` adds the ring's CUDA events and side stream made once and the reader threads
-started early (the first call made 60 events, a stream and 16 threads: ~7 ms). The figures below are
-from `run3`.
+median of 3, cold: page cache dropped, 2 runs). Each run is on whichever machine of the kind was
+lent: ceilings and the disk differ between runs by up to 20%, so compare within a run.
+
+- `store-h100/`: the loader before the staging work (the read ring pinned through `cudaHostAlloc`
+  inside the first call, not started early).
+- `store-h100-r2/`: `serve/staging.py` (huge-page memory registered by 8 threads, started when the
+  engine's loader or model class is made); `run3` adds the ring's events and side stream made once
+  and the reader threads started early.
+- `store-h100-r3/`: readers take pieces from one queue of the load's ranges in file order as they
+  come free, copies are issued in the order reads complete, and a failed read drains the reads in
+  flight before it is raised. `run1-copier` and `run2-shrinking` are two ideas measured and
+  rejected (below); `run3` is the code as it stands.
 
 """ + "\n\n".join(tables) + f"""
 
 - **Same bytes, same speed warm.** The store fills a rank like the per-rank form (one range per
-  tensor through the same ring): 0.039 vs 0.040 s (EP 8) and 0.026 vs 0.024 s (EP 16) with the ring
-  pinned.
-- **Warm: 7-9x faster than before, goal not met.** The first call fell from 0.36 s to 0.049 s (EP 8)
-  and from 0.32 s to 0.045 s (EP 16) with the ring started as the loaders start it, and to 0.039 /
-  0.026 s once it is pinned (a real model's build, seconds, hides the pinning; this benchmark's
-  "model" is a few allocations, so the call waited ~10 ms for it). Pinning takes ~30 ms in the
-  foreground (it was ~170 ms). Against the page cache -> pinned ceiling: 0.72-0.78x with the ring
-  pinned, 0.42-0.60x started early, 0.32-0.45x with nothing started; the goal is 0.8x. What is left:
-  the reads and the device copies share the host's memory bandwidth, and a few ms of checks per call
-  weigh on a 19-29 ms ceiling.
-- **Cold: the per-rank form at the disk, the store not yet.** Against the disk's parallel read of the
-  same ranges in the same run (`disk_read`): per-rank 1.02x (EP 8) and 0.94x (EP 16); store 0.81x and
-  0.70x (goal 0.9x). Turning read-ahead off for the store's gapped ranges (`MEGAMOE_READ_AHEAD=0`)
-  made no difference beyond the noise (`readahead-cold-ep16.log`). Before: 0.6-0.9 GB/s, now 1.1-1.7.
+  tensor through the same ring): 0.041 vs 0.046 s (EP 8) and 0.027 vs 0.027 s (EP 16) with the ring
+  pinned (`r3/run3`).
+- **Warm: 7-9x faster than the first loader, goal not met.** The first call went from 0.36 s to
+  0.04-0.05 s (EP 8) and from 0.32 s to 0.03-0.05 s (EP 16). Against the page cache -> pinned
+  ceiling of the same run it reaches 0.65-0.75x (EP 8) and 0.71-0.72x (EP 16) with the ring pinned,
+  0.4-0.6x with the ring started as the loaders start it (this benchmark's "model" is a few
+  allocations, so the call still waits for the pinning: a real model's build takes seconds). The
+  goal is 0.8x. The ring is CPU-bound: 16 readers each copy page-cache bytes at about 2 GB/s, on
+  16 cores, and the device copy of the last pieces follows the last reads.
+- **Two ways past the ring, measured and rejected** (`r3/pagecache-dma-probe.log`):
+  - *Device copies straight from the page cache.* Mapping a file read-only and registering its
+    pages (`cudaHostRegisterReadOnly`) lets the copy engine read the page cache with no CPU copy:
+    correct on every run, and in a bare probe the ring and such a copier together beat the ceiling
+    (0.023-0.027 s against 0.024-0.033 s). Inside the loader, with 16 readers busy, a 64 MB
+    registration took 2.3-5 ms and now and then 12-42 ms (the driver serializes them): 0.030-0.063 s
+    against 0.032-0.035 s for the ring alone, and `run1-copier` shows it slower in every warm case.
+  - *Pieces that shrink towards the end of a load* (to shorten the tail of copies after the last
+    read): 0.056 s against 0.042 s with full-size pieces (`run2-shrinking`): more pieces cost more
+    than the tail.
+- **Cold: near the disk.** Against the disk's parallel read of the same ranges in the same run
+  (`disk_read`): the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 1.00x and 1.04x with the same
+  read order in `r3/run1-copier` (its ring-alone rows), 0.90x in `r3/run2-shrinking`; before the
+  file-ordered queue, 0.81x and 0.70x (`r2/run3`). The per-rank form: 0.80-1.13x across runs. The
+  goal is 0.9x: met in two of three runs at EP 8 and one of two at EP 16, so not yet reliably.
+  Cold children vary by about 15% run to run: in `run1-copier` the store with the copier (idle when
+  cold: its blocks are not resident) read at 0.71x / 0.79x against 0.99x / 1.04x for the ring
+  alone, but alternating the two on one file gave 0.43-0.57 s either way; deeper read queues and
+  `MEGAMOE_WILLNEED=1` gave 0.83-0.88x in the same run (its knob lines above).
 
 On-disk size:{sizes}
 """
