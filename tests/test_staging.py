@@ -86,3 +86,91 @@ def test_a_range_past_the_files_end_fails_cleanly_and_the_next_load_is_exact(tmp
         _load(path, [(0, 4 << 20), (6 << 20, 4 << 20)])
     dests = _load(path, [(1, (8 << 20) - 1)])
     assert torch.equal(dests[0].cpu(), data[1:])
+
+
+# ----------------------------------------------------------------------------- the ring's loop, on the CPU
+
+
+class _Event:
+    def record(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    device = "cpu"
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Ring:
+    """The ring's surface that the copy loop uses, in plain host memory."""
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+
+    def tools_for(self, device):
+        return [_Event() for _ in self.buffers], _Stream()
+
+
+def _ring_load(monkeypatch, path, spans, read_delay=0.0):
+    """``_ring_copy`` of ``spans`` with host destinations (the loop's logic without a GPU); the
+    reads still running when it returned or raised are counted in the result's ``running``."""
+    import contextlib
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(staging.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    running, lock = [0], threading.Lock()
+    real_read = staging.read_into
+
+    def read_into(fd, offset, out, source=None):
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(read_delay)
+            real_read(fd, offset, out, source)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(staging, "read_into", read_into)
+    fd = os.open(path, os.O_RDONLY)
+    dests = [torch.zeros(n, dtype=torch.uint8) for _, n in spans]
+    outcome = {"dests": dests}
+    try:
+        with ThreadPoolExecutor(4) as readers:
+            try:
+                staging._ring_copy(WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests)]), _Ring(6, 4096),
+                                   _Stream(), readers)
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                outcome["error"] = e
+            outcome["running"] = running[0]
+    finally:
+        os.close(fd)
+    return outcome
+
+
+def test_the_ring_loop_puts_every_piece_where_it_belongs(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, 200_000)
+    spans = [(7, 50_000), (100_000, 33_333), (7, 50_000), (199_999, 1)]
+    outcome = _ring_load(monkeypatch, path, spans)
+    assert "error" not in outcome
+    for dest, (offset, n) in zip(outcome["dests"], spans):
+        assert torch.equal(dest, data[offset:offset + n])
+
+
+def test_a_failed_read_ends_every_read_in_flight_before_it_is_raised(tmp_path, monkeypatch):
+    """A range past the file's end fails; the loop raises that error only once no reader is still
+    writing into a ring buffer (the next load would own them)."""
+    from megamoe_convert.source.safetensors_io import SafetensorsError
+
+    path, _ = _file(tmp_path, 100_000)
+    outcome = _ring_load(monkeypatch, path, [(0, 90_000), (95_000, 10_000)], read_delay=0.02)
+    assert isinstance(outcome.get("error"), SafetensorsError) and "end of file" in str(outcome["error"])
+    assert outcome["running"] == 0, "the error was raised while reads were still filling ring buffers"

@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import Iterable
 
 import torch
@@ -275,15 +275,24 @@ def _ring_copy(queue: WorkQueue, ring: PinnedRing, stream: torch.cuda.Stream, re
         except BaseException as e:  # noqa: BLE001 - handed to the loop below
             finished.put((slot, None, e))
 
-    in_flight, error = 0, None
-    for slot in range(slots):
-        readers.submit(read, slot)
-        in_flight += 1
+    submitted, received, error = 0, 0, None
+
+    def submit(slot: int) -> None:
+        nonlocal submitted
+        submitted += 1  # counted first: an interrupt in between makes the drain below wait, not skip, a read
+        try:
+            readers.submit(read, slot)
+        except BaseException:
+            submitted -= 1
+            raise
+
     try:
+        for slot in range(slots):
+            submit(slot)
         with torch.cuda.stream(stream):
-            while in_flight:
+            while received < submitted:
                 slot, piece, failed = finished.get()
-                in_flight -= 1
+                received += 1
                 if failed is not None and error is None:
                     error = failed
                     queue.abort()
@@ -292,12 +301,15 @@ def _ring_copy(queue: WorkQueue, ring: PinnedRing, stream: torch.cuda.Stream, re
                 piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
                 events[slot].record(stream)  # the buffer's next read waits for this copy
                 recorded[slot] = True
-                readers.submit(read, slot)
-                in_flight += 1
-    except BaseException:
+                submit(slot)
+    except BaseException:  # Ctrl-C, say: the reads in flight end before the ring is given up
         queue.abort()
-        for _ in range(in_flight):
-            finished.get()
+        while received < submitted:
+            try:
+                finished.get(timeout=60)
+            except Empty:
+                break
+            received += 1
         raise
     finally:
         stream.synchronize()
