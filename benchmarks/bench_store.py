@@ -180,8 +180,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-#: The forms timed: (child, environment); ``--forms`` picks some. Other entries time a form under
-#: other ``MEGAMOE_*`` settings side by side.
+#: The forms timed: (child, environment). An entry with ``MEGAMOE_*`` settings times a form under
+#: them side by side (``results/store-h100-r3/run1-copier.json`` and ``run2-shrinking.json`` did).
 FORMS = {"per_rank": ("per_rank", {}), "store": ("store", {})}
 
 

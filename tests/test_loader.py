@@ -331,4 +331,3 @@ def test_expected_ep_size_layer_spec_and_rank_type(tiny_converted):
     for bad in ("1", 1.0, True):
         with pytest.raises(LoadError, match="rank must be an int"):
             load_rank(tiny_converted, bad)
-

@@ -197,22 +197,20 @@ def _prepare(device: int) -> None:
         pass
 
 
-def prepare_gpu_staging(device: torch.device | int | None = None) -> threading.Thread | None:
-    """Pin the staging ring, start the reader threads and make ``device``'s (default: the
-    caller's) events and stream, in the background, now. Engines call this when their loader or
-    model is made, so all of it overlaps building the model instead of delaying the first load; a
-    load that starts before it is done waits for the ring. Does nothing without CUDA, or once
-    started."""
+def prepare_gpu_staging() -> threading.Thread | None:
+    """Pin the staging ring, start the reader threads and make the caller's device's events and
+    stream, in the background, now. Engines call this when their loader or model is made, so all
+    of it overlaps building the model instead of delaying the first load; a load that starts
+    before it is done waits for the ring. Does nothing without CUDA, or once started."""
     global _PINNING
     if not torch.cuda.is_available():
         return None
     with _PIN_LOCK:
         if _RING is not None or _PINNING is not None:
             return None
-        index = torch.cuda._get_device_index(device, optional=True)
         # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
         # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
-        _PINNING = threading.Thread(target=_prepare, args=(index,), name="megamoe-pin")
+        _PINNING = threading.Thread(target=_prepare, args=(torch.cuda.current_device(),), name="megamoe-pin")
         _PINNING.start()
         return _PINNING
 
