@@ -9,7 +9,10 @@ do when vLLM / SGLang make them (``--staging early``; ``none``: the call pays th
 as a bare ``install()`` with no loader does), allocates the rank's destination tensors on the device
 (as an engine does when it builds the model), and times filling them (``load_rank(..., into=)`` for
 the per-rank form, ``serve.store.load_slots(..., into=)`` for the store: the same staging, the
-pinned ring), any wait for the ring included.
+pinned ring), any wait for the ring included. The forms and the ceilings are interleaved: each
+repetition runs each of them once, so a host's drift during the run touches them alike.
+``--store-knobs`` and ``--baseline-tree`` add forms: the store under other ``MEGAMOE_*`` settings,
+and the store from another checkout (a code change against the commit before it).
 
   warm   the files in the page cache (a throwaway child reads them first), ``--repeats`` children,
          median, with the ring started early (the rows' ``waited_for_ring_s``), pinned before the
@@ -39,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,18 +184,35 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-#: The forms timed: (child, environment). An entry with ``MEGAMOE_*`` settings times a form under
-#: them side by side (``results/store-h100-r3/run1-copier.json`` and ``run2-shrinking.json`` did).
-FORMS = {"per_rank": ("per_rank", {}), "store": ("store", {})}
+@dataclass(frozen=True)
+class Form:
+    """One way of filling the rank timed side by side: a child kind, under ``env``, with the
+    package of ``tree`` (another checkout: a code change against its baseline) or this one."""
+
+    kind: str
+    env: dict[str, str] = field(default_factory=dict)
+    tree: Path = REPO
+
+
+#: The forms timed. ``--store-knobs`` adds the store under other ``MEGAMOE_*`` settings and
+#: ``--baseline-tree`` the store from another checkout, timed side by side.
+FORMS = {"per_rank": Form("per_rank"), "store": Form("store")}
+
+
+def knob_env(knobs: str) -> dict[str, str]:
+    """``'MEGAMOE_A=1,MEGAMOE_B=2'`` as an environment."""
+    return dict(kv.split("=", 1) for kv in knobs.split(",") if kv)
 
 
 def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Path, ep: int, rank: int,
-              cold: bool = False, staging: str = "early", env: dict[str, str] | None = None) -> dict[str, Any]:
+              cold: bool = False, staging: str = "early", env: dict[str, str] | None = None,
+              tree: Path = REPO) -> dict[str, Any]:
     if cold and not drop_page_cache():
         return {"skipped": "cannot drop the page cache (needs root)"}
-    cmd = [sys.executable, __file__, "--child", kind, "--store", str(store_dir), "--per-rank", str(per_rank),
-           "--ep", str(ep), "--rank", str(rank), "--device", args.device, "--staging", staging]
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the wheels' folder too
+    cmd = [sys.executable, str(tree / "benchmarks" / "bench_store.py"), "--child", kind, "--store", str(store_dir),
+           "--per-rank", str(per_rank), "--ep", str(ep), "--rank", str(rank), "--device", args.device,
+           "--staging", staging]
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))  # the wheels' folder too
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {}), "PYTHONPATH": path})
     if proc.returncode:
         raise RuntimeError(f"{kind} child failed:\n{proc.stderr[-3000:]}")
@@ -202,7 +223,7 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if any("skipped" in r for r in rows):
         return rows[0]
     seconds = statistics.median(r["seconds"] for r in rows)
-    result = {"seconds": round(seconds, 4), "gb_per_s": round(rows[0]["bytes"] / seconds / 1e9, 2),
+    result = {"seconds": round(seconds, 4), "gb_per_s": float(f"{rows[0]['bytes'] / seconds / 1e9:.4g}"),  # never 0
               "runs": [round(r["seconds"], 4) for r in rows]}
     for key in ("pin_s", "waited_for_ring_s"):
         if all(key in r for r in rows):
@@ -261,6 +282,61 @@ def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
     return {"store_expert_bytes": store_bytes, "per_rank_expert_bytes_all_ranks": per_rank}
 
 
+WARM_CASES = {"warm": "early", "warm_ready": "ready", "warm_unprepared": "none"}
+
+
+def measure(args: argparse.Namespace, forms: dict[str, Form], store_dir: Path, pr: Path, ep: int,
+            rank: int) -> dict[str, Any]:
+    """One (EP size, rank): every form's cases and the ceilings, interleaved (each repetition runs
+    each of them once, so the host's drift during the run touches every form alike), as medians."""
+    def child(kind: str, form: Form | None = None, **how: Any) -> dict[str, Any]:
+        form = form or Form(kind)
+        return run_child(kind, args, store_dir, pr, ep, rank, env=form.env, tree=form.tree, **how)
+
+    check = child("check")
+    row: dict[str, Any] = {"ep_size": ep, "rank": rank, "bytes": check["bytes"], "same_bytes": check["same"],
+                           "forms": list(forms)}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    if not args.quick:
+        for form in forms.values():
+            child(form.kind, form)  # the page cache warm, each tree's imports compiled
+    for _ in range(args.repeats):
+        for name, form in forms.items():
+            for case, staging in WARM_CASES.items():
+                samples.setdefault(f"{name}_{case}", []).append(child(form.kind, form, staging=staging))
+        for ceiling in ("host_read", "h2d_pinned"):
+            samples.setdefault(ceiling, []).append(child(ceiling))
+    if args.cold:
+        for _ in range(args.cold_repeats):
+            for name, form in forms.items():
+                samples.setdefault(f"{name}_cold", []).append(child(form.kind, form, cold=True))
+            samples.setdefault("disk_read", []).append(child("disk_read", cold=True))
+            for knobs in args.cold_knobs:
+                samples.setdefault(f"knobs {knobs}", []).append(child("store", Form("store", knob_env(knobs)), cold=True))
+    medians = {key: median_of(runs) for key, runs in samples.items()}
+    row.update({key: value for key, value in medians.items() if not key.startswith("knobs ")})
+    if args.cold_knobs:
+        row["store_cold_knobs"] = {knobs: medians[f"knobs {knobs}"] for knobs in args.cold_knobs}
+    limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
+    for name in forms:
+        for case in WARM_CASES:
+            row[f"{name}_{case}_vs_ceiling"] = round(row[f"{name}_{case}"]["gb_per_s"] / limit, 3)
+        if args.cold and "gb_per_s" in row[f"{name}_cold"] and "gb_per_s" in row["disk_read"]:
+            row[f"{name}_cold_vs_disk"] = round(row[f"{name}_cold"]["gb_per_s"] / row["disk_read"]["gb_per_s"], 3)
+    return row
+
+
+def describe_tree(tree: Path) -> dict[str, str]:
+    """A baseline checkout's path and commit ("unknown" unless it is a git checkout's top)."""
+    def git(*argv: str) -> str:
+        proc = subprocess.run(["git", "-C", str(tree), *argv], capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    top = git("rev-parse", "--show-toplevel")
+    commit = git("log", "-1", "--format=%h %s")[:120] if top and Path(top).resolve() == tree.resolve() else ""
+    return {"path": str(tree), "commit": commit or "unknown"}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.child:
@@ -269,48 +345,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     _, store_dir, per_rank = prepare(args, work)
+    forms = dict(FORMS)
+    forms.update({f"store {knobs}": Form("store", knob_env(knobs)) for knobs in args.store_knobs})
+    if args.baseline_tree:
+        forms["store_baseline"] = Form("store", tree=Path(args.baseline_tree).resolve())
     rows = []
     for ep in args.ep_sizes:
         for rank in ranks_of(args, ep):
-            pr = per_rank[ep]
-            check = run_child("check", args, store_dir, pr, ep, rank)
-            row: dict[str, Any] = {"ep_size": ep, "rank": rank, "bytes": check["bytes"], "same_bytes": check["same"]}
-            for form, (kind, env) in FORMS.items():
-                def timed(runs: int, **how: Any) -> dict[str, Any]:
-                    return median_of([run_child(kind, args, store_dir, pr, ep, rank, env=env, **how) for _ in range(runs)])
-
-                if not args.quick:
-                    run_child(kind, args, store_dir, pr, ep, rank, env=env)  # the page cache warm
-                row[f"{form}_warm"] = timed(args.repeats)
-                row[f"{form}_warm_ready"] = timed(args.repeats, staging="ready")
-                row[f"{form}_warm_unprepared"] = timed(args.repeats, staging="none")
-                if args.cold:
-                    row[f"{form}_cold"] = timed(args.cold_repeats, cold=True)
-            for ceiling in ("host_read", "h2d_pinned"):
-                if not args.quick:
-                    run_child(ceiling, args, store_dir, pr, ep, rank)
-                row[ceiling] = median_of([run_child(ceiling, args, store_dir, pr, ep, rank) for _ in range(args.repeats)])
-            limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
-            for form in FORMS:
-                for case in ("warm", "warm_ready", "warm_unprepared"):
-                    row[f"{form}_{case}_vs_ceiling"] = round(row[f"{form}_{case}"]["gb_per_s"] / limit, 3)
-            if args.cold:
-                row["disk_read"] = median_of([run_child("disk_read", args, store_dir, pr, ep, rank, cold=True)
-                                              for _ in range(args.cold_repeats)])
-                for knobs in args.cold_knobs:
-                    env = dict(kv.split("=", 1) for kv in knobs.split(","))
-                    row.setdefault("store_cold_knobs", {})[knobs] = median_of(
-                        [run_child("store", args, store_dir, pr, ep, rank, cold=True, env=env)
-                         for _ in range(args.cold_repeats)])
-                for form in FORMS:
-                    if "gb_per_s" in row[f"{form}_cold"] and "gb_per_s" in row["disk_read"]:
-                        row[f"{form}_cold_vs_disk"] = round(row[f"{form}_cold"]["gb_per_s"] / row["disk_read"]["gb_per_s"], 3)
+            row = measure(args, forms, store_dir, per_rank[ep], ep, rank)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     summary = {"benchmark": "bench_store", "device": args.device, "preset": args.preset, "layers": args.layers,
                "experts": args.experts or None, "rows": rows,
                "on_disk": {ep: on_disk(store_dir, ep) for ep in args.ep_sizes},
                "host": {"cpus": os.cpu_count()}}
+    if args.baseline_tree:
+        summary["baseline_tree"] = describe_tree(Path(args.baseline_tree))
     if args.device.startswith("cuda"):
         import torch
 
@@ -338,6 +388,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cold-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
                    help="with --cold: also time the store cold under each of these settings, e.g. "
                         "'MEGAMOE_READ_THREADS=64,MEGAMOE_RING_MB=4;MEGAMOE_WILLNEED=1'")
+    p.add_argument("--store-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
+                   help="also time the store (warm, and cold with --cold) under each of these settings, side by "
+                        "side, e.g. 'MEGAMOE_RING_MB=8,MEGAMOE_RING_BUFFERS=48;MEGAMOE_PIECE_MB=8'")
+    p.add_argument("--baseline-tree", default=None,
+                   help="also time the store with the package of this checkout (e.g. a git worktree of the commit "
+                        "before a change), side by side")
     p.add_argument("--workdir", default="/tmp/megamoe-bench-store")
     p.add_argument("--save", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke test: the tiny preset, rank 1 of EP 2, one run")

@@ -36,21 +36,31 @@ def _x(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.2f}x" if key in r else "-"
 
 
-FORM_NAMES = (("per_rank", "per-rank"), ("store", "store"), ("store_ring", "store, ring alone"),
-              ("store_fixed", "store, full-size pieces"))
+FORM_NAMES = {"per_rank": "per-rank", "store": "store", "store_ring": "store, ring alone",
+              "store_fixed": "store, full-size pieces", "store_baseline": "store, baseline tree",
+              "store_lanes": "store, per-reader copies"}
+
+
+def _form_name(form: str) -> str:
+    """A form's row label; ``store MEGAMOE_A=1,...`` (``--store-knobs``) as ``store, `A=1 ...```."""
+    if form in FORM_NAMES:
+        return FORM_NAMES[form]
+    kind, _, knobs = form.partition(" ")
+    return f"{FORM_NAMES.get(kind, kind)}, `{knobs.replace('MEGAMOE_', '').replace(',', ' ')}`"
 
 
 def _rows(r: dict[str, Any]) -> list[str]:
     """One line per form of one (EP size, rank) measurement."""
     lines = []
-    for form, name in FORM_NAMES:
+    for form in r.get("forms", FORM_NAMES):
         if f"{form}_warm" not in r:
             continue
+        name = _form_name(form)
         waited = r.get(f"{form}_warm", {}).get("waited_for_ring_s")
         early = _s(r, f"{form}_warm") + (f" ({waited * 1e3:.0f} ms)" if waited is not None else "")
         unprepared = _s(r, f"{form}_warm_unprepared")
         early_ratio = _x(r, f"{form}_warm_vs_ceiling")
-        if f"{form}_warm_unprepared" not in r:  # before the staging work nothing was started early
+        if f"{form}_warm_ready" not in r:  # before the staging work nothing was started early
             early, unprepared, early_ratio = "-", _s(r, f"{form}_warm"), "-"
         lines.append(f"| {r['ep_size']} | {r['rank']} | {r['bytes'] / 1e9:.2f} | {name} | {early} | "
                      f"{_s(r, f'{form}_warm_ready')} | {unprepared} | {_s(r, 'host_read')} | "
@@ -105,6 +115,13 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   come free, copies are issued in the order reads complete, and a failed read drains the reads in
   flight before it is raised. `run1-copier` and `run2-shrinking` are two ideas measured and
   rejected (below); `run3` is the code as it stands.
+- `store-h100-r4/`: per-reader copies ("lanes", `lanes.patch`), measured and rejected (below): every
+  form of `run0-lanes-chunks` and `run1-lanes` runs that variant (their plain forms with 96 x 4 MB
+  and 48 x 8 MB chunks; `run0`'s ceilings varied 2x between rounds, so compare its forms, not its
+  ratios); `run2-interleaved` times it against
+  the code as it stands in one run, the two interleaved round-robin (6 warm and 3 cold repetitions,
+  the ceilings in the same rounds), as `bench_store.py` now interleaves its forms and times a
+  `--baseline-tree` beside the working tree.
 
 """ + "\n\n".join(tables) + f"""
 
@@ -116,8 +133,23 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   ceiling of the same run it reaches 0.65-0.75x (EP 8) and 0.71-0.72x (EP 16) with the ring pinned,
   0.4-0.6x with the ring started as the loaders start it (this benchmark's "model" is a few
   allocations, so the call still waits for the pinning: a real model's build takes seconds). The
-  goal is 0.8x. The ring is CPU-bound: 16 readers each copy page-cache bytes at about 2 GB/s, on
-  16 cores, and the device copy of the last pieces follows the last reads.
+  goal is 0.8x. Run against it side by side in one run (`r4/run2-interleaved`), the code as it
+  stands reaches 0.70x (EP 8) and 0.61x (EP 16).
+- **The ceiling is the host's memory bandwidth** (`r4/membw.log`). Sixteen threads read 1 GB from the
+  page cache into pinned buffers in 0.029-0.031 s: 69 GB/s of memory traffic (each byte read and
+  written), what a 16-thread `memcpy` reaches on that host (66-79 GB/s). A device copy running at
+  full rate beside them slows those reads 1.2x. The ring moves every byte through host memory twice
+  (a CPU copy from the page cache, then the copy engine's read), so it cannot match a ceiling that
+  moves it once; that explains part of the gap, not all of it.
+- **Per-reader copies, measured and rejected** (`r4/`). Each reader thread owned its ring buffers and
+  a CUDA stream and issued each 8 MB chunk's device copy itself, right after reading it: no main
+  loop serializing the copies, and copies a chunk behind the reads, not a piece. Side by side with
+  the code as it stands (`run2-interleaved`): warm with the ring pinned the same (EP 8: 0.039 vs
+  0.040 s; EP 16: 0.030 vs 0.028 s); with the ring started early slower (0.063 vs 0.055 s; 0.055 vs
+  0.039 s: twice the registrations and 16 streams to make); cold 0.94x / 1.04x of the disk against
+  0.89x / 0.88x, within cold's spread between runs. Smaller chunks were slower still
+  (`probe-lanes-shapes.log`: 4 MB chunks 0.77-0.81x of 8 MB's speed; `run0`: 2 MB chunks 2-5x
+  slower): more Python calls per byte. Issuing copies is not what holds the ring back.
 - **Two ways past the ring, measured and rejected** (`r3/pagecache-dma-probe.log`):
   - *Device copies straight from the page cache.* Mapping a file read-only and registering its
     pages (`cudaHostRegisterReadOnly`) lets the copy engine read the page cache with no CPU copy:
