@@ -199,7 +199,7 @@ def test_n11_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
         time.sleep(0.01)
     proc.terminate()
     _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
     assert list(tmp_path.iterdir()) == []
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import json
-import signal
 import sys
 from enum import Enum
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 
-from megamoe_convert import __version__, interrupts
+from megamoe_convert import __version__
 from megamoe_convert.devices import Device
 from megamoe_convert.jsonio import one_line
 from megamoe_convert.cli import conventions
@@ -80,12 +79,6 @@ def run_command(body: Callable[[], Any]) -> Any:
         if conventions.state["json"]:
             conventions.print_json_error(one_line(message), 2)
         raise typer.Exit(2) from None
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM as Ctrl-C: the command cleans up what it started, then exits 130."""
-    interrupts.request(KeyboardInterrupt)
-    raise KeyboardInterrupt
 
 
 def print_json(data: Any) -> None:
@@ -172,7 +165,6 @@ def synth(
     from megamoe_convert.synth.write import synthesize
 
     def body() -> None:
-        signal.signal(signal.SIGTERM, _interrupt)  # a stopped synth removes its temporary folder
         with ByteProgress(f"synth {preset.value}") as progress:
             config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
                                 weight_format=weight_format, weight_dtype=weight_dtype and weight_dtype.value,
