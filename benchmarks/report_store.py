@@ -13,12 +13,15 @@ INTRO = r"""`benchmarks/bench_store.py` times, for ranks of each `--ep-sizes` (F
 first call in a fresh process filling the rank's preallocated device tensors from the store
 (`serve.store.load_slots`) and from the per-rank form (`load_rank(..., into=)`), warm (median of
 `--repeats` children after a warming one) and cold (`--cold`, page cache dropped before each
-child), beside the ceilings `host_read` (the rank's bytes from the page cache into pinned buffers,
+child), the forms and the ceilings interleaved round-robin (from `r4/run2-interleaved` on; earlier
+runs timed each form's children in a block), beside the ceilings `host_read` (the rank's bytes from the page cache into pinned buffers,
 the loader's threads and piece size) and `h2d_pinned`, and cold beside `disk_read` (the rank's
 ranges read cold by the fastest of two reader shapes); it checks the two forms give the same bytes
 and reports the on-disk expert bytes of the store against the per-rank form's for all ranks. The
 warm first call is timed three ways: the read ring started early (as the engines' loaders and
 model classes start it, before the model is built), pinned before the call, and not started.
+`--store-knobs` adds the store under other `MEGAMOE_*` settings and `--baseline-tree DIR` the store
+from another checkout (the commit before a change, say), timed in the same rounds.
 
 ```bash
 PYTHONPATH=. python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16 --cold \
@@ -103,7 +106,7 @@ def section() -> str:
                     f"of the per-rank form {d['per_rank_expert_bytes_all_ranks'] / 1e9:.2f} GB." for ep, d in disk.items())
     return head + """
 Measured on the lent H100 (Flash dims, 2 MoE layers, rank 0, first call in a fresh process; warm:
-median of 3, cold: page cache dropped, 2 runs). Each run is on whichever machine of the kind was
+median of 3, cold: page cache dropped, 2 runs; `r4/run2-interleaved`: 6 and 3). Each run is on whichever machine of the kind was
 lent: ceilings and the disk differ between runs by up to 20%, so compare within a run.
 
 - `store-h100/`: the loader before the staging work (the read ring pinned through `cudaHostAlloc`
