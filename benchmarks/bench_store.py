@@ -201,7 +201,11 @@ FORMS = {"per_rank": Form("per_rank"), "store": Form("store")}
 
 def knob_env(knobs: str) -> dict[str, str]:
     """``'MEGAMOE_A=1,MEGAMOE_B=2'`` as an environment."""
-    return dict(kv.split("=", 1) for kv in knobs.split(",") if kv)
+    pairs = [kv for kv in knobs.split(",") if kv]
+    for kv in pairs:
+        if not kv.startswith("MEGAMOE_") or "=" not in kv:
+            raise SystemExit(f"knobs {knobs!r}: expected MEGAMOE_NAME=VALUE settings separated by commas, got {kv!r}")
+    return dict(kv.split("=", 1) for kv in pairs)
 
 
 def run_child(kind: str, args: argparse.Namespace, store_dir: Path, per_rank: Path, ep: int, rank: int,
@@ -342,13 +346,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         print(json.dumps(child(args)))
         return {}
+    forms = dict(FORMS)  # the forms (and the --cold-knobs) checked before minutes of conversion
+    for knobs in args.cold_knobs:
+        knob_env(knobs)
+    forms.update({f"store {knobs}": Form("store", knob_env(knobs)) for knobs in args.store_knobs})
+    if args.baseline_tree:
+        baseline = Path(args.baseline_tree).resolve()
+        if not (baseline / "benchmarks" / "bench_store.py").is_file() or not (baseline / "megamoe_convert").is_dir():
+            raise SystemExit(f"--baseline-tree {args.baseline_tree}: expected a megamoe-convert checkout "
+                             "(benchmarks/bench_store.py and megamoe_convert/ in it)")
+        forms["store_baseline"] = Form("store", tree=baseline)
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     _, store_dir, per_rank = prepare(args, work)
-    forms = dict(FORMS)
-    forms.update({f"store {knobs}": Form("store", knob_env(knobs)) for knobs in args.store_knobs})
-    if args.baseline_tree:
-        forms["store_baseline"] = Form("store", tree=Path(args.baseline_tree).resolve())
     rows = []
     for ep in args.ep_sizes:
         for rank in ranks_of(args, ep):
@@ -390,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "'MEGAMOE_READ_THREADS=64,MEGAMOE_RING_MB=4;MEGAMOE_WILLNEED=1'")
     p.add_argument("--store-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
                    help="also time the store (warm, and cold with --cold) under each of these settings, side by "
-                        "side, e.g. 'MEGAMOE_RING_MB=8,MEGAMOE_RING_BUFFERS=48;MEGAMOE_PIECE_MB=8'")
+                        "side, e.g. 'MEGAMOE_READ_THREADS=32,MEGAMOE_RING_MB=8,MEGAMOE_RING_BUFFERS=48;MEGAMOE_WILLNEED=1'")
     p.add_argument("--baseline-tree", default=None,
                    help="also time the store with the package of this checkout (e.g. a git worktree of the commit "
                         "before a change), side by side")

@@ -221,6 +221,24 @@ def test_the_store_benchmark_runs_its_cpu_smoke_mode(tmp_path):
     assert disk["store_expert_bytes"] < disk["per_rank_expert_bytes_all_ranks"]  # the shared expert once, not twice
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--store-knobs", "RING_MB=8"], "expected MEGAMOE_NAME=VALUE settings"),
+    (["--cold-knobs", "MEGAMOE_WILLNEED"], "expected MEGAMOE_NAME=VALUE settings"),
+    (["--baseline-tree", "."], None),  # tmp_path: not a checkout
+])
+def test_the_store_benchmark_refuses_bad_forms_before_converting_anything(tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    flags = [str(tmp_path) if f == "." else f for f in flags]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (message or "expected a megamoe-convert checkout") in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "work").exists()
+
+
 @pytest.mark.parametrize("weight_format", ["nvfp4", "mxfp8"])
 def test_a_store_of_another_weight_format_serves_any_ranks_slots_with_its_extras(tmp_path, weight_format):
     """NVFP4's per-expert global scales follow the slots; its every-expert input scales are per layer."""
