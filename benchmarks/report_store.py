@@ -143,7 +143,9 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   written), what a 16-thread `memcpy` reaches on that host (66-79 GB/s). A device copy running at
   full rate beside them slows those reads 1.2x. The ring moves every byte through host memory twice
   (a CPU copy from the page cache, then the copy engine's read), so it cannot match a ceiling that
-  moves it once; that explains part of the gap, not all of it.
+  moves it once; that explains part of the gap, not all of it. Timed part by part in fresh
+  processes (`r4/breakdown.log`, EP 8, ring pinned): the call 0.035 s against a ceiling of 0.026 s
+  (0.75x), of it 4 ms opening the store and planning the reads and 0.031 s moving the bytes (0.84x).
 - **Per-reader copies, measured and rejected** (`r4/`). Each reader thread owned its ring buffers and
   a CUDA stream and issued each 8 MB chunk's device copy itself, right after reading it: no main
   loop serializing the copies, and copies a chunk behind the reads, not a piece. Side by side with
