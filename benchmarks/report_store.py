@@ -124,7 +124,8 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   ratios); `run2-interleaved` times it against
   the code as it stands in one run, the two interleaved round-robin (6 warm and 3 cold repetitions,
   the ceilings in the same rounds), as `bench_store.py` now interleaves its forms and times a
-  `--baseline-tree` beside the working tree.
+  `--baseline-tree` beside the working tree. `run3` is `bench_store.py` so interleaved (4 warm and 2
+  cold repetitions) on the code as it stands.
 
 """ + "\n\n".join(tables) + f"""
 
@@ -136,8 +137,10 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   ceiling of the same run it reaches 0.65-0.75x (EP 8) and 0.71-0.72x (EP 16) with the ring pinned,
   0.4-0.6x with the ring started as the loaders start it (this benchmark's "model" is a few
   allocations, so the call still waits for the pinning: a real model's build takes seconds). The
-  goal is 0.8x. Run against it side by side in one run (`r4/run2-interleaved`), the code as it
-  stands reaches 0.70x (EP 8) and 0.61x (EP 16).
+  goal is 0.8x. With the ceiling timed in the same rounds, the code as it stands reaches 0.69x
+  (EP 8) and 0.61x (EP 16) in `r4/run2-interleaved`, 0.83x and 0.70x in `r4/run3`: met once at EP 8,
+  not reliably. The ceiling itself is noisy on these hosts (`run3`'s `host_read` runs: 0.031-0.043 s
+  at EP 8, 0.020-0.088 s at EP 16), so one run's ratio says little; several do.
 - **The ceiling is the host's memory bandwidth** (`r4/membw.log`). Sixteen threads read 1 GB from the
   page cache into pinned buffers in 0.029-0.031 s: 69 GB/s of memory traffic (each byte read and
   written), what a 16-thread `memcpy` reaches on that host (66-79 GB/s). A device copy running at
@@ -166,10 +169,12 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
     read): 0.056 s against 0.042 s with full-size pieces (`run2-shrinking`): more pieces cost more
     than the tail.
 - **Cold: near the disk.** Against the disk's parallel read of the same ranges in the same run
-  (`disk_read`): the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 1.00x and 1.04x with the same
+  (`disk_read`): the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 0.89x and 0.88x in
+  `r4/run2-interleaved`, 0.87x and 0.81x in `r4/run3`, 1.00x and 1.04x with the same
   read order in `r3/run1-copier` (its ring-alone rows), 0.90x in `r3/run2-shrinking`; before the
   file-ordered queue, 0.81x and 0.70x (`r2/run3`). The per-rank form: 0.80-1.13x across runs. The
-  goal is 0.9x: met in two of three runs at EP 8 and one of two at EP 16, so not yet reliably.
+  goal is 0.9x: met in two of five runs at EP 8 and one of four at EP 16, so not reliably; the
+  misses are 0.81-0.89x.
   Cold children vary by about 15% run to run: in `run1-copier` the store with the copier (idle when
   cold: its blocks are not resident) read at 0.71x / 0.79x against 0.99x / 1.04x for the ring
   alone, but alternating the two on one file gave 0.43-0.57 s either way; deeper read queues and
