@@ -289,10 +289,11 @@ def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
 WARM_CASES = {"warm": "early", "warm_ready": "ready", "warm_unprepared": "none"}
 
 
-def measure(args: argparse.Namespace, forms: dict[str, Form], store_dir: Path, pr: Path, ep: int,
-            rank: int) -> dict[str, Any]:
+def measure(args: argparse.Namespace, forms: dict[str, Form], cold_knobs: dict[str, Form], store_dir: Path,
+            pr: Path, ep: int, rank: int) -> dict[str, Any]:
     """One (EP size, rank): every form's cases and the ceilings, interleaved (each repetition runs
-    each of them once, so the host's drift during the run touches every form alike), as medians."""
+    each of them once, so the host's drift during the run touches every form alike), as medians;
+    with ``--cold``, the store under each of ``cold_knobs``' settings cold too."""
     def child(kind: str, form: Form | None = None, **how: Any) -> dict[str, Any]:
         form = form or Form(kind)
         return run_child(kind, args, store_dir, pr, ep, rank, env=form.env, tree=form.tree, **how)
@@ -315,12 +316,12 @@ def measure(args: argparse.Namespace, forms: dict[str, Form], store_dir: Path, p
             for name, form in forms.items():
                 samples.setdefault(f"{name}_cold", []).append(child(form.kind, form, cold=True))
             samples.setdefault("disk_read", []).append(child("disk_read", cold=True))
-            for knobs in args.cold_knobs:
-                samples.setdefault(f"knobs {knobs}", []).append(child("store", Form("store", knob_env(knobs)), cold=True))
+            for knobs, form in cold_knobs.items():
+                samples.setdefault(f"knobs {knobs}", []).append(child(form.kind, form, cold=True))
     medians = {key: median_of(runs) for key, runs in samples.items()}
     row.update({key: value for key, value in medians.items() if not key.startswith("knobs ")})
-    if args.cold_knobs:
-        row["store_cold_knobs"] = {knobs: medians[f"knobs {knobs}"] for knobs in args.cold_knobs}
+    if args.cold and cold_knobs:
+        row["store_cold_knobs"] = {knobs: medians[f"knobs {knobs}"] for knobs in cold_knobs}
     limit = min(row["host_read"]["gb_per_s"], row["h2d_pinned"]["gb_per_s"])
     for name in forms:
         for case in WARM_CASES:
@@ -346,9 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.child:
         print(json.dumps(child(args)))
         return {}
-    forms = dict(FORMS)  # the forms (and the --cold-knobs) checked before minutes of conversion
-    for knobs in args.cold_knobs:
-        knob_env(knobs)
+    # The forms and the --cold-knobs, checked before minutes of conversion.
+    cold_knobs = {knobs: Form("store", knob_env(knobs)) for knobs in args.cold_knobs}
+    forms = dict(FORMS)
     forms.update({f"store {knobs}": Form("store", knob_env(knobs)) for knobs in args.store_knobs})
     if args.baseline_tree:
         baseline = Path(args.baseline_tree).resolve()
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for ep in args.ep_sizes:
         for rank in ranks_of(args, ep):
-            row = measure(args, forms, store_dir, per_rank[ep], ep, rank)
+            row = measure(args, forms, cold_knobs, store_dir, per_rank[ep], ep, rank)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     summary = {"benchmark": "bench_store", "device": args.device, "preset": args.preset, "layers": args.layers,

@@ -14,12 +14,13 @@ first call in a fresh process filling the rank's preallocated device tensors fro
 (`serve.store.load_slots`) and from the per-rank form (`load_rank(..., into=)`), warm (median of
 `--repeats` children after a warming one) and cold (`--cold`, page cache dropped before each
 child), the forms and the ceilings interleaved round-robin (from `r4/run2-interleaved` on; earlier
-runs timed each form's children in a block), beside the ceilings `host_read` (the rank's bytes from the page cache into pinned buffers,
-the loader's threads and piece size) and `h2d_pinned`, and cold beside `disk_read` (the rank's
-ranges read cold by the fastest of two reader shapes); it checks the two forms give the same bytes
-and reports the on-disk expert bytes of the store against the per-rank form's for all ranks. The
-warm first call is timed three ways: the read ring started early (as the engines' loaders and
-model classes start it, before the model is built), pinned before the call, and not started.
+runs timed each form's children in a block), beside the ceilings `host_read` (the rank's bytes from
+the page cache into pinned buffers, the loader's threads and piece size) and `h2d_pinned`, and cold
+beside `disk_read` (the rank's ranges read cold by the fastest of two reader shapes); it checks
+the two forms give the same bytes and reports the on-disk expert bytes of the store against the
+per-rank form's for all ranks. The warm first call is timed three ways: the read ring started
+early (as the engines' loaders and model classes start it, before the model is built), pinned
+before the call, and not started.
 `--store-knobs` adds the store under other `MEGAMOE_*` settings and `--baseline-tree DIR` the store
 from another checkout (the commit before a change, say), timed in the same rounds.
 
