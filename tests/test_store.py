@@ -151,6 +151,44 @@ def test_bad_slots_and_a_tampered_store_are_refused_naming_the_file(tiny_store, 
     assert safetensors_io.read_header(path).metadata["store"] == "logical-experts"
 
 
+def _rewrite_header(path, edit) -> None:
+    """Rewrite a store file's header JSON with ``edit`` (same length: the data stays where it is)."""
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    text = edit(json.loads(data[8:8 + n]))
+    assert len(text) <= n
+    data[8:8 + n] = text.encode().ljust(n)
+    path.write_bytes(bytes(data))
+
+
+def test_a_store_files_header_is_checked_byte_for_byte_else_parsed(tiny_store, tmp_path, monkeypatch):
+    import shutil
+    converted = open_converted(tiny_store)
+    layer = converted.manifest.layers[0]
+    path = tiny_store / "experts/layers.0.safetensors"
+    with monkeypatch.context() as patched:  # the writer's own header: compared, not parsed
+        patched.setattr(store, "read_header", lambda *_: pytest.fail("the writer's header was parsed"))
+        fast = store.check_store_file(path, converted.manifest, layer)
+    header = safetensors_io.read_header(path)
+    assert {k: (e.name, e.dtype, e.shape, e.begin, e.end) for k, e in fast.items()} == {
+        k: (header.tensors[e.name].name, header.tensors[e.name].dtype, header.tensors[e.name].shape,
+            header.tensors[e.name].begin, header.tensors[e.name].end) for k, e in fast.items()}
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_store, copy)
+    moved = copy / "experts/layers.0.safetensors"
+    # The same header written another way (keys sorted): not the writer's bytes, parsed and accepted.
+    _rewrite_header(moved, lambda h: json.dumps(h, separators=(",", ":"), sort_keys=True))
+    assert moved.read_bytes() != path.read_bytes()
+    want = store.load_slots(converted, {layer: (1, 0)})[layer.prefix].tensors
+    got = store.load_slots(open_converted(copy), {layer: (1, 0)})[layer.prefix].tensors
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # Another layer's metadata in this layer's file: refused by the parse, naming the file.
+    _rewrite_header(moved, lambda h: json.dumps({**h, "__metadata__": {**h["__metadata__"], "layer": "layers.9"}},
+                                                separators=(",", ":")))
+    with pytest.raises(LoadError, match=r"copy/experts/layers.0.safetensors: metadata .*layer=layers.9"):
+        store.load_slots(open_converted(copy), {layer: (0,)})
+
+
 def test_verify_checks_a_store_against_its_source_and_finds_a_flipped_byte(tiny_ckpt, tiny_store, tmp_path):
     report = json.loads(run_cli("verify", tiny_store, "--source", tiny_ckpt, "--numerics", "--json").stdout)
     assert report["ok"], report["problems"]

@@ -84,18 +84,25 @@ def plan_reads(entries: Mapping[str, TensorEntry], n_logical: int, ids: Sequence
     return reads
 
 
+def written_header(manifest: Manifest, layer: MoELayer, path: Path) -> tuple[bytes, dict[str, TensorEntry]]:
+    """The header bytes the writer gives ``layer``'s store file under the manifest's dims, and the
+    entries by key that header declares (``path`` named in them): from the manifest alone."""
+    ordered = rank_shard_specs(layer, manifest.dims.experts_of(layer), manifest.dims)
+    header = encode_header(ordered, store_metadata(layer, manifest.dims))
+    entries, at = {}, len(header)
+    for key, spec in formats.spec_keys(ordered, layer.prefix).items():
+        entries[key] = TensorEntry(spec.name, path, spec.dtype, spec.shape, at, at + spec.nbytes)
+        at += spec.nbytes
+    return header, entries
+
+
 def rank_read_plan(manifest: Manifest, layer: MoELayer, ids: Sequence[int], keys: Sequence[str] | None = None,
                    ) -> list[Read]:
     """:func:`plan_reads` from the manifest's dims alone (``inspect`` / ``plan``: no file opened).
     ``keys=None``: every tensor a rank takes (all but ``logical_ids``)."""
-    n = manifest.dims.experts_of(layer)
-    ordered = rank_shard_specs(layer, n, manifest.dims)
-    specs = formats.spec_keys(ordered, layer.prefix)
-    offsets, at = {}, len(encode_header(ordered, store_metadata(layer, manifest.dims)))  # the writer's own header
-    for key, spec in specs.items():
-        offsets[key] = TensorEntry(spec.name, Path(store_file(layer)), spec.dtype, spec.shape, at, at + spec.nbytes)
-        at += spec.nbytes
-    return plan_reads(offsets, n, ids, [k for k in specs if k != "logical_ids"] if keys is None else keys)
+    _, entries = written_header(manifest, layer, Path(store_file(layer)))
+    keys = [k for k in entries if k != "logical_ids"] if keys is None else keys
+    return plan_reads(entries, manifest.dims.experts_of(layer), ids, keys)
 
 
 # --------------------------------------------------------------------------------------
@@ -103,7 +110,15 @@ def rank_read_plan(manifest: Manifest, layer: MoELayer, ids: Sequence[int], keys
 # --------------------------------------------------------------------------------------
 
 def check_store_file(path: Path, manifest: Manifest, layer: MoELayer) -> dict[str, TensorEntry]:
-    """The store file must hold exactly the layer's logical experts in the manifest's dims."""
+    """The store file must hold exactly the layer's logical experts in the manifest's dims.
+
+    A first call pays this check per layer before any byte moves, so the common case is one read
+    and one comparison: a file that starts with the very header the writer gives these dims has
+    every name, dtype, shape, offset and metadata value right. Anything else is parsed, to accept
+    an equivalent header or name what is wrong."""
+    expected, entries = written_header(manifest, layer, path)
+    if _starts_with(path, expected):
+        return entries
     try:
         header = read_header(path)
     except SafetensorsError as e:
@@ -125,6 +140,15 @@ def check_store_file(path: Path, manifest: Manifest, layer: MoELayer) -> dict[st
                         f"{meta.get('layout_version')}) is not the store file of {layer.key}, layout_version "
                         f"{manifest.layout_version}")
     return entries
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file at ``path`` (a regular file: :func:`file_problems` checked) begins with ``prefix``."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(prefix)) == prefix
+    except OSError:
+        return False  # the parse that follows names the problem
 
 
 def slot_specs(manifest: Manifest, layer: MoELayer, slots: int) -> dict[str, TensorSpec]:
