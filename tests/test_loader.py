@@ -204,7 +204,7 @@ def test_cuda_load_equals_cpu_load(tiny_converted):
 def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     """A rank bigger than the pinned ring (RING_BUFFERS x RING_BUFFER_BYTES) exercises buffer reuse and ordering."""
     config = json.loads((REPO / "configs" / "flash.json").read_text())
-    config.update(n_routed_experts=40, num_hidden_layers=2, num_nextn_predict_layers=0, vocab_size=256)
+    config.update(n_routed_experts=48, num_hidden_layers=2, num_nextn_predict_layers=0, vocab_size=256)
     (tmp_path / "preset.json").write_text(json.dumps(config))
     synthesize(tmp_path / "src", str(tmp_path / "preset.json"))
     run_cli("convert", tmp_path / "src", tmp_path / "out", "--ep-size", 1, "--experts-only", "--no-fsync")

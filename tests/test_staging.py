@@ -70,11 +70,19 @@ def _load(path, spans):
 
 
 @gpu
-def test_a_load_of_many_ranges_out_of_file_order_is_exact(tmp_path):
+@pytest.mark.parametrize("cudart", [True, False], ids=["cudart", "torch"])
+def test_a_load_of_many_ranges_out_of_file_order_is_exact(tmp_path, monkeypatch, cudart):
+    from megamoe_convert.serve import device_copy
+
+    monkeypatch.setattr(staging, "CUDART", cudart)
+    device_copy.reset()
     path, data = _file(tmp_path, 48 << 20)
     spans = [(123, 9 << 20), (20 << 20, 7 << 20), (123, 9 << 20), (17, 3), ((30 << 20) + 5, (18 << 20) - 5)]
     for dest, (offset, n) in zip(_load(path, spans), spans):
         assert torch.equal(dest.cpu(), data[offset:offset + n])
+    # torch's CUDA runtime is found: the lanes' copies go through it, not through torch
+    assert isinstance(device_copy.copier(), device_copy.CudartCopier if cudart else device_copy.TorchCopier)
+    device_copy.reset()
 
 
 @gpu
@@ -88,44 +96,56 @@ def test_a_range_past_the_files_end_fails_cleanly_and_the_next_load_is_exact(tmp
     assert torch.equal(dests[0].cpu(), data[1:])
 
 
-# ----------------------------------------------------------------------------- the ring's loop, on the CPU
+# ----------------------------------------------------------------------------- the lanes, on the CPU
 
 
 class _Event:
-    def record(self, stream) -> None:
+    pass
+
+
+class _HostCopier:
+    """The copier's surface in plain host memory: the lanes' logic without a GPU. Counts the
+    copies still queued on each stream (none may be left when a load returns or raises)."""
+
+    def __init__(self) -> None:
+        self.queued: dict[int, int] = {}
+
+    def bind(self, device) -> None:
         pass
 
-    def synchronize(self) -> None:
+    def copy(self, dest, src, stream) -> None:
+        dest.copy_(src)
+        self.queued[id(stream)] = self.queued.get(id(stream), 0) + 1
+
+    def record(self, event, stream) -> None:
         pass
 
-
-class _Stream:
-    device = "cpu"
-
-    def synchronize(self) -> None:
+    def wait(self, event) -> None:
         pass
+
+    def finish(self, stream) -> None:
+        self.queued[id(stream)] = 0
 
 
 class _Ring:
-    """The ring's surface that the copy loop uses, in plain host memory."""
+    """The ring's surface that the lanes use, in plain host memory."""
 
-    def __init__(self, count: int, nbytes: int) -> None:
+    def __init__(self, count: int, nbytes: int, lanes: int) -> None:
         self.nbytes = nbytes
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        self.streams = [object() for _ in range(lanes)]
 
     def tools_for(self, device):
-        return [_Event() for _ in self.buffers], _Stream()
+        return [_Event() for _ in self.buffers], self.streams
 
 
-def _ring_load(monkeypatch, path, spans, read_delay=0.0):
-    """``_ring_copy`` of ``spans`` with host destinations (the loop's logic without a GPU); the
-    reads still running when it returned or raised are counted in the result's ``running``."""
-    import contextlib
+def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None):
+    """``_lane_copy`` of ``spans`` with host destinations; the reads still running when it
+    returned or raised are counted in the result's ``running``, the copies left queued in ``queued``."""
     import threading
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    monkeypatch.setattr(staging.torch.cuda, "stream", lambda s: contextlib.nullcontext())
     running, lock = [0], threading.Lock()
     real_read = staging.read_into
 
@@ -140,37 +160,57 @@ def _ring_load(monkeypatch, path, spans, read_delay=0.0):
                 running[0] -= 1
 
     monkeypatch.setattr(staging, "read_into", read_into)
+    monkeypatch.setattr(staging, "READ_THREADS", 3)
+    copier = _HostCopier()
+    if fail_copy_at is not None:
+        real_copy, copies = copier.copy, [0]
+
+        def copy(dest, src, stream):
+            copies[0] += 1
+            if copies[0] == fail_copy_at:
+                raise RuntimeError("cudaMemcpyAsync failed: an illegal memory access was encountered")
+            real_copy(dest, src, stream)
+        copier.copy = copy
     fd = os.open(path, os.O_RDONLY)
     dests = [torch.zeros(n, dtype=torch.uint8) for _, n in spans]
     outcome = {"dests": dests}
     try:
         with ThreadPoolExecutor(4) as readers:
             try:
-                staging._ring_copy(WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests)]), _Ring(6, 4096),
-                                   _Stream(), readers)
+                staging._lane_copy(WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests)]), _Ring(7, 4096, 3), 0,
+                                   readers, copier)
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 outcome["error"] = e
             outcome["running"] = running[0]
+            outcome["queued"] = sum(copier.queued.values())
     finally:
         os.close(fd)
     return outcome
 
 
-def test_the_ring_loop_puts_every_piece_where_it_belongs(tmp_path, monkeypatch):
+def test_the_lanes_put_every_piece_where_it_belongs(tmp_path, monkeypatch):
     path, data = _file(tmp_path, 200_000)
     spans = [(7, 50_000), (100_000, 33_333), (7, 50_000), (199_999, 1)]
-    outcome = _ring_load(monkeypatch, path, spans)
-    assert "error" not in outcome
+    outcome = _lane_load(monkeypatch, path, spans)
+    assert "error" not in outcome and outcome["queued"] == 0
     for dest, (offset, n) in zip(outcome["dests"], spans):
         assert torch.equal(dest, data[offset:offset + n])
 
 
 def test_a_failed_read_ends_every_read_in_flight_before_it_is_raised(tmp_path, monkeypatch):
-    """A range past the file's end fails; the loop raises that error only once no reader is still
-    writing into a ring buffer (the next load would own them)."""
+    """A range past the file's end fails; the load raises that error only once no lane is still
+    writing into a ring buffer (the next load would own them) and every lane's copies are done."""
     from megamoe_convert.source.safetensors_io import SafetensorsError
 
     path, _ = _file(tmp_path, 100_000)
-    outcome = _ring_load(monkeypatch, path, [(0, 90_000), (95_000, 10_000)], read_delay=0.02)
+    outcome = _lane_load(monkeypatch, path, [(0, 90_000), (95_000, 10_000)], read_delay=0.02)
     assert isinstance(outcome.get("error"), SafetensorsError) and "end of file" in str(outcome["error"])
     assert outcome["running"] == 0, "the error was raised while reads were still filling ring buffers"
+    assert outcome["queued"] == 0, "the error was raised while copies were still queued"
+
+
+def test_a_failed_copy_stops_every_lane_and_is_raised(tmp_path, monkeypatch):
+    path, _ = _file(tmp_path, 100_000)
+    outcome = _lane_load(monkeypatch, path, [(0, 100_000)], read_delay=0.005, fail_copy_at=4)
+    assert isinstance(outcome.get("error"), RuntimeError) and "cudaMemcpyAsync failed" in str(outcome["error"])
+    assert outcome["running"] == 0 and outcome["queued"] == 0

@@ -1,19 +1,21 @@
-"""The GPU path's staging: a pinned ring filled by parallel reads, copied to the device on a side stream.
+"""The GPU path's staging: pinned buffers filled by parallel reads, each reader copying its own to the device.
 
-Readers take their next piece when they come free, from one queue of the load's ranges in file
-order (a cold disk reads a store rank's gapped ranges in one sweep), and each device copy is issued
-as soon as its read is done, in the order reads complete. (Pieces that shrink towards the end of a
-load, to shorten the last copies' tail, were measured slower on the H100 host: more pieces cost
-more than the tail; see ``docs/benchmarks.md``.)
+Each reader thread is a lane: it takes the next piece of the load (one queue of the load's ranges
+in file order: a cold disk reads a store rank's gapped ranges in one sweep), reads it into one of
+its own pinned buffers, and queues that buffer's device copy on its own stream at once, through
+the CUDA runtime's entry points without the GIL (:mod:`.device_copy`). No thread serializes the
+copies, and while one buffer is being copied the reader fills the next. On the H100 host a warm
+first call so runs at 0.88-1.25x of the page cache -> pinned ceiling (the ring fed by one thread,
+issuing copies through ``torch``: 0.83-0.84x in the same runs; ``benchmarks/results/store-h100-r5/``).
 
 Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
 (each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
-host-to-device copy), while earlier buffers are copied to the device asynchronously. The ring and
-the reader threads are made once per process and reused by every load.
+host-to-device copy). The buffers, the lanes' streams and the reader threads are made once per
+process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves, so the ring is pinned
 the fast way: one anonymous mapping backed by transparent huge pages, its buffers faulted in and
-registered with CUDA (``cudaHostRegister``) by several threads at once: about 30 ms for the
+registered with CUDA (``cudaHostRegister``) by several threads at once: about 30 ms for a
 384 MB ring on an H100 host, against about 170 ms through the CUDA allocator's ``cudaHostAlloc``
 (``benchmarks/bench_store.py``, ``docs/benchmarks.md``). Where registering fails, the ring falls
 back to ``torch``'s pinned allocator. Engines start the pinning in the background when their
@@ -26,14 +28,14 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from queue import Empty, SimpleQueue
 from typing import Iterable
 
 import torch
 
 from megamoe_convert import jsonio
+from megamoe_convert.serve import device_copy
 from megamoe_convert.source.safetensors_io import read_into
 
 
@@ -47,11 +49,14 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
     return int(raw)
 
 
-#: Pinned staging ring for the GPU path: buffers x bytes each (16 readers x 16 MB pieces read the
-#: page cache fastest on the H100 host: ``benchmarks/bench_load.py``, ``bench_store.py``).
-RING_BUFFERS = _tunable("RING_BUFFERS", 24, 2, 1024)
-RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+#: Reader lanes, and the pinned ring they share out: buffers x bytes each, each lane owning every
+#: ``READ_THREADS``-th buffer (16 lanes of 2 x 16 MB made the fastest first call on the H100 host,
+#: ahead of 2 or 3 x 8 MB: ``benchmarks/results/store-h100-r5/first-call.log``).
 READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
+RING_BUFFERS = _tunable("RING_BUFFERS", 2 * READ_THREADS, 2, 1024)
+RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+#: ``0`` issues the lanes' copies through ``torch`` instead of the CUDA runtime's entry points.
+CUDART = bool(_tunable("CUDART", 1, 0, 1))
 #: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
 #: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
 WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
@@ -116,14 +121,15 @@ def _register(buffers: list[torch.Tensor]) -> bool:
 
 
 class PinnedRing:
-    """Pinned host buffers reused round-robin, with one CUDA event per buffer and device (made
-    once: making them per copy cost ~4 ms of a first call) and one side stream per device."""
+    """Pinned host buffers shared out among the reader lanes, with one CUDA event per buffer and
+    device (made once: making them per copy cost ~4 ms of a first call) and one stream per lane
+    and device."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
         started = time.perf_counter()
         self.nbytes = nbytes
         self._events: dict[int, list[torch.cuda.Event]] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[int, list[torch.cuda.Stream]] = {}
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         self.buffers = self._registered(count, nbytes) if FAST_PIN else None
         if self.buffers is None:
@@ -143,15 +149,24 @@ class PinnedRing:
         self._mapping = mapping
         return buffers
 
-    def tools_for(self, device: torch.device | int) -> tuple[list[torch.cuda.Event], torch.cuda.Stream]:
-        """The buffers' events and the side stream for ``device`` (made on first use; callers hold
-        :data:`RING_LOCK`, or own the ring before it is shared)."""
+    def tools_for(self, device: torch.device | int) -> tuple[list[torch.cuda.Event], list[torch.cuda.Stream]]:
+        """The buffers' events and the lanes' streams (one per lane) for ``device``, made on first
+        use (callers hold :data:`RING_LOCK`, or own the ring before it is shared)."""
         index = torch.cuda._get_device_index(device, optional=True)
         if index not in self._streams:
             with torch.cuda.device(index):
-                self._events[index] = [torch.cuda.Event() for _ in self.buffers]
-                self._streams[index] = torch.cuda.Stream(device=index)
+                streams = [torch.cuda.Stream(device=index) for _ in range(lane_count(self))]
+                # Blocking events: a lane waiting for its buffer's copy sleeps instead of spinning a core.
+                events = [torch.cuda.Event(blocking=True) for _ in self.buffers]
+                for slot, event in enumerate(events):
+                    event.record(streams[slot % len(streams)])  # made now: the runtime's calls need a real event
+                self._events[index], self._streams[index] = events, streams
         return self._events[index], self._streams[index]
+
+
+def lane_count(ring: "PinnedRing") -> int:
+    """Lanes (reader threads) a load runs: one per reader, each owning at least one buffer."""
+    return max(1, min(READ_THREADS, len(ring.buffers)))
 
 
 _RING: PinnedRing | None = None
@@ -191,6 +206,7 @@ def _prepare(device: int) -> None:
     ring = shared_ring()
     with RING_LOCK:
         ring.tools_for(device)
+    device_copy.copier(CUDART)  # found now (it reads the process's mappings), not in the first load
     try:
         _start_readers()
     except threading.BrokenBarrierError:  # a load took some of the threads meanwhile: they exist
@@ -198,8 +214,8 @@ def _prepare(device: int) -> None:
 
 
 def prepare_gpu_staging() -> threading.Thread | None:
-    """Pin the staging ring, start the reader threads and make the caller's device's events and
-    stream, in the background, now. Engines call this when their loader or model is made, so all
+    """Pin the staging ring, start the reader threads, make the caller's device's events and
+    streams and find the CUDA runtime, in the background, now. Engines call this when their loader or model is made, so all
     of it overlaps building the model instead of delaying the first load; a load that starts
     before it is done waits for the ring. Does nothing without CUDA, or once started."""
     global _PINNING
@@ -252,73 +268,54 @@ class WorkQueue:
             self._at = len(self._ranges)
 
 
-def _ring_copy(queue: WorkQueue, ring: PinnedRing, stream: torch.cuda.Stream, readers: ThreadPoolExecutor) -> None:
-    """Overlap reads into the pinned ring (threads) with async H2D copies (side stream), each
-    copy issued as soon as its read is done. On an error every read in flight ends before it is
-    raised: no reader writes into a buffer the next load owns."""
-    slots = len(ring.buffers)
-    events, _ = ring.tools_for(stream.device)
-    # No buffer is being copied from yet: every earlier call synchronized its stream before returning.
-    recorded = [False] * slots
-    finished: SimpleQueue[tuple[int, Piece | None, BaseException | None]] = SimpleQueue()
+def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadPoolExecutor,
+               copier: device_copy.Copier) -> None:
+    """Every piece of ``queue`` to the device, through the lanes: each reads into its own buffers
+    and queues their copies on its own stream. Returns once every copy is done; on an error, once
+    every lane has stopped reading and its copies are done (no lane writes into a buffer, and no
+    copy reads one, after the next load owns it), raising the first error."""
+    events, streams = ring.tools_for(device)
+    lanes = min(lane_count(ring), len(streams))
 
-    def read(slot: int) -> None:
+    def lane(i: int) -> None:
+        own, stream, turn = ring.buffers[i::lanes], streams[i], 0
+        owned_events = events[i::lanes]
+        copier.bind(device)
         try:
-            if recorded[slot]:
-                events[slot].synchronize()  # the copy that last used this buffer has finished
-            piece = queue.take(ring.nbytes)
-            if piece is not None:
-                read_into(piece.fd, piece.file_offset, ring.buffers[slot][:piece.dest.numel()])
-            finished.put((slot, piece, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the loop below
-            finished.put((slot, None, e))
-
-    submitted, received, error = 0, 0, None
-
-    def submit(slot: int) -> None:
-        nonlocal submitted
-        submitted += 1  # counted first: an interrupt in between makes the drain below wait, not skip, a read
-        try:
-            readers.submit(read, slot)
+            while (piece := queue.take(ring.nbytes)) is not None:
+                buffer, event = own[turn % len(own)], owned_events[turn % len(own)]
+                turn += 1
+                copier.wait(event)  # this buffer's last copy is done
+                staged = buffer[:piece.dest.numel()]
+                read_into(piece.fd, piece.file_offset, staged)
+                copier.copy(piece.dest, staged, stream)
+                copier.record(event, stream)
         except BaseException:
-            submitted -= 1
+            queue.abort()  # the other lanes stop at their next piece
             raise
+        finally:
+            copier.finish(stream)
 
+    running = []
     try:
-        for slot in range(slots):
-            submit(slot)
-        with torch.cuda.stream(stream):
-            while received < submitted:
-                slot, piece, failed = finished.get()
-                received += 1
-                if failed is not None and error is None:
-                    error = failed
-                    queue.abort()
-                if piece is None or error is not None:
-                    continue  # the queue is empty (or the load failed): this buffer is done
-                piece.dest.copy_(ring.buffers[slot][:piece.dest.numel()], non_blocking=True)
-                events[slot].record(stream)  # the buffer's next read waits for this copy
-                recorded[slot] = True
-                submit(slot)
-    except BaseException:  # Ctrl-C, say: the reads in flight end before the ring is given up
+        for i in range(lanes):
+            running.append(readers.submit(lane, i))
+        wait(running)
+    except BaseException:  # Ctrl-C, say: the lanes end their piece in flight before the ring is given up
         queue.abort()
-        while received < submitted:
-            try:
-                finished.get(timeout=60)
-            except Empty:
-                break
-            received += 1
+        wait(running, timeout=60)
         raise
-    finally:
-        stream.synchronize()
-    if error is not None:
-        raise error
+    for future in running:
+        if future.exception() is not None:
+            raise future.exception()  # type: ignore[misc]
 
 
 def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.cuda.Stream,
                           readers: ThreadPoolExecutor) -> None:
-    """``pieces`` through the ring (each range cut as the ring's readers take it)."""
-    _ring_copy(WorkQueue([(p.fd, p.file_offset, p.dest) for p in pieces]), ring, stream, readers)
+    """``pieces`` through the ring's lanes on ``stream``'s device (each range cut as the lanes take it)."""
+    index = torch.cuda._get_device_index(stream.device, optional=True)
+    _lane_copy(WorkQueue([(p.fd, p.file_offset, p.dest) for p in pieces]), ring, index, readers,
+               device_copy.copier(CUDART))
 
 
 #: One read of a load: ``(fd, file offset, flat uint8 destination)``, the destination's size bytes.
@@ -327,16 +324,19 @@ Range = tuple[int, int, torch.Tensor]
 
 def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
     """Every range into its (one ``device``'s) destination through the process's ring; the
-    caller's stream then waits for the copies."""
+    copies are done when it returns."""
     queue = WorkQueue(ranges)
     ring = shared_ring()  # waits for a ring still being pinned in the background
     readers = shared_readers()
-    caller = torch.cuda.current_stream(device)
+    index = torch.cuda._get_device_index(device, optional=True)
+    copier = device_copy.copier(CUDART)
     with RING_LOCK:
-        _, stream = ring.tools_for(device)
-        stream.wait_stream(caller)  # after the caller's work (the destinations' memory may be reused)
-        _ring_copy(queue, ring, stream, readers)
-    caller.wait_stream(stream)
+        _, streams = ring.tools_for(index)
+        caller_done = torch.cuda.Event()
+        caller_done.record(torch.cuda.current_stream(index))
+        for stream in streams:
+            stream.wait_event(caller_done)  # after the caller's work (the destinations' memory may be reused)
+        _lane_copy(queue, ring, index, readers, copier)
 
 
 def reset() -> None:
@@ -347,3 +347,4 @@ def reset() -> None:
         if _READERS is not None:
             _READERS.shutdown()
         _RING, _READERS, _PINNING = None, None, None
+    device_copy.reset()
