@@ -107,7 +107,7 @@ def section() -> str:
                     f"of the per-rank form {d['per_rank_expert_bytes_all_ranks'] / 1e9:.2f} GB." for ep, d in disk.items())
     return head + """
 Measured on the lent H100 (Flash dims, 2 MoE layers, rank 0, first call in a fresh process; warm:
-median of 3, cold: page cache dropped, 2 runs; `r4/run2-interleaved`: 6 and 3). Each run is on whichever machine of the kind was
+median of 3, cold: page cache dropped, 2 runs; `r4/run2-interleaved`: 6 and 3; `r4/run3` and `r5`: 4 and 2). Each run is on whichever machine of the kind was
 lent: ceilings and the disk differ between runs by up to 20%, so compare within a run.
 
 - `store-h100/`: the loader before the staging work (the read ring pinned through `cudaHostAlloc`
@@ -126,22 +126,30 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   the code as it stands in one run, the two interleaved round-robin (6 warm and 3 cold repetitions,
   the ceilings in the same rounds), as `bench_store.py` now interleaves its forms and times a
   `--baseline-tree` beside the working tree. `run3` is `bench_store.py` so interleaved (4 warm and 2
-  cold repetitions) on the code as it stands.
+  cold repetitions) on the code before `r5`.
+- `store-h100-r5/`: per-reader copies again, now issued through the CUDA runtime's entry points
+  without the GIL (`serve/device_copy.py`), 16 lanes x 2 x 16 MB: the code as it stands. Each run
+  times it beside the code before (`--baseline-tree`, 8c731cd: the "store, baseline tree" rows):
+  `run2-ep8` and `run2-ep16` on one machine, `run3-ep16` on another, `run4-ep16-cold` a cold run
+  (3 cold repetitions, with `--cold-knobs`; its warm rows are single runs, not medians).
+  `first-call.log` times lane shapes' first calls in fresh processes against the ring
+  (`first-call-probe.py.txt`), `llc-probe.log` the same
+  copies in one process on a warm 1 GB file (`llc-probe.py.txt`), `run1-stagger-ep8.log` readers
+  starting their first pieces staggered (no gain: 0.040 against 0.039 s, not kept).
 
 """ + "\n\n".join(tables) + f"""
 
 - **Same bytes, same speed warm.** The store fills a rank like the per-rank form (one range per
   tensor through the same ring): 0.041 vs 0.046 s (EP 8) and 0.027 vs 0.027 s (EP 16) with the ring
   pinned (`r3/run3`).
-- **Warm: 7-9x faster than the first loader, goal not met.** The first call went from 0.36 s to
-  0.04-0.05 s (EP 8) and from 0.32 s to 0.03-0.05 s (EP 16). Against the page cache -> pinned
-  ceiling of the same run it reaches 0.65-0.75x (EP 8) and 0.71-0.72x (EP 16) with the ring pinned,
-  0.4-0.6x with the ring started as the loaders start it (this benchmark's "model" is a few
-  allocations, so the call still waits for the pinning: a real model's build takes seconds). The
-  goal is 0.8x. With the ceiling timed in the same rounds, the code as it stands reaches 0.69x
-  (EP 8) and 0.61x (EP 16) in `r4/run2-interleaved`, 0.83x and 0.70x in `r4/run3`: met once at EP 8,
-  not reliably. The ceiling itself is noisy on these hosts (`run3`'s `host_read` runs: 0.031-0.043 s
-  at EP 8, 0.020-0.088 s at EP 16), so one run's ratio says little; several do.
+- **Warm: 10-13x faster than the first loader; with the ring pinned, the goal met in every `r5`
+  run.** The first call went from 0.36 s to 0.037 s (EP 8) and from 0.32 s to 0.024-0.029 s (EP 16).
+  Against the page cache -> pinned ceiling timed in the same rounds, with the ring pinned: 0.88x
+  (EP 8, `r5/run2`), 1.25x and 0.89x (EP 16, `r5/run2`, `r5/run3`; the ceiling's own runs spread
+  0.022-0.053 s in `run2`), against 0.83-0.84x for the code before in the same rounds and 0.61-0.83x
+  across `r3` and `r4`. The goal is 0.8x. With the ring started as the loaders start it, 0.52-0.65x
+  (the code before: 0.56-0.67x): this benchmark's "model" is a few allocations, so the call still
+  waits for the pinning (a real model's build takes seconds).
 - **The ceiling is the host's memory bandwidth** (`r4/membw.log`). Sixteen threads read 1 GB from the
   page cache into pinned buffers in 0.029-0.031 s: 69 GB/s of memory traffic (each byte read and
   written), what a 16-thread `memcpy` reaches on that host (66-79 GB/s). A device copy running at
@@ -158,7 +166,15 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   0.039 s: twice the registrations and 16 streams to make); cold 0.94x / 1.04x of the disk against
   0.89x / 0.88x, within cold's spread between runs. Smaller chunks were slower still
   (`probe-lanes-shapes.log`: 4 MB chunks 0.77-0.81x of 8 MB's speed; `run0`: 2 MB chunks 2-5x
-  slower): more Python calls per byte. Issuing copies is not what holds the ring back.
+  slower): more Python calls per byte. Those copies went through `torch`, which holds the GIL while
+  the CUDA runtime takes its locks.
+- **Per-reader copies without the GIL: kept** (`r5/`). Issued through the runtime's own entry points
+  (`ctypes` releases the GIL for the call), the same lanes move a warm 1 GB file to the device at
+  0.97-1.02x of the page cache -> pinned read alone, the ring 0.83x (`llc-probe.log`, one process).
+  In fresh processes' first calls (`first-call.log`, medians of 4, ring pinned) 16 lanes x 2 x 16 MB
+  took 30.5 ms (EP 8) and 21.1 ms (EP 16) against 35.9 and 23.6 ms for the ring; 3 x 8 MB buffers
+  per lane 36.6 and 27.0 ms, 2 x 8 MB 33.8 and 34.6 ms (twice the pieces), and the 3 x 8 MB lanes
+  issuing copies through `torch` 43.8 and 28.0 ms.
 - **Two ways past the ring, measured and rejected** (`r3/pagecache-dma-probe.log`):
   - *Device copies straight from the page cache.* Mapping a file read-only and registering its
     pages (`cudaHostRegisterReadOnly`) lets the copy engine read the page cache with no CPU copy:
@@ -170,12 +186,14 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
     read): 0.056 s against 0.042 s with full-size pieces (`run2-shrinking`): more pieces cost more
     than the tail.
 - **Cold: near the disk.** Against the disk's parallel read of the same ranges in the same run
-  (`disk_read`): the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 0.89x and 0.88x in
+  (`disk_read`), with the lanes (`r5`): 0.94x (EP 8, `run2`), 0.86x and 0.85x (EP 16, `run2`,
+  `run3`), 0.93x (EP 16, `run4-ep16-cold`; 1.05x with `MEGAMOE_WILLNEED=1`); the code before in the
+  same rounds 0.82x, 0.82x and 0.85x. Before the lanes the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 0.89x and 0.88x in
   `r4/run2-interleaved`, 0.87x and 0.81x in `r4/run3`, 1.00x and 1.04x with the same
   read order in `r3/run1-copier` (its ring-alone rows), 0.90x in `r3/run2-shrinking`; before the
   file-ordered queue, 0.81x and 0.70x (`r2/run3`). The per-rank form: 0.80-1.13x across runs. The
-  goal is 0.9x: met in two of five runs at EP 8 and one of four at EP 16, so not reliably; the
-  misses are 0.81-0.89x.
+  goal is 0.9x: with the lanes met at EP 8 and in one of three runs at EP 16 (its misses 0.85-0.86x);
+  before them in two of five runs at EP 8 and one of four at EP 16, the misses 0.81-0.89x.
   Cold children vary by about 15% run to run: in `run1-copier` the store with the copier (idle when
   cold: its blocks are not resident) read at 0.71x / 0.79x against 0.99x / 1.04x for the ring
   alone, but alternating the two on one file gave 0.43-0.57 s either way; deeper read queues and
