@@ -131,7 +131,9 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
   without the GIL (`serve/device_copy.py`), 16 lanes x 2 x 16 MB: the code as it stands. Each run
   times it beside the code before (`--baseline-tree`, 8c731cd: the "store, baseline tree" rows):
   `run2-ep8` and `run2-ep16` on one machine, `run3-ep16` on another, `run4-ep16-cold` a cold run
-  (3 cold repetitions, with `--cold-knobs`; its warm rows are single runs, not medians).
+  (3 cold repetitions, with `--cold-knobs`; its warm rows are single runs, not medians);
+  `run5-ep8-willneed` and `run5-ep16-willneed` (two more machines, 4 warm and 3 cold repetitions)
+  time `MEGAMOE_WILLNEED=1` beside the default.
   `first-call.log` times lane shapes' first calls in fresh processes against the ring
   (`first-call-probe.py.txt`), `llc-probe.log` the same
   copies in one process on a warm 1 GB file (`llc-probe.py.txt`), `run1-stagger-ep8.log` readers
@@ -142,14 +144,15 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
 - **Same bytes, same speed warm.** The store fills a rank like the per-rank form (one range per
   tensor through the same ring): 0.041 vs 0.046 s (EP 8) and 0.027 vs 0.027 s (EP 16) with the ring
   pinned (`r3/run3`).
-- **Warm: 10-13x faster than the first loader; with the ring pinned, the goal met in every `r5`
-  run.** The first call went from 0.36 s to 0.037 s (EP 8) and from 0.32 s to 0.024-0.029 s (EP 16).
-  Against the page cache -> pinned ceiling timed in the same rounds, with the ring pinned: 0.88x
-  (EP 8, `r5/run2`), 1.25x and 0.89x (EP 16, `r5/run2`, `r5/run3`; the ceiling's own runs spread
-  0.022-0.053 s in `run2`), against 0.83-0.84x for the code before in the same rounds and 0.61-0.83x
-  across `r3` and `r4`. The goal is 0.8x. With the ring started as the loaders start it, 0.52-0.65x
-  (the code before: 0.56-0.67x): this benchmark's "model" is a few allocations, so the call still
-  waits for the pinning (a real model's build takes seconds).
+- **Warm: 9-13x faster than the first loader; with the ring pinned, the goal met in three of five
+  `r5` runs (`run4`'s single warm runs aside), the misses at 0.78-0.80x.** The first call went
+  from 0.36 s to 0.037-0.040 s (EP 8) and from 0.32 s to 0.024-0.029 s (EP 16). Against the page cache -> pinned ceiling timed in the
+  same rounds, with the ring pinned: 0.88x and 0.78x (EP 8, `run2`, `run5`), 1.25x, 0.89x and 0.80x
+  (EP 16, `run2`, `run3`, `run5`; the ceiling's own runs spread 0.022-0.053 s in `run2`), against
+  0.83-0.84x for the code before where it ran in the same rounds and 0.61-0.83x across `r3` and
+  `r4`. The goal is 0.8x. With the ring started as the loaders start it, 0.52-0.65x (the code
+  before: 0.56-0.67x): this benchmark's "model" is a few allocations, so the call still waits for
+  the pinning (a real model's build takes seconds).
 - **The ceiling is the host's memory bandwidth** (`r4/membw.log`). Sixteen threads read 1 GB from the
   page cache into pinned buffers in 0.029-0.031 s: 69 GB/s of memory traffic (each byte read and
   written), what a 16-thread `memcpy` reaches on that host (66-79 GB/s). A device copy running at
@@ -186,13 +189,15 @@ lent: ceilings and the disk differ between runs by up to 20%, so compare within 
     read): 0.056 s against 0.042 s with full-size pieces (`run2-shrinking`): more pieces cost more
     than the tail.
 - **Cold: near the disk.** Against the disk's parallel read of the same ranges in the same run
-  (`disk_read`), with the lanes (`r5`): 0.94x (EP 8, `run2`), 0.86x and 0.85x (EP 16, `run2`,
-  `run3`), 0.93x (EP 16, `run4-ep16-cold`; 1.05x with `MEGAMOE_WILLNEED=1`); the code before in the
-  same rounds 0.82x, 0.82x and 0.85x. Before the lanes the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 0.89x and 0.88x in
+  (`disk_read`), with the lanes (`r5`): 0.94x and 0.94x (EP 8, `run2`, `run5`), 0.86x, 0.85x, 0.93x
+  and 0.98x (EP 16, `run2`, `run3`, `run4`, `run5`); the code before in the same rounds 0.82x, 0.82x
+  and 0.85x. `MEGAMOE_WILLNEED=1` beside the default: 1.05x against 0.93x (`run4`), 0.93x against
+  0.94x and 0.88x against 0.98x (`run5`): no better, so it stays off.
+  Before the lanes the store 0.88x (EP 8) and 0.84x (EP 16) in `r3/run3`, 0.89x and 0.88x in
   `r4/run2-interleaved`, 0.87x and 0.81x in `r4/run3`, 1.00x and 1.04x with the same
   read order in `r3/run1-copier` (its ring-alone rows), 0.90x in `r3/run2-shrinking`; before the
   file-ordered queue, 0.81x and 0.70x (`r2/run3`). The per-rank form: 0.80-1.13x across runs. The
-  goal is 0.9x: with the lanes met at EP 8 and in one of three runs at EP 16 (its misses 0.85-0.86x);
+  goal is 0.9x: with the lanes met in both runs at EP 8 and two of four at EP 16 (misses 0.85-0.86x);
   before them in two of five runs at EP 8 and one of four at EP 16, the misses 0.81-0.89x.
   Cold children vary by about 15% run to run: in `run1-copier` the store with the copier (idle when
   cold: its blocks are not resident) read at 0.71x / 0.79x against 0.99x / 1.04x for the ring
