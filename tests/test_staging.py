@@ -127,19 +127,19 @@ class _HostCopier:
         self.queued[id(stream)] = 0
 
 
-class _Ring:
+class _Ring(staging.PinnedRing):
     """The ring's surface that the lanes use, in plain host memory."""
 
     def __init__(self, count: int, nbytes: int, lanes: int) -> None:
-        self.nbytes = nbytes
+        self.nbytes, self._views, self.last_shape = nbytes, {}, None
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
         self.streams = [object() for _ in range(lanes)]
 
-    def tools_for(self, device):
-        return [_Event() for _ in self.buffers], self.streams
+    def tools_for(self, device, parts=1):
+        return [_Event() for _ in self.views(parts)], self.streams
 
 
-def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None):
+def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None):
     """``_lane_copy`` of ``spans`` with host destinations; the reads still running when it
     returned or raised are counted in the result's ``running``, the copies left queued in ``queued``."""
     import threading
@@ -152,6 +152,8 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None):
     def read_into(fd, offset, out, source=None):
         with lock:
             running[0] += 1
+            if reads is not None:
+                reads.append(out.numel())
         try:
             time.sleep(read_delay)
             real_read(fd, offset, out, source)
@@ -161,6 +163,7 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None):
 
     monkeypatch.setattr(staging, "read_into", read_into)
     monkeypatch.setattr(staging, "READ_THREADS", 3)
+    monkeypatch.setattr(staging, "COLD_READ_THREADS", 6)
     copier = _HostCopier()
     if fail_copy_at is not None:
         real_copy, copies = copier.copy, [0]
@@ -214,3 +217,56 @@ def test_a_failed_copy_stops_every_lane_and_is_raised(tmp_path, monkeypatch):
     outcome = _lane_load(monkeypatch, path, [(0, 100_000)], read_delay=0.005, fail_copy_at=4)
     assert isinstance(outcome.get("error"), RuntimeError) and "cudaMemcpyAsync failed" in str(outcome["error"])
     assert outcome["running"] == 0 and outcome["queued"] == 0
+
+
+def _uncached_file(tmp_path, nbytes: int):
+    """A file written and then dropped from the page cache (its pages clean: fsync first). Not on
+    tmpfs, which has no disk to drop them to: there, a folder under the checkout's ignored .cache."""
+    import tempfile
+    from pathlib import Path
+
+    folder = tmp_path
+    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    mount = max((m for m in mounts if str(tmp_path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
+    if mount[2] == "tmpfs":
+        cache = Path(__file__).resolve().parent.parent / ".cache"
+        cache.mkdir(exist_ok=True)
+        folder = Path(tempfile.mkdtemp(dir=cache))
+    path, data = _file(folder, nbytes)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path, data
+
+
+def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
+    """The lanes' shape follows where the load's bytes are: a read that may not wait finds a file
+    just written, and not one dropped from the page cache, until it is read again."""
+    path, _ = _uncached_file(tmp_path, 1 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ranges = [(fd, 0, torch.empty(8192, dtype=torch.uint8)), (fd, (1 << 20) - 100, torch.empty(100, dtype=torch.uint8))]
+        assert staging.in_page_cache(ranges) is False
+        os.pread(fd, 1 << 20, 0)
+        assert staging.in_page_cache(ranges) is True
+    finally:
+        os.close(fd)
+
+
+def test_a_cold_load_runs_more_lanes_on_parts_of_the_buffers_and_every_piece_lands(tmp_path, monkeypatch):
+    path, data = _uncached_file(tmp_path, 200_000)
+    spans = [(7, 50_000), (100_000, 33_333), (7, 50_000), (199_999, 1)]
+    reads: list[int] = []
+    outcome = _lane_load(monkeypatch, path, spans, reads=reads)
+    assert "error" not in outcome and outcome["queued"] == 0
+    for dest, (offset, n) in zip(outcome["dests"], spans):
+        assert torch.equal(dest, data[offset:offset + n])
+    shape = staging.lane_shape(7, cold=True)  # 6 cold lanes over 7 buffers: each cut in 2
+    assert (shape.lanes, shape.parts) == (6, 2)
+    assert max(reads) == 4096 // 2, "a cold load read whole buffers, not their parts"
+    warm: list[int] = []
+    _lane_load(monkeypatch, path, spans, reads=warm)  # its bytes now in the page cache: whole buffers again
+    assert max(warm) == 4096

@@ -5,8 +5,10 @@ in file order: a cold disk reads a store rank's gapped ranges in one sweep), rea
 its own pinned buffers, and queues that buffer's device copy on its own stream at once, through
 the CUDA runtime's entry points without the GIL (:mod:`.device_copy`). No thread serializes the
 copies, and while one buffer is being copied the reader fills the next. On the H100 host a warm
-first call so runs at 0.88-1.25x of the page cache -> pinned ceiling (the ring fed by one thread,
-issuing copies through ``torch``: 0.83-0.84x in the same runs; ``benchmarks/results/store-h100-r5/``).
+first call so runs at 0.84-1.10x of the page cache -> pinned ceiling (the ring fed by one thread,
+issuing copies through ``torch``: 0.83-0.84x in the same runs; ``benchmarks/results/store-h100-r5/``,
+``-r6/``). A load whose bytes are not in the page cache runs more lanes on smaller pieces of the
+same buffers (:func:`lane_shape`): a disk wants more reads in flight than memory wants copiers.
 
 Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
 (each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
@@ -55,6 +57,12 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
 READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
 RING_BUFFERS = _tunable("RING_BUFFERS", 2 * READ_THREADS, 2, 1024)
 RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+#: Lanes of a load whose first or last bytes are not in the page cache, each ring buffer then cut
+#: in as many parts as give every lane two (32 lanes x 2 x 8 MB: the same memory). A warm load is
+#: bound by memory bandwidth and the GIL and runs best with a lane per core; a cold one waits on
+#: the disk, and the H100 host's virtual disk reads a store rank's ranges faster with more, smaller
+#: reads in flight (``benchmarks/results/store-h100-r6/cold-probe.log``).
+COLD_READ_THREADS = _tunable("COLD_READ_THREADS", 2 * READ_THREADS, 1, 256)
 #: ``0`` issues the lanes' copies through ``torch`` instead of the CUDA runtime's entry points.
 CUDART = bool(_tunable("CUDART", 1, 0, 1))
 #: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
@@ -120,16 +128,34 @@ def _register(buffers: list[torch.Tensor]) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class LaneShape:
+    """How a load's lanes share the ring: ``lanes`` readers, each ring buffer cut in ``parts``."""
+
+    lanes: int
+    parts: int
+
+
+def lane_shape(buffers: int, cold: bool) -> LaneShape:
+    """The lanes of a warm load (:data:`READ_THREADS`) or a cold one (:data:`COLD_READ_THREADS`)
+    over a ring of ``buffers`` buffers, every lane owning at least two pieces of it where it can."""
+    if not cold:
+        return LaneShape(max(1, min(READ_THREADS, buffers)), 1)
+    parts = max(1, -(-2 * COLD_READ_THREADS // buffers))
+    return LaneShape(max(1, min(COLD_READ_THREADS, buffers * parts)), parts)
+
+
 class PinnedRing:
-    """Pinned host buffers shared out among the reader lanes, with one CUDA event per buffer and
-    device (made once: making them per copy cost ~4 ms of a first call) and one stream per lane
-    and device."""
+    """Pinned host buffers shared out among the reader lanes, with one CUDA event per buffer (or
+    part of one) and device (made once: making them per copy cost ~4 ms of a first call) and one
+    stream per lane and device."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
         started = time.perf_counter()
         self.nbytes = nbytes
-        self._events: dict[int, list[torch.cuda.Event]] = {}
+        self._events: dict[tuple[int, int], list[torch.cuda.Event]] = {}
         self._streams: dict[int, list[torch.cuda.Stream]] = {}
+        self._views: dict[int, list[torch.Tensor]] = {}
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         self.buffers = self._registered(count, nbytes) if FAST_PIN else None
         if self.buffers is None:
@@ -137,6 +163,8 @@ class PinnedRing:
         #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
         self.ready_at = time.perf_counter()
         self.pin_seconds = self.ready_at - started
+        #: The lanes' shape of the last load (benchmarks report it).
+        self.last_shape: LaneShape | None = None
 
     def _registered(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
         try:
@@ -149,24 +177,36 @@ class PinnedRing:
         self._mapping = mapping
         return buffers
 
-    def tools_for(self, device: torch.device | int) -> tuple[list[torch.cuda.Event], list[torch.cuda.Stream]]:
-        """The buffers' events and the lanes' streams (one per lane) for ``device``, made on first
-        use (callers hold :data:`RING_LOCK`, or own the ring before it is shared)."""
+    def views(self, parts: int) -> list[torch.Tensor]:
+        """Every buffer cut in ``parts`` equal pieces, in order (``parts=1``: the buffers)."""
+        if parts not in self._views:
+            size = self.nbytes // parts
+            self._views[parts] = [b[j * size:(j + 1) * size] for b in self.buffers for j in range(parts)]
+        return self._views[parts]
+
+    def tools_for(self, device: torch.device | int, parts: int = 1,
+                  ) -> tuple[list[torch.cuda.Event], list[torch.cuda.Stream]]:
+        """The events of :meth:`views` ``(parts)`` and the lanes' streams (enough for a warm or a
+        cold load) for ``device``, made on first use (callers hold :data:`RING_LOCK`, or own the
+        ring before it is shared)."""
         index = torch.cuda._get_device_index(device, optional=True)
-        if index not in self._streams:
-            with torch.cuda.device(index):
-                streams = [torch.cuda.Stream(device=index) for _ in range(lane_count(self))]
+        with torch.cuda.device(index):
+            if index not in self._streams:
+                most = max(lane_shape(len(self.buffers), cold).lanes for cold in (False, True))
+                self._streams[index] = [torch.cuda.Stream(device=index) for _ in range(most)]
+            if (index, parts) not in self._events:
+                streams = self._streams[index]
                 # Blocking events: a lane waiting for its buffer's copy sleeps instead of spinning a core.
-                events = [torch.cuda.Event(blocking=True) for _ in self.buffers]
+                events = [torch.cuda.Event(blocking=True) for _ in self.views(parts)]
                 for slot, event in enumerate(events):
                     event.record(streams[slot % len(streams)])  # made now: the runtime's calls need a real event
-                self._events[index], self._streams[index] = events, streams
-        return self._events[index], self._streams[index]
+                self._events[index, parts] = events
+        return self._events[index, parts], self._streams[index]
 
 
 def lane_count(ring: "PinnedRing") -> int:
-    """Lanes (reader threads) a load runs: one per reader, each owning at least one buffer."""
-    return max(1, min(READ_THREADS, len(ring.buffers)))
+    """Lanes (reader threads) a warm load runs: one per reader, each owning at least one buffer."""
+    return lane_shape(len(ring.buffers), cold=False).lanes
 
 
 _RING: PinnedRing | None = None
@@ -186,26 +226,33 @@ def shared_ring() -> PinnedRing:
         return _RING
 
 
+def reader_count() -> int:
+    """Reader threads the process keeps: enough for a warm or a cold load's lanes."""
+    return max(READ_THREADS, COLD_READ_THREADS)
+
+
 def shared_readers() -> ThreadPoolExecutor:
     """The process's reader threads (idle ones cost nothing; starting them per call did)."""
     global _READERS
     with RING_LOCK:
         if _READERS is None:
-            _READERS = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="megamoe-read")
+            _READERS = ThreadPoolExecutor(reader_count(), thread_name_prefix="megamoe-read")
         return _READERS
 
 
 def _start_readers() -> None:
     """Start every reader thread now (a pool starts them one per submit, in the first load)."""
     readers = shared_readers()
-    everyone = threading.Barrier(READ_THREADS)
-    list(readers.map(lambda _: everyone.wait(timeout=10), range(READ_THREADS)))
+    count = reader_count()
+    everyone = threading.Barrier(count)
+    list(readers.map(lambda _: everyone.wait(timeout=10), range(count)))
 
 
 def _prepare(device: int) -> None:
     ring = shared_ring()
     with RING_LOCK:
-        ring.tools_for(device)
+        for cold in (False, True):
+            ring.tools_for(device, lane_shape(len(ring.buffers), cold).parts)
     device_copy.copier(CUDART)  # found now (it reads the process's mappings), not in the first load
     try:
         _start_readers()
@@ -242,10 +289,14 @@ class Piece:
 
 class WorkQueue:
     """A load's ranges in file order (a disk reads them in one sweep), handed out a piece at a
-    time to whichever reader comes free."""
+    time to whichever reader comes free. Pieces are as large as a ring buffer to the end: pieces
+    shrinking over the load's tail (guided self-scheduling) made first calls slower on the H100
+    host, not faster (``benchmarks/results/store-h100-r6/tail-probe.log``)."""
 
     def __init__(self, ranges: Iterable[tuple[int, int, torch.Tensor]]) -> None:
         self._ranges = sorted(ranges, key=lambda r: (r[0], r[1]))
+        #: The load's first and last ranges (in file order), whose residency picks the lanes' shape.
+        self.ends = [self._ranges[i] for i in sorted({0, len(self._ranges) - 1})] if self._ranges else []
         self._at, self._done = 0, 0  # the range being handed out, and its bytes handed out
         self._lock = threading.Lock()
 
@@ -268,21 +319,53 @@ class WorkQueue:
             self._at = len(self._ranges)
 
 
+#: The device each reader thread's CUDA runtime has current (set once per thread, not per load).
+_BOUND = threading.local()
+
+
+_PROBE_BYTES = 4096
+
+
+def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
+    """Whether the first and last page of each of ``ranges`` is in the page cache: a read that must
+    not wait (``RWF_NOWAIT``) gets them. True where the kernel or file system cannot tell."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return True
+    probe = memoryview(bytearray(_PROBE_BYTES))
+    for fd, offset, dest in ranges:
+        n = min(_PROBE_BYTES, dest.numel())
+        for at in sorted({offset, offset + dest.numel() - n}):
+            try:
+                if os.preadv(fd, [probe[:n]], at, nowait) < n:
+                    return False
+            except BlockingIOError:
+                return False
+            except OSError:  # RWF_NOWAIT not supported here: the warm shape, as before it existed
+                return True
+    return True
+
+
 def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadPoolExecutor,
                copier: device_copy.Copier) -> None:
     """Every piece of ``queue`` to the device, through the lanes: each reads into its own buffers
     and queues their copies on its own stream. Returns once every copy is done; on an error, once
     every lane has stopped reading and its copies are done (no lane writes into a buffer, and no
-    copy reads one, after the next load owns it), raising the first error."""
-    events, streams = ring.tools_for(device)
-    lanes = min(lane_count(ring), len(streams))
+    copy reads one, after the next load owns it), raising the first error. The lanes' shape is a
+    warm or a cold load's (:func:`lane_shape`), as the load's ends are in the page cache or not."""
+    shape = ring.last_shape = lane_shape(len(ring.buffers), cold=not in_page_cache(queue.ends))
+    events, streams = ring.tools_for(device, shape.parts)
+    views, piece_bytes = ring.views(shape.parts), ring.nbytes // shape.parts
+    lanes = min(shape.lanes, len(streams))
 
     def lane(i: int) -> None:
-        own, stream, turn = ring.buffers[i::lanes], streams[i], 0
+        own, stream, turn = views[i::lanes], streams[i], 0
         owned_events = events[i::lanes]
-        copier.bind(device)
+        if getattr(_BOUND, "device", None) != device:
+            copier.bind(device)
+            _BOUND.device = device
         try:
-            while (piece := queue.take(ring.nbytes)) is not None:
+            while (piece := queue.take(piece_bytes)) is not None:
                 buffer, event = own[turn % len(own)], owned_events[turn % len(own)]
                 turn += 1
                 copier.wait(event)  # this buffer's last copy is done
@@ -331,7 +414,7 @@ def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
     index = torch.cuda._get_device_index(device, optional=True)
     copier = device_copy.copier(CUDART)
     with RING_LOCK:
-        _, streams = ring.tools_for(index)
+        _, streams = ring.tools_for(index)  # every lane's stream, warm or cold
         caller_done = torch.cuda.Event()
         caller_done.record(torch.cuda.current_stream(index))
         for stream in streams:
