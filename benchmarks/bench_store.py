@@ -15,14 +15,18 @@ repetition runs each of them once, so a host's drift during the run touches them
 and the store from another checkout (a code change against the commit before it).
 
   warm   the files in the page cache (a throwaway child reads them first), ``--repeats`` children,
-         median, with the ring started early (the rows' ``waited_for_ring_s``), pinned before the
-         call (``warm_ready``) and not started (``warm_unprepared``); the ceiling beside it is ``host_read``: the rank's bytes read from the page cache
-         into pinned buffers with the loader's thread count and piece size (the fastest shape
-         measured), no device copy, and ``h2d_pinned``: one pinned buffer of the rank's bytes
+         median, with the staging started early (the rows' ``waited_for_ring_s``), all of its
+         preparation over before the call (``warm_ready``: ring pinned, the lanes' streams and
+         events made, reader threads started, as a model build of seconds leaves it) and not
+         started (``warm_unprepared``); the ceiling beside it is ``host_read``: the rank's bytes
+         read from the page cache into pinned buffers by as many threads as the loader has,
+         started before the clock, in the loader's own pieces (its work queue), no device copy, and ``h2d_pinned``: one pinned buffer of the rank's bytes
          copied to the device;
-  cold   the page cache dropped before each child (needs root; otherwise the rows say so); the
-         limit beside it is ``disk_read``: the rank's ranges read cold by the loader's readers or
-         by 64 threads x 4 MB, whichever is faster (the page cache dropped before each);
+  cold   the page cache dropped before each child (needs root; otherwise the rows say so), the
+         staging prepared before the call as in ``warm_ready`` (rounds before store-h100-r6 started
+         it early: their cold calls waited 20-30 ms for the ring); the limit beside it is
+         ``disk_read``: the rank's ranges read cold in the loader's warm or cold lanes' shape or
+         by 64 threads x 4 MB, whichever is fastest (the page cache dropped before each);
          ``--cold-knobs`` times the store cold under other reader shapes (``MEGAMOE_*`` settings).
 
 Correctness is checked once per (EP size, rank): the store's tensors equal the per-rank form's.
@@ -95,29 +99,32 @@ def store_ranges(store_dir: Path, ep_size: int, rank: int) -> list[tuple[Path, i
 
 
 def host_read(ranges: list[tuple[Path, int, int]], threads: int, piece: int, pinned: bool) -> float:
-    """Seconds to read ``ranges`` into ``threads`` (pinned) buffers of ``piece`` bytes, ``threads`` at once."""
+    """Seconds to read ``ranges`` into ``threads`` (pinned) buffers of ``piece`` bytes, ``threads`` at
+    once: the loader's own pieces (its work queue), with no device copy.
+    The threads are started before the clock, as the loader's are."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
+    from megamoe_convert.serve.staging import WorkQueue
     from megamoe_convert.source.safetensors_io import read_into
 
-    pieces = [(path, off + s, min(piece, n - s)) for path, off, n in ranges for s in range(0, n, piece)]
     buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)]
     fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
-    own, taken = threading.local(), iter(buffers)
-    t0 = time.perf_counter()
+    # Destinations only for their sizes: the pieces' bytes stay in the buffers.
+    queue = WorkQueue([(fds[path], off, torch.empty(n, dtype=torch.uint8, device="meta")) for path, off, n in ranges])
 
     def read(i: int) -> None:
-        path, off, n = pieces[i]
-        if not hasattr(own, "buffer"):
-            own.buffer = next(taken)
-        read_into(fds[path], off, own.buffer[:n])
+        while (p := queue.take(piece)) is not None:
+            read_into(p.fd, p.file_offset, buffers[i][:p.dest.numel()])
 
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, range(len(pieces))))
-    seconds = time.perf_counter() - t0
+        everyone = threading.Barrier(threads)
+        list(pool.map(lambda _: everyone.wait(timeout=10), range(threads)))
+        t0 = time.perf_counter()
+        list(pool.map(read, range(threads)))
+        seconds = time.perf_counter() - t0
     for fd in fds.values():
         os.close(fd)
     return seconds
@@ -132,12 +139,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     imported = time.perf_counter() - started
     device = torch.device(args.device)
+    preparing = None
     if args.staging != "none" and device.type == "cuda":
         torch.cuda.init()
-        staging.prepare_gpu_staging()  # as the engines' loaders do when they are made, before the model is built
+        preparing = staging.prepare_gpu_staging()  # as the engines' loaders do when they are made, before the model is built
     dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
-    if args.staging == "ready" and device.type == "cuda":
-        staging.shared_ring()  # a model build long enough to hide the pinning (a real model's is seconds)
+    if args.staging == "ready" and preparing is not None:
+        preparing.join()  # a model build long enough to hide all of it (a real model's is seconds)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -157,8 +165,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         flat.copy_(host, non_blocking=True)
     elif args.child in ("host_read", "disk_read"):  # the rank's store ranges, best of the reader shapes
         ranges = store_ranges(Path(args.store), args.ep, args.rank)
+        cold = staging.lane_shape(staging.RING_BUFFERS, cold=True)  # the loader's own shape for a cold load
         shapes = [(staging.READ_THREADS, staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
-            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES), (64, 4 << 20)]
+            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES), (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),
+                  (64, 4 << 20)]
         best = {}
         for threads, piece in shapes:
             if args.child == "disk_read" and best and not drop_page_cache():
@@ -181,6 +191,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     ring = staging._RING
     if ring is not None and device.type == "cuda":  # how long pinning took, and how much of it the call waited
         report.update(pin_s=ring.pin_seconds, waited_for_ring_s=max(0.0, ring.ready_at - t0))
+        if ring.last_shape is not None:  # the lanes of a warm or a cold load (staging.lane_shape)
+            report.update(lanes=ring.last_shape.lanes, parts=ring.last_shape.parts)
     return report
 
 
@@ -232,6 +244,8 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("pin_s", "waited_for_ring_s"):
         if all(key in r for r in rows):
             result[key] = round(statistics.median(r[key] for r in rows), 4)
+    if all("lanes" in r for r in rows):  # each run's lanes x parts: a warm load must have taken the warm shape
+        result["shapes"] = sorted({f"{r['lanes']}x{r['parts']}" for r in rows})
     fastest = min(rows, key=lambda r: r["seconds"])
     result.update({key: fastest[key] for key in ("threads", "piece_mb") if key in fastest})  # disk_read's shape
     return result
@@ -251,6 +265,7 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path, dict[int,
     config.update(num_hidden_layers=args.layers, num_nextn_predict_layers=0, vocab_size=1024,
                   num_hash_layers=min(config.get("num_hash_layers", 0), args.layers),
                   **({"n_routed_experts": args.experts} if args.experts else {}))
+    work.mkdir(parents=True, exist_ok=True)
     src = work / "ckpt"
     marker = work / "ckpt.config.json"
     if not (marker.exists() and json.loads(marker.read_text()) == config and (src / "config.json").exists()):
@@ -314,10 +329,11 @@ def measure(args: argparse.Namespace, forms: dict[str, Form], cold_knobs: dict[s
     if args.cold:
         for _ in range(args.cold_repeats):
             for name, form in forms.items():
-                samples.setdefault(f"{name}_cold", []).append(child(form.kind, form, cold=True))
+                # The staging prepared before the call, as a real model's build (seconds) leaves it
+                samples.setdefault(f"{name}_cold", []).append(child(form.kind, form, cold=True, staging="ready"))
             samples.setdefault("disk_read", []).append(child("disk_read", cold=True))
             for knobs, form in cold_knobs.items():
-                samples.setdefault(f"knobs {knobs}", []).append(child(form.kind, form, cold=True))
+                samples.setdefault(f"knobs {knobs}", []).append(child(form.kind, form, cold=True, staging="ready"))
     medians = {key: median_of(runs) for key, runs in samples.items()}
     row.update({key: value for key, value in medians.items() if not key.startswith("knobs ")})
     if args.cold and cold_knobs:
@@ -415,8 +431,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--staging", choices=("early", "ready", "none"), default="early",
-                   help="early: pin the read ring when the 'engine' starts, as the loaders do; ready: and the "
-                        "pinning is over before the call; none: the call pays it")
+                   help="early: prepare the staging (pin the read ring...) when the 'engine' starts, as the loaders "
+                        "do; ready: and all of that is over before the call; none: the call pays it")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.layers, args.experts, args.device = "tiny", 1, 0, "cpu"
