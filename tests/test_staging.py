@@ -242,31 +242,48 @@ def _uncached_file(tmp_path, nbytes: int):
     return path, data
 
 
-def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
-    """The lanes' shape follows where the load's bytes are: a read that may not wait finds a file
-    just written, and not one dropped from the page cache, until it is read again."""
-    path, _ = _uncached_file(tmp_path, 1 << 20)
+def _nowait_supported(path) -> bool:
+    """Whether this file system answers a read that may not wait (``RWF_NOWAIT``) at all."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        ranges = [(fd, 0, torch.empty(8192, dtype=torch.uint8)), (fd, (1 << 20) - 100, torch.empty(100, dtype=torch.uint8))]
-        assert staging.in_page_cache(ranges) is False
-        os.pread(fd, 1 << 20, 0)
-        assert staging.in_page_cache(ranges) is True
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
 
+def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
+    """The lanes' shape follows where the load's bytes are: a read that may not wait finds a file
+    read a moment ago, and not one dropped from the page cache. Where the file system cannot
+    answer such a read, every load is taken as warm (the lanes' shape before the cold one existed)."""
+    path, _ = _uncached_file(tmp_path, 1 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ranges = [(fd, 0, torch.empty(8192, dtype=torch.uint8)), (fd, (1 << 20) - 100, torch.empty(100, dtype=torch.uint8))]
+        dropped = staging.in_page_cache(ranges)
+        os.pread(fd, 1 << 20, 0)
+        assert staging.in_page_cache(ranges) is True
+    finally:
+        os.close(fd)
+    assert dropped is (not _nowait_supported(path))
+
+
 def test_a_cold_load_runs_more_lanes_on_parts_of_the_buffers_and_every_piece_lands(tmp_path, monkeypatch):
-    path, data = _uncached_file(tmp_path, 200_000)
+    path, data = _file(tmp_path, 200_000)
     spans = [(7, 50_000), (100_000, 33_333), (7, 50_000), (199_999, 1)]
-    reads: list[int] = []
-    outcome = _lane_load(monkeypatch, path, spans, reads=reads)
-    assert "error" not in outcome and outcome["queued"] == 0
-    for dest, (offset, n) in zip(outcome["dests"], spans):
-        assert torch.equal(dest, data[offset:offset + n])
-    shape = staging.lane_shape(7, cold=True)  # 6 cold lanes over 7 buffers: each cut in 2
-    assert (shape.lanes, shape.parts) == (6, 2)
-    assert max(reads) == 4096 // 2, "a cold load read whole buffers, not their parts"
-    warm: list[int] = []
-    _lane_load(monkeypatch, path, spans, reads=warm)  # its bytes now in the page cache: whole buffers again
-    assert max(warm) == 4096
+    loads = {"cold": [], "warm": []}
+    for kind, reads in loads.items():
+        with monkeypatch.context() as patch:  # each load's own read counter
+            patch.setattr(staging, "in_page_cache", lambda ranges, cached=kind == "warm": cached)
+            outcome = _lane_load(patch, path, spans, reads=reads)
+            if kind == "cold":  # 6 cold lanes (as _lane_load sets them) over 7 buffers: each cut in 2
+                assert staging.lane_shape(7, cold=True) == staging.LaneShape(6, 2)
+        assert "error" not in outcome and outcome["queued"] == 0
+        for dest, (offset, n) in zip(outcome["dests"], spans):
+            assert torch.equal(dest, data[offset:offset + n])
+    assert max(loads["cold"]) == 4096 // 2, "a cold load read whole buffers, not their parts"
+    assert max(loads["warm"]) == 4096
