@@ -204,11 +204,6 @@ class PinnedRing:
         return self._events[index, parts], self._streams[index]
 
 
-def lane_count(ring: "PinnedRing") -> int:
-    """Lanes (reader threads) a warm load runs: one per reader, each owning at least one buffer."""
-    return lane_shape(len(ring.buffers), cold=False).lanes
-
-
 _RING: PinnedRing | None = None
 _PINNING: threading.Thread | None = None  # the background pinning, once started
 _PIN_LOCK = threading.Lock()
