@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import Enum
 from typing import TYPE_CHECKING
+from megamoe_convert.errors import DeviceError  # noqa: F401
 
 if TYPE_CHECKING:  # torch is imported when a device is checked, so `megamoe --help` stays quick
     import torch
@@ -17,10 +18,6 @@ class Device(str, Enum):
     """The device choices the command line offers."""
     cpu = "cpu"
     cuda = "cuda"
-
-
-class DeviceError(ValueError):
-    """A device string that is malformed, not supported, or not present on this machine."""
 
 
 def usable_device(spec: str | torch.device) -> torch.device:

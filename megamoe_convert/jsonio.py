@@ -16,6 +16,7 @@ import re
 import stat
 from pathlib import Path
 from typing import Any, Callable, TypeVar
+from megamoe_convert.errors import JsonError  # noqa: F401
 
 #: Deeper documents are refused (ours nest 4 levels; the C parser recurses without limit).
 MAX_DEPTH = 32
@@ -42,10 +43,6 @@ MAX_JOURNAL_BYTES = 256 << 20
 
 E = TypeVar("E", bound=Exception)
 T = TypeVar("T")
-
-
-class JsonError(ValueError):
-    """Invalid JSON; callers re-raise it as their own error class (see :func:`parse`)."""
 
 
 def _constant(name: str) -> Any:

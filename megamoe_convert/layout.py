@@ -14,6 +14,7 @@ a byte (``[N, K/2]``); UE8M0 scales are one byte per 32 K values (``[N, K/32]``)
 from __future__ import annotations
 
 from typing import NamedTuple
+from megamoe_convert.errors import LayoutError  # noqa: F401
 
 import torch
 
@@ -33,10 +34,6 @@ DIM_MULTIPLE = 128
 #: e2m1 code -> value; bit 3 is the sign. Nibble 2k is the low nibble of byte k.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-class LayoutError(ValueError):
-    """Inputs that cannot be laid out (bad shape, dtype or dimension)."""
 
 
 class KernelWeights(NamedTuple):

@@ -11,16 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+from megamoe_convert.errors import PlacementError  # noqa: F401
 
 from megamoe_convert import jsonio
 
 #: Bounds checked before anything is expanded (DeepSeek-V4: 256-384 experts, EP up to a few hundred).
 MAX_EP_SIZE = 1 << 16
 MAX_PHYSICAL_EXPERTS = 1 << 20
-
-
-class PlacementError(ValueError):
-    """An impossible or inconsistent expert placement."""
 
 
 #: Engines whose placement a conversion can hold (``convert --engine``); vLLM is the default.

@@ -15,6 +15,7 @@ ROOT = "megamoe_convert"
 
 #: Each stage's height: a module may import its own stage (no circle) or a lower one, never a higher one.
 STAGES = {
+    "errors": -1,  # the one error family, below everything
     "jsonio": 0, "progress": 0, "ui": 0, "faults": 0, "devices": 0, "interrupts": 0,
     "layout": 1, "placement": 1,
     "source": 2,

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from megamoe_convert.errors import MergeError  # noqa: F401
 
 from megamoe_convert import jsonio
 from megamoe_convert.convert.plan import index_text, non_expert_index
@@ -62,10 +63,6 @@ if TYPE_CHECKING:
 PART_FORMAT = "megamoe-convert-part"
 PART_FORMAT_VERSION = 1
 COPY_CHUNK_BYTES = 64 << 20
-
-
-class MergeError(ConvertError):
-    """Parts that cannot be merged (missing, foreign, overlapping, or corrupted)."""
 
 
 # --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+from megamoe_convert.errors import Cancelled  # noqa: F401
 
 import torch
 
@@ -26,10 +27,6 @@ from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, Tenso
 NON_EXPERT_SHARD_BYTES = 4 << 30
 NON_EXPERT_METADATA = {"format": "pt"}
 COPY_CHUNK_BYTES = 64 << 20
-
-
-class Cancelled(ConvertError):
-    pass
 
 
 # --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ knows an engine's attribute names:
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
+from megamoe_convert.errors import InstallError  # noqa: F401
 
 from torch import nn
 
@@ -59,10 +60,6 @@ def describe_engines(hidden: int, intermediate: int, family: "ModelFamily | None
     refusals = shape_refusals(hidden, intermediate, family)
     parts = [engine if why is None else f"not {engine} ({why})" for engine, why in refusals.items()]
     return "; ".join(parts)
-
-
-class InstallError(ValueError):
-    """A model whose MegaMoE modules do not match the converted directory (or no known contract)."""
 
 
 class Contract(Protocol):

@@ -35,6 +35,7 @@ import logging
 import struct
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from megamoe_convert.errors import PreloadError  # noqa: F401
 
 from megamoe_convert.engines import InstallError, require_engine, vllm_loader
 from megamoe_convert.engines.load_format import LOAD_FORMAT
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 WEIGHT_CACHE = "vllm.model_executor.model_loader.weight_cache"
 #: What the extended cache key mixes in, so a conversion's key never equals a plain hash.
 KEY_TAG = b"megamoe-convert conversion\0"
-
-
-class PreloadError(LoadError):
-    """A conversion (or a command line) the weight-cache daemon cannot serve."""
 
 
 # --------------------------------------------------------------------------------------

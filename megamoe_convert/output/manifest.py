@@ -5,6 +5,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from megamoe_convert.errors import ManifestError, UsageError as VerifyUsageError  # noqa: F401
 
 import xxhash
 
@@ -34,15 +35,6 @@ LAYOUT_VERSION = 1
 STATE_DIR = ".megamoe"
 #: The manifest's checksum of itself: xxh3-128 of its canonical JSON without this field.
 SEAL_KEY = "manifest_checksum"
-
-
-class ManifestError(ValueError):
-    """A missing, incomplete, unknown or inconsistent manifest. ``problems`` lists every
-    inconsistency found (``megamoe verify`` reports them all); the message names the first."""
-
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.problems = problems or [message]
 
 
 def format_ranges(ids: list[int]) -> str:
@@ -407,10 +399,6 @@ def read_manifest(out: Path) -> Manifest:
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))
-
-
-class VerifyUsageError(ValueError):
-    """``verify`` pointed at something that is not a conversion (a source checkpoint)."""
 
 
 def is_source_checkpoint(path: Path) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+from megamoe_convert.errors import MarkerError  # noqa: F401
 
 #: The ``config.json`` key of the section (also the attribute engines' config objects carry).
 SECTION = "megamoe"
@@ -43,10 +44,6 @@ INSTALL = "install megamoe-convert into this serving environment"
 MODEL_TYPE = "model_type"
 #: Converted directories recognised without a marker (made before the marker existed).
 MANIFEST_NAME = "manifest.json"
-
-
-class MarkerError(ValueError):
-    """A ``config.json`` that cannot be marked, or a marker that does not say what it replaced."""
 
 
 def marker_name(architecture: str) -> str:

@@ -24,6 +24,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+from megamoe_convert.errors import ConvertError, OutputBusy  # noqa: F401
 
 import xxhash
 from filelock import FileLock, Timeout
@@ -39,14 +40,6 @@ from megamoe_convert.output.writer import (
     write_json_atomic,
 )
 from megamoe_convert.source.checkpoint import INDEX_NAME
-
-
-class ConvertError(RuntimeError):
-    """A conversion that cannot start or continue (bad options, busy or foreign OUT)."""
-
-
-class OutputBusy(ConvertError):
-    """Another run is writing OUT in a way this one cannot run beside."""
 
 
 #: The journal of a whole conversion that ``--shard --overwrite`` parts are replacing (``OUT/.megamoe/``).

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
+from megamoe_convert.errors import LinkInOutput  # noqa: F401
 
 import torch
 import xxhash
@@ -104,9 +105,6 @@ def partial_path(final: Path) -> Path:
 # --------------------------------------------------------------------------------------
 # Where the tool writes: inside its root, never through a link
 # --------------------------------------------------------------------------------------
-
-class LinkInOutput(OSError):
-    """A path the tool would write passes a symbolic link (or a non-directory) below its root."""
 
 
 def link_refusal(path: Path, why: str) -> LinkInOutput:

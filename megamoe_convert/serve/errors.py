@@ -1,5 +1,5 @@
-"""The serving stage's error: a rank that cannot be loaded. Below the loader and the hub, which both raise it."""
+"""``LoadError``, where the serve stage has always exported it (defined in :mod:`megamoe_convert.errors`)."""
 
+from megamoe_convert.errors import LoadError
 
-class LoadError(ValueError):
-    """A rank that cannot be loaded from this directory, and why."""
+__all__ = ["LoadError"]

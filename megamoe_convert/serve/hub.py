@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
+from megamoe_convert.errors import HubError  # noqa: F401
 
 import huggingface_hub
 import huggingface_hub.constants
@@ -59,10 +60,6 @@ CARD_TAGS = ["megamoe", "deepgemm", "mixture-of-experts", "deepseek-v4"]
 #: ``owner/name`` or ``owner/name@revision`` (the hub's own rules are checked by huggingface_hub).
 _REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[^\s@]+))?$")
 _CACHE_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
-
-
-class HubError(RuntimeError):
-    """A hub repo that cannot be found, read, written or trusted."""
 
 
 # --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
+from megamoe_convert.errors import CheckpointError  # noqa: F401
 
 from megamoe_convert import jsonio
 from megamoe_convert.layout import LayoutError, check_dims
@@ -52,10 +53,6 @@ _NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 #: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
 SHARED_PROJECTIONS = ("w1", "w2", "w3")
-
-
-class CheckpointError(ValueError):
-    """A source checkpoint that cannot be converted as it is."""
 
 
 @dataclass(frozen=True)

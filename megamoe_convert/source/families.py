@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
+from megamoe_convert.errors import FamilyError  # noqa: F401
 
 from megamoe_convert import jsonio
 
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
 #: The canonical kinds of one expert projection's tensors (``formats.checkpoint_byte_shapes``).
 KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
 _NUMBER = r"(?:0|[1-9][0-9]{0,8})"
-
-
-class FamilyError(ValueError):
-    """A ``config.json`` of no model family megamoe-convert reads."""
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterator
+from megamoe_convert.errors import FormatError  # noqa: F401
 
 import torch
 
@@ -33,10 +34,6 @@ from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
 SCALES_PER_WORD = 4
-
-
-class FormatError(ValueError):
-    """A weight format (or a checkpoint's experts) that megamoe-convert does not support."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
+from megamoe_convert.errors import SafetensorsError  # noqa: F401
 
 import torch
 
@@ -35,10 +36,6 @@ TORCH_DTYPES: dict[torch.dtype, str] = {torch.uint8: "U8", torch.int8: "I8", tor
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: Data of files we write starts at this alignment (page-aligned mmap, direct I/O friendly).
 DATA_ALIGNMENT = 4096
-
-
-class SafetensorsError(ValueError):
-    """A file that is not a well-formed safetensors file."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
+from megamoe_convert.errors import SynthError  # noqa: F401
 
 import numpy as np
 
@@ -199,10 +200,6 @@ def remove_own_folder(path: Path) -> None:
     if path.is_symlink() or not path.is_dir() or not (path / OWN_MARKER).is_file():
         raise SynthError(f"{path}: exists and was not made by megamoe synth; remove it or choose another name")
     shutil.rmtree(path)
-
-
-class SynthError(ValueError):
-    """An output folder ``synth`` must not write into."""
 
 
 def _check_synth_target(out: Path, overwrite: bool) -> None:
