@@ -1,0 +1,218 @@
+"""The layout probe's engine-agnostic half: the synthetic expert, the project's layout of it (the bytes a
+conversion writes), the comparison, the fingerprint, the once-per-process run and the scratch twin.
+The engines' own code runs the probe in ``tests/engines``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
+from megamoe_convert.engines import probe
+from megamoe_convert.errors import InstallError
+from megamoe_convert.loader import load_rank
+from megamoe_convert.source import formats
+from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.safetensors_io import FileCache
+from megamoe_convert.synth.write import synthesize
+
+#: The table's formats written in layout.py's SM100 layout (the ones the reference is checked against here).
+SM100 = [name for name, fmt in formats.FORMATS.items() if probe.kernel_of(fmt) == "sm100"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_probes():
+    probe.forget()
+    yield
+    probe.forget()
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_the_synthetic_expert_is_the_checkpoint_form_of_its_format_and_the_same_for_a_seed(name):
+    fmt = formats.FORMATS[name]
+    inp = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
+    again = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
+    other = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0, seed=probe.PROBE_SEED + 1)
+    for (proj, kind), shape in formats.checkpoint_byte_shapes(fmt, 256, 128).items():
+        t = inp.routed[proj, kind]
+        raw = t.reshape(-1).view(torch.uint8)
+        assert raw.numel() == shape[0] * (shape[1] if len(shape) > 1 else 1)
+        assert torch.equal(raw, again.routed[proj, kind].reshape(-1).view(torch.uint8))
+        if kind == "weight":
+            assert t.dtype == probe.CHECKPOINT_DTYPES[fmt.checkpoint_weight_dtypes[0]]
+            assert not torch.equal(t.view(torch.uint8), other.routed[proj, kind].view(torch.uint8))
+            if fmt.element != "e2m1":  # finite values: an engine may move them as floats
+                assert torch.isfinite(t.float()).all()
+    if fmt.global_scales:
+        assert float(inp.routed["w1", "weight_scale_2"]) == float(inp.routed["w3", "weight_scale_2"]) > 0
+
+
+def test_probe_dims_keep_each_dims_residue_and_stay_within_a_period():
+    assert probe.probe_dims(4096, 2048, 2048) == (1024, 1024, 1024)
+    assert probe.probe_dims(2304, 7168, 0) == (256, 1024, 0)
+    assert probe.probe_dims(512, 384, 640) == (512, 384, 640)
+
+
+@pytest.mark.parametrize("name", SM100)
+def test_the_reference_is_the_bytes_a_conversion_writes(tmp_path, name):
+    """The probe's reference for one real checkpoint expert is that expert's slot in the rank files."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    synthesize(src, "tiny", experts=4, layers=1, mtp_layers=0, seed=7, weight_format=name)
+    convert(src, out, ConvertOptions(ep_size=2))
+    ckpt = Checkpoint.open(src)
+    layer, dims, files = ckpt.layers[0], ckpt.dims, FileCache()
+    routed = {(proj, kind): files.read(ckpt.expert_entry(layer, 0, proj, kind))
+              for proj, kind in formats.checkpoint_byte_shapes(dims.format, dims.hidden_size, dims.moe_intermediate_size)}
+    routed.update({key: value.view(torch.float32).reshape(()) for key, value in routed.items() if len(value.shape) == 1})
+    shared = {(proj, kind): files.read(ckpt.shared_entry(layer, proj, kind))
+              for proj in ("w1", "w2", "w3") for kind in ("weight", "scale")} if dims.shared_intermediate_size else {}
+    inp = probe.ProbeInput(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size,
+                           routed, shared)
+    written = next(iter(load_rank(out, 0).values())).tensors
+    want = probe.reference(inp)
+    assert set(want) <= set(written)
+    for key, tensor in want.items():
+        got = written[key] if key.startswith("shared_") or key == "l2_input_scale_all" else written[key][:1]
+        if key == "l2_input_scale_all":
+            got = got[:1]
+        assert probe.difference(got, tensor) is None, key
+
+
+def _permuted(tensors: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
+    """The same tensors with two rows of ``key`` swapped: identical shapes, dtypes and strides."""
+    out = dict(tensors)
+    t = tensors[key].clone()
+    t[:, [0, 1]] = t[:, [1, 0]]
+    out[key] = t
+    return out
+
+
+def _engine(run, name="engine 1.0"):
+    return probe.LayoutProbe(engine=name, where="model.layers.0.ffn.experts", run=run, contract="test contract")
+
+
+def test_an_engine_laying_out_like_the_conversion_passes_once_per_process():
+    calls = []
+
+    def run(inp):
+        calls.append(inp)
+        return probe.reference(inp)
+
+    first = probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048)
+    assert first == probe.layout_fingerprint(formats.MXFP4, 4096, 2048)
+    assert probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048) == first
+    assert len(calls) == 1 and (calls[0].hidden, calls[0].inter) == (1024, 1024)
+    probe.check_layout(_engine(run), formats.MXFP8, 4096, 2048)
+    assert len(calls) == 2
+
+
+def test_an_engine_permuting_the_bytes_is_refused_in_one_line_naming_engine_tensor_and_what_to_do():
+    def run(inp):
+        return _permuted(probe.reference(inp), "l1_sf")
+
+    for _ in range(2):  # a failure is not remembered: every install refuses
+        with pytest.raises(InstallError) as e:
+            probe.check_layout(_engine(run, "vLLM 9.9.9 (DeepGEMM 9.9)"), formats.MXFP4, 512, 512)
+        message = str(e.value)
+        assert "\n" not in message and message.startswith("vLLM 9.9.9 (DeepGEMM 9.9): ")
+        assert "model.layers.0.ffn.experts l1.sf" in message and "first difference at element [0, 0, 0]" in message
+        assert "do not serve this conversion" in message and "--load-format megamoe" in message
+
+
+def test_an_engine_holding_another_view_or_leaving_a_tensor_unset_is_refused():
+    def transposed(inp):
+        out = probe.reference(inp)
+        out["l2_sf"] = out["l2_sf"].contiguous()  # the same values, row-major instead of MN-major
+        return out
+
+    with pytest.raises(InstallError, match=r"l2\.sf .*strides"):
+        probe.check_layout(_engine(transposed), formats.MXFP4, 512, 512)
+
+    def partial(inp):
+        out = probe.reference(inp)
+        del out["l2_weight"]
+        return out
+
+    with pytest.raises(InstallError, match=r"l2\.weight .*left it unset"):
+        probe.check_layout(_engine(partial), formats.MXFP4, 512, 512)
+
+
+def test_an_engine_whose_code_cannot_run_the_probe_is_refused_naming_the_opt_out():
+    def run(inp):
+        raise ImportError("No module named 'deep_gemm'")
+
+    with pytest.raises(InstallError) as e:
+        probe.check_layout(_engine(run, "vLLM 0.32.0 (DeepGEMM absent)"), formats.MXFP4, 512, 512)
+    message = str(e.value)
+    assert "\n" not in message and "cannot run the engine's own loading code" in message
+    assert "No module named 'deep_gemm'" in message and f"{probe.OPT_OUT_ENV}=0" in message
+
+
+def test_a_conversion_recording_another_fingerprint_is_refused():
+    with pytest.raises(InstallError, match="written with another layout; convert it again"):
+        probe.check_layout(_engine(probe.reference), formats.MXFP4, 512, 512, recorded="xxh3_64:0000000000000000")
+    recorded = probe.layout_fingerprint(formats.MXFP4, 512, 512)
+    assert probe.check_layout(_engine(probe.reference), formats.MXFP4, 512, 512, recorded=recorded) == recorded
+
+
+def test_the_opt_out_is_explicit_and_logged(monkeypatch, caplog):
+    monkeypatch.delenv(probe.OPT_OUT_ENV, raising=False)
+    assert probe.enabled() and not probe.enabled(False) and probe.enabled(True)
+    for value in ("0", "off", "False", "no"):
+        monkeypatch.setenv(probe.OPT_OUT_ENV, value)
+        assert not probe.enabled() and probe.enabled(True)
+    monkeypatch.setenv(probe.OPT_OUT_ENV, "1")
+    assert probe.enabled()
+    with caplog.at_level(logging.WARNING):
+        probe.skipped("model.layers.0.ffn.experts")
+    assert "layout probe skipped" in caplog.text and "unchecked" in caplog.text
+
+
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_the_layout_identity_names_the_transform_and_fingerprints_the_probes_input(name):
+    fmt = formats.FORMATS[name]
+    identity = probe.layout_identity(fmt, 4096, 2048)
+    assert identity["transform"] == probe.TRANSFORMS[probe.kernel_of(fmt)] and identity["seed"] == probe.PROBE_SEED
+    assert identity == probe.layout_identity(fmt, 4096, 2048)
+    assert identity["fingerprint"] != probe.layout_identity(fmt, 4096, 1920)["fingerprint"]
+    assert set(identity["proven"]) == {"vllm", "sglang", "deep_gemm"}
+
+
+def test_fingerprints_differ_across_formats():
+    prints = {probe.layout_fingerprint(fmt, 512, 512) for fmt in formats.FORMATS.values()}
+    assert len(prints) == len(formats.FORMATS)
+
+
+class _Loader(nn.Module):
+    """A module shaped like the engines' experts: parameters with a loader bound to the module, and
+    bookkeeping the loader writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4, 8, 2, dtype=torch.int32).transpose(1, 2), requires_grad=False)
+        self.w.weight_loader = self.weight_loader
+        self.seen = torch.zeros(4)
+        self.pending = {}
+        self.register_buffer("alpha", torch.ones(4))
+
+    def weight_loader(self, param, loaded, slot):
+        param.data[slot].copy_(loaded)
+        self.seen[slot] = 1
+        self.pending[slot] = True
+        self.alpha[slot] = 5
+
+
+def test_a_scratch_twin_runs_the_modules_own_loader_without_touching_the_module():
+    module = _Loader()
+    before = {k: v.clone() for k, v in [*module.named_parameters(), *module.named_buffers()]}
+    twin = probe.scratch_twin(module, {"w": probe.like(module.w, (1, 2, 8))})
+    assert twin.w.stride() == (16, 1, 2) and twin.w.weight_loader.__self__ is twin
+    twin.w.weight_loader(twin.w, torch.full((2, 8), 7, dtype=torch.int32), 0)
+    assert bool((twin.w == 7).all()) and float(twin.seen[0]) == 1 and twin.pending == {0: True}
+    assert float(twin.alpha[0]) == 5
+    assert all(torch.equal(v, before[k]) for k, v in [*module.named_parameters(), *module.named_buffers()])
+    assert float(module.seen.sum()) == 0 and module.pending == {}
