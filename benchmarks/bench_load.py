@@ -367,8 +367,23 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
     return result
 
 
+def _staging_of(threads: int, count: int, nbytes: int) -> None:
+    """Replace the process's staging (ring, readers, lanes) with one of this shape: the loader
+    makes its own once per process, from ``MEGAMOE_READ_THREADS``; only this sweep reshapes it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megamoe_convert.serve import staging
+
+    with staging.RING_LOCK:
+        if staging._READERS is not None:
+            staging._READERS.shutdown()
+        staging.READ_THREADS, staging.COLD_READ_THREADS = threads, 2 * threads
+        staging._RING = staging.PinnedRing(count, nbytes)  # the old ring's memory stays pinned
+        staging._READERS = ThreadPoolExecutor(staging.reader_count(), thread_name_prefix="megamoe-read")
+
+
 def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:
-    """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (module defaults)."""
+    """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (then the defaults again)."""
     from megamoe_convert.serve import staging
 
     defaults = (staging.READ_THREADS, staging.RING_BUFFERS, staging.RING_BUFFER_BYTES)
@@ -376,9 +391,7 @@ def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> li
     try:
         for threads, count, mb in ((4, 6, 32), (6, 12, 32), (8, 12, 32), (8, 16, 32), (8, 8, 64), (12, 16, 32),
                                    (12, 24, 32), (16, 24, 16), (16, 32, 32), (24, 32, 16)):
-            staging.reset()  # a new ring and readers of this shape for the next load
-            staging.READ_THREADS, staging.RING_BUFFER_BYTES = threads, mb << 20
-            staging.PinnedRing.__init__.__defaults__ = (count, mb << 20)
+            _staging_of(threads, count, mb << 20)
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
@@ -387,11 +400,10 @@ def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> li
                 del result
                 free_device(device)
             rows.append({"read_threads": threads, "ring_buffers": count, "ring_mb": mb,
-                         "s": round(statistics.median(times[1:]), 4), "first_s": round(times[0], 4)})
+                         "s": round(statistics.median(times[1:]), 4), "first_s": round(times[0], 4),
+                         "pin_s": round(staging._RING.pin_seconds, 4)})  # pinned before the first call
     finally:
-        staging.reset()
-        staging.READ_THREADS, staging.RING_BUFFERS, staging.RING_BUFFER_BYTES = defaults
-        staging.PinnedRing.__init__.__defaults__ = (defaults[1], defaults[2])
+        _staging_of(*defaults)
     return rows
 
 

@@ -23,8 +23,7 @@ and the store from another checkout (a code change against the commit before it)
          started before the clock, in the loader's own pieces (its work queue), no device copy, and ``h2d_pinned``: one pinned buffer of the rank's bytes
          copied to the device;
   cold   the page cache dropped before each child (needs root; otherwise the rows say so), the
-         staging prepared before the call as in ``warm_ready`` (rounds before store-h100-r6 started
-         it early: their cold calls waited 20-30 ms for the ring); the limit beside it is
+         staging prepared before the call as in ``warm_ready``; the limit beside it is
          ``disk_read``: the rank's ranges read cold in the loader's warm or cold lanes' shape or
          by 64 threads x 4 MB, whichever is fastest (the page cache dropped before each);
          ``--cold-knobs`` times the store cold under other reader shapes (``MEGAMOE_*`` settings).
@@ -211,12 +210,18 @@ class Form:
 FORMS = {"per_rank": Form("per_rank"), "store": Form("store")}
 
 
+#: The loader's settings a form can change (``megamoe_convert.serve.staging``'s docstring).
+SETTINGS = ("MEGAMOE_READ_THREADS", "MEGAMOE_FAST_PIN", "MEGAMOE_CUDART")
+
+
 def knob_env(knobs: str) -> dict[str, str]:
     """``'MEGAMOE_A=1,MEGAMOE_B=2'`` as an environment."""
     pairs = [kv for kv in knobs.split(",") if kv]
     for kv in pairs:
         if not kv.startswith("MEGAMOE_") or "=" not in kv:
             raise SystemExit(f"knobs {knobs!r}: expected MEGAMOE_NAME=VALUE settings separated by commas, got {kv!r}")
+        if kv.split("=", 1)[0] not in SETTINGS:
+            raise SystemExit(f"knobs {knobs!r}: {kv.split('=', 1)[0]} is no loader setting (one of {', '.join(SETTINGS)})")
     return dict(kv.split("=", 1) for kv in pairs)
 
 
@@ -414,10 +419,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cold-repeats", type=int, default=2)
     p.add_argument("--cold-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
                    help="with --cold: also time the store cold under each of these settings, e.g. "
-                        "'MEGAMOE_READ_THREADS=64,MEGAMOE_RING_MB=4;MEGAMOE_WILLNEED=1'")
+                        "'MEGAMOE_READ_THREADS=32;MEGAMOE_READ_THREADS=8'")
     p.add_argument("--store-knobs", default=[], type=lambda s: [k for k in s.split(";") if k],
                    help="also time the store (warm, and cold with --cold) under each of these settings, side by "
-                        "side, e.g. 'MEGAMOE_READ_THREADS=32,MEGAMOE_RING_MB=8,MEGAMOE_RING_BUFFERS=48;MEGAMOE_WILLNEED=1'")
+                        "side, e.g. 'MEGAMOE_READ_THREADS=32;MEGAMOE_FAST_PIN=0'")
     p.add_argument("--baseline-tree", default=None,
                    help="also time the store with the package of this checkout (e.g. a git worktree of the commit "
                         "before a change), side by side")

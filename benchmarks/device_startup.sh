@@ -41,9 +41,8 @@ job() {
     $BENCH --work /tmp/flash4 --layers 4 --redundant 16 --node 8 \
         --methods ours,vllm033_all,vllm033_ep_filter,ours_v032,vllm032,ours_redundant,vllm033_redundant \
         --save "$RESULTS/flash4.json" > "$RESULTS/flash4.log" 2>&1
-    # The loader's knobs, ours only (cold and warm): a deeper read queue, kernel read-ahead.
-    for knobs in "MEGAMOE_READ_THREADS=32 MEGAMOE_RING_BUFFERS=48 MEGAMOE_RING_MB=8" "MEGAMOE_WILLNEED=1" \
-                 "MEGAMOE_READ_THREADS=8 MEGAMOE_RING_BUFFERS=12 MEGAMOE_RING_MB=32"; do
+    # The loader's reader lanes, ours only (cold and warm): a deeper read queue, a shallower one.
+    for knobs in "MEGAMOE_READ_THREADS=32" "MEGAMOE_READ_THREADS=8"; do
         name=$(echo "$knobs" | tr ' =' '_-')
         env $knobs $BENCH --work /tmp/flash4 --layers 4 --methods ours --save "$RESULTS/knobs-$name.json" \
             > "$RESULTS/knobs-$name.log" 2>&1

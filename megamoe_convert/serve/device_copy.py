@@ -2,12 +2,10 @@
 
 Each reader copies its own buffers to the device right after reading them (:mod:`.staging`). A
 copy issued through ``torch`` (``Tensor.copy_``, ``Event.record``) holds the GIL while the CUDA
-runtime takes its locks, so sixteen readers issuing copies stall one another's Python: on the
-H100 host the same lanes ran no faster than one thread issuing every copy
-(``benchmarks/results/store-h100-r4/``). The CUDA runtime's own entry points called through
-``ctypes`` release the GIL for the call: the lanes then move a warm 1 GB file to the device at
-0.97-1.02x of the page cache -> pinned read alone, against 0.83x for the ring fed by one thread
-(``benchmarks/results/store-h100-r5/llc-probe.log``).
+runtime takes its locks, so many readers issuing copies stall one another's Python: the lanes
+then ran no faster than one thread issuing every copy. The CUDA runtime's own entry points called
+through ``ctypes`` release the GIL for the call, and the lanes keep up with the page cache ->
+pinned read alone (measurements: ``docs/benchmarks.md``).
 
 The runtime is the one ``torch`` loaded (found in the process's mappings), so its streams,
 events and primary context are the ones ``torch`` uses; where none can be found (a static
@@ -133,7 +131,7 @@ def copier(use_cudart: bool = True) -> Copier:
 
 
 def reset() -> None:
-    """Choose the copier again on next use (a benchmark switching ``MEGAMOE_CUDART``)."""
+    """Choose the copier again on next use (a test of both copiers in one process)."""
     global _COPIER
     with _LOCK:
         _COPIER = None

@@ -307,7 +307,6 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
         for layer, record in files.items():
             fd = os.open(out / record.path, os.O_RDONLY)
             fds.append(fd)
-            staging.advise(fd)
             ranges += [(fd, headers[layer][key].begin, dest.view(torch.uint8).reshape(-1))
                        for key, dest in dests[layer].items()]
         staging.fill_device(ranges, device)

@@ -4,11 +4,10 @@ Each reader thread is a lane: it takes the next piece of the load (one queue of 
 in file order: a cold disk reads a store rank's gapped ranges in one sweep), reads it into one of
 its own pinned buffers, and queues that buffer's device copy on its own stream at once, through
 the CUDA runtime's entry points without the GIL (:mod:`.device_copy`). No thread serializes the
-copies, and while one buffer is being copied the reader fills the next. On the H100 host a warm
-first call so runs at 0.84-1.10x of the page cache -> pinned ceiling (the ring fed by one thread,
-issuing copies through ``torch``: 0.83-0.84x in the same runs; ``benchmarks/results/store-h100-r5/``,
-``-r6/``). A load whose bytes are not in the page cache runs more lanes on smaller pieces of the
-same buffers (:func:`lane_shape`): a disk wants more reads in flight than memory wants copiers.
+copies, and while one buffer is being copied the reader fills the next, so a warm first call runs
+close to the page cache -> pinned -> device ceiling. A load whose bytes are not in the page cache
+runs more lanes on smaller pieces of the same buffers (:func:`lane_shape`): a disk wants more reads
+in flight than memory wants copiers.
 
 Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
 (each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
@@ -17,11 +16,21 @@ process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves, so the ring is pinned
 the fast way: one anonymous mapping backed by transparent huge pages, its buffers faulted in and
-registered with CUDA (``cudaHostRegister``) by several threads at once: about 30 ms for a
-384 MB ring on an H100 host, against about 170 ms through the CUDA allocator's ``cudaHostAlloc``
-(``benchmarks/bench_store.py``, ``docs/benchmarks.md``). Where registering fails, the ring falls
-back to ``torch``'s pinned allocator. Engines start the pinning in the background when their
-loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
+registered with CUDA (``cudaHostRegister``) by several threads at once, several times faster than
+the CUDA allocator's ``cudaHostAlloc`` (measurements: ``docs/benchmarks.md``). Where registering
+fails, the ring falls back to ``torch``'s pinned allocator. Engines start the pinning in the
+background when their loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
+
+Settings, read once from the environment when the module is imported (a bad value is refused in
+one line):
+
+- ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
+  load. A cold load runs twice as many; the pinned ring is two 16 MB buffers per lane. Lower it
+  on a host whose cores or page-locked memory serve other work.
+- ``MEGAMOE_FAST_PIN=0``: pin the ring with ``torch``'s allocator instead of registering huge pages
+  (what the ring falls back to anyway where registering fails).
+- ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
+  entry points (what happens anyway where the runtime ``torch`` loaded cannot be found).
 """
 
 from __future__ import annotations
@@ -41,8 +50,8 @@ from megamoe_convert.serve import device_copy
 from megamoe_convert.source.safetensors_io import read_into
 
 
-def _tunable(name: str, default: int, low: int, high: int) -> int:
-    """A GPU-path knob from the environment (``MEGAMOE_<NAME>``), for benchmarking and odd hosts."""
+def _setting(name: str, default: int, low: int, high: int) -> int:
+    """A setting of the GPU path from the environment (``MEGAMOE_<NAME>``: see the module docstring)."""
     raw = os.environ.get(f"MEGAMOE_{name}")
     if raw is None:
         return default
@@ -51,41 +60,24 @@ def _tunable(name: str, default: int, low: int, high: int) -> int:
     return int(raw)
 
 
-#: Reader lanes, and the pinned ring they share out: buffers x bytes each, each lane owning every
-#: ``READ_THREADS``-th buffer (16 lanes of 2 x 16 MB made the fastest first call on the H100 host,
-#: ahead of 2 or 3 x 8 MB: ``benchmarks/results/store-h100-r5/first-call.log``).
-READ_THREADS = _tunable("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
-RING_BUFFERS = _tunable("RING_BUFFERS", 2 * READ_THREADS, 2, 1024)
-RING_BUFFER_BYTES = _tunable("RING_MB", 16, 1, 1024) << 20
+#: Reader lanes of a warm load, and the pinned ring they share out: buffers x bytes each, each
+#: lane owning every ``READ_THREADS``-th buffer (two 16 MB buffers a lane made the fastest first
+#: call, ahead of more, smaller ones: ``docs/benchmarks.md``).
+READ_THREADS = _setting("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
+RING_BUFFERS = 2 * READ_THREADS
+RING_BUFFER_BYTES = 16 << 20
 #: Lanes of a load whose first or last bytes are not in the page cache, each ring buffer then cut
-#: in as many parts as give every lane two (32 lanes x 2 x 8 MB: the same memory). A warm load is
-#: bound by memory bandwidth and the GIL and runs best with a lane per core; a cold one waits on
-#: the disk, and the H100 host's virtual disk reads a store rank's ranges faster with more, smaller
-#: reads in flight (``benchmarks/results/store-h100-r6/cold-probe.log``).
-COLD_READ_THREADS = _tunable("COLD_READ_THREADS", 2 * READ_THREADS, 1, 256)
-#: ``0`` issues the lanes' copies through ``torch`` instead of the CUDA runtime's entry points.
-CUDART = bool(_tunable("CUDART", 1, 0, 1))
-#: Ask the kernel to read every file of the load ahead (``POSIX_FADV_WILLNEED``) before the
-#: ring's own reads: a deeper disk queue for cold starts (benchmarks/bench_startup.py).
-WILLNEED = bool(_tunable("WILLNEED", 0, 0, 1))
-#: ``0`` turns the kernel's read-ahead off for the files a load reads (``POSIX_FADV_RANDOM``): each
-#: piece is then read as asked, nothing past the end of a range (a store's rank reads ranges with gaps).
-READ_AHEAD = bool(_tunable("READ_AHEAD", 1, 0, 1))
-#: ``0`` pins the ring with torch's allocator (``cudaHostAlloc``) instead of registering huge pages.
-FAST_PIN = bool(_tunable("FAST_PIN", 1, 0, 1))
+#: in as many parts as give every lane two (the same memory). A warm load is bound by memory
+#: bandwidth and the GIL and runs best with a lane per core; a cold one waits on the disk, which
+#: reads a store rank's gapped ranges faster with more, smaller reads in flight.
+COLD_READ_THREADS = 2 * READ_THREADS
+#: ``False`` (``MEGAMOE_CUDART=0``) issues the lanes' copies through ``torch`` instead of the CUDA runtime's entry points.
+CUDART = bool(_setting("CUDART", 1, 0, 1))
+#: ``False`` (``MEGAMOE_FAST_PIN=0``) pins the ring with torch's allocator (``cudaHostAlloc``) instead of registering huge pages.
+FAST_PIN = bool(_setting("FAST_PIN", 1, 0, 1))
 
 _HUGE_PAGE = 2 << 20
 _PIN_THREADS = 8
-
-
-def advise(fd: int, ranges: Iterable[tuple[int, int]] = ((0, 0),)) -> None:
-    """The read-ahead advice of :data:`READ_AHEAD` / :data:`WILLNEED` for a file a load reads
-    (``WILLNEED`` over ``ranges``, ``(offset, nbytes)``: by default the whole file)."""
-    if not READ_AHEAD:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    if WILLNEED:
-        for offset, nbytes in ranges:
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 def _huge_page_block(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
@@ -147,7 +139,7 @@ def lane_shape(buffers: int, cold: bool) -> LaneShape:
 
 class PinnedRing:
     """Pinned host buffers shared out among the reader lanes, with one CUDA event per buffer (or
-    part of one) and device (made once: making them per copy cost ~4 ms of a first call) and one
+    part of one) and device (made once: making them per copy slowed a first call) and one
     stream per lane and device."""
 
     def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
@@ -285,8 +277,7 @@ class Piece:
 class WorkQueue:
     """A load's ranges in file order (a disk reads them in one sweep), handed out a piece at a
     time to whichever reader comes free. Pieces are as large as a ring buffer to the end: pieces
-    shrinking over the load's tail (guided self-scheduling) made first calls slower on the H100
-    host, not faster (``benchmarks/results/store-h100-r6/tail-probe.log``)."""
+    shrinking over the load's tail (guided self-scheduling) made first calls slower, not faster."""
 
     def __init__(self, ranges: Iterable[tuple[int, int, torch.Tensor]]) -> None:
         self._ranges = sorted(ranges, key=lambda r: (r[0], r[1]))
@@ -415,14 +406,3 @@ def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
         for stream in streams:
             stream.wait_event(caller_done)  # after the caller's work (the destinations' memory may be reused)
         _lane_copy(queue, ring, index, readers, copier)
-
-
-def reset() -> None:
-    """Forget the process's ring and readers (a benchmark's sweep of the knobs above); the next
-    load makes new ones. The old ring's memory stays pinned until the process ends."""
-    global _RING, _READERS, _PINNING
-    with RING_LOCK:
-        if _READERS is not None:
-            _READERS.shutdown()
-        _RING, _READERS, _PINNING = None, None, None
-    device_copy.reset()

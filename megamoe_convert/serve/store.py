@@ -194,12 +194,8 @@ def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
     """Every read into CUDA destinations (one device) through the process's pinned ring."""
     device = next(iter(jobs[0][2].values())).device
     ranges: list[staging.Range] = []
-    by_fd: dict[int, list[Read]] = {}
     for fd, reads, dests in jobs:
-        by_fd.setdefault(fd, []).extend(reads)
         ranges += [(fd, r.file_offset, _flat(dests[r.key])[r.dest_offset:r.dest_offset + r.nbytes]) for r in reads]
-    for fd, reads in by_fd.items():
-        staging.advise(fd, [(r.file_offset, r.nbytes) for r in reads])  # the rank's ranges, not the whole store
     staging.fill_device(ranges, device)
 
 
