@@ -170,7 +170,7 @@ FILE_FIELDS = ("physical_to_logical", "ep_size", "n_logical", "num_redundant", "
 
 
 def check_file_fields(extra: dict[str, Any], placement: Placement, engine: str, where: object,
-                      layers: Sequence[tuple[str, bool, int]]) -> None:
+                      layers: Sequence[tuple[str, bool, int]], mtp_like_decoder: bool = False) -> None:
     """A placement file's ``engine`` and ``layer_placements`` (:meth:`Placement.read_file`) must be
     what this conversion builds; ``layers``: ``(key, is_mtp, logical experts)`` of every MoE layer.
     The engine places the layers with an expert count of their own by its own rule: no file changes it."""
@@ -179,7 +179,8 @@ def check_file_fields(extra: dict[str, Any], placement: Placement, engine: str, 
                              f"for {engine!r}; pass --engine {jsonio.one_line(str(extra['engine']))}")
     if "layer_placements" not in extra:
         return
-    own = {key: p for key, is_mtp, n in layers if (p := layer_placement(engine, placement, is_mtp, n)) != placement}
+    own = {key: p for key, is_mtp, n in layers
+           if (p := layer_placement(engine, placement, is_mtp, n, mtp_like_decoder)) != placement}
     given = extra["layer_placements"]
     for key in sorted(set(own) | set(given)):
         if given.get(key) != own.get(key):
@@ -189,7 +190,8 @@ def check_file_fields(extra: dict[str, Any], placement: Placement, engine: str, 
                                  "`megamoe plan --json`")
 
 
-def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None) -> Placement:
+def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None,
+                    mtp_like_decoder: bool = False) -> Placement:
     """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``
     and the layer's own logical expert count ``n_logical`` (``None``: the decoder layers').
 
@@ -197,14 +199,15 @@ def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: 
     (DeepSeek-V4.1's DSpark MTP layers) gets vLLM's default placement of that count with the
     same number of redundant experts (``DeepseekV4MoE._init_mega_moe_experts``). SGLang builds
     DeepSeek-V4's MTP (NextN) layer without expert location and without redundant experts: slot
-    ``p`` holds logical ``p``.
+    ``p`` holds logical ``p``; a family whose NextN layer SGLang builds like a decoder layer
+    (``mtp_like_decoder``: DeepSeek-V3, GLM-4.5) gets the decoder layers' placement.
     """
     if engine not in ENGINES:
         raise PlacementError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
     n_logical = placement.n_logical if n_logical is None else n_logical
     if n_logical != placement.n_logical and engine == "vllm":
         return _own_count_placement(placement, n_logical)
-    if engine != "sglang" or not is_mtp:
+    if engine != "sglang" or not is_mtp or mtp_like_decoder:
         return placement
     if n_logical % placement.ep_size:
         raise PlacementError(f"SGLang builds the MTP layer with {n_logical} experts and no redundant "

@@ -25,6 +25,8 @@ H, I, E = 256, 128, 3
     ("nvfp4", ("I8", (E, 2 * I, H // 2)), (E, H // 64, 2 * I),
      ["l1_global_scale", "l2_global_scale", "l2_input_scale", "l2_input_scale_all"]),
     ("bf16", ("BF16", (E, 2 * I, H)), None, []),
+    # SGLang's SM90 FP8 MegaMoE: w13_weight / w13_weight_scale_inv as build_sm90_mega_moe_experts_weights leaves them
+    ("fp8_block", ("F8_E4M3", (E, 2 * I, H)), (E, 2 * I // 128, H // 128), []),
 ])
 def test_rank_file_tensors_of_each_format(name, l1_weight, l1_sf, extra):
     specs = formats.spec_keys(formats.rank_tensor_specs(formats.by_name(name), "p", E, H, I, 8, shared_inter=I), "p")
@@ -40,7 +42,7 @@ def test_rank_file_tensors_of_each_format(name, l1_weight, l1_sf, extra):
 
 
 @pytest.mark.parametrize("weight,scale,message", [
-    ("F8_E4M3", "F32", "F8_E4M3 weights with F32 scales are no MegaMoE weight format"),
+    ("F8_E4M3", "BF16", "F8_E4M3 weights with BF16 scales are no MegaMoE weight format"),
     ("I8", None, "I8 weights without scales are no MegaMoE weight format"),
 ])
 def test_unsupported_expert_dtypes_are_refused_naming_what_was_found(weight, scale, message):

@@ -108,7 +108,8 @@ def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
                                      layers=layers)
             placement = make_placement(ckpt, options)
             own = {l.key: p for l in select_layers(ckpt, layers)
-                   if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l))) != placement}
+                   if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l),
+                                            ckpt.family.sglang_mtp_like_decoder)) != placement}
             d = ckpt.dims
             if as_json:
                 print_json({**placement.to_json(), "engine": engine.value,

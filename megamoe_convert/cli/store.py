@@ -11,6 +11,7 @@ from rich.table import Table
 from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, read_manifest
 from megamoe_convert.placement import Placement, layer_placement
 from megamoe_convert.serve import store
+from megamoe_convert.source import families
 from megamoe_convert.ui import human_bytes
 
 
@@ -31,8 +32,9 @@ def store_reads(src: str, manifest: Manifest, ep_size: int, num_redundant: int =
         placement = Placement.from_file(placement_file, n, ep_size)
     else:
         placement = Placement.default(n, ep_size, num_redundant)
-    placements = {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer))
-                  for layer in manifest.layers}
+    like_decoder = families.by_name(manifest.family).sglang_mtp_like_decoder
+    placements = {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer),
+                                         like_decoder) for layer in manifest.layers}
     expert_bytes = sum(manifest.file(manifest.expert_file(layer)).size for layer in manifest.layers)
     ranks = [store.rank_reads(manifest, placements, rank) for rank in range(ep_size)]
     return {"store": src, "ep_size": ep_size, "num_redundant": placement.num_redundant, "engine": engine,

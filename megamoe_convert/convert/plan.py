@@ -93,7 +93,8 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
         placement, extra = Placement.read_file(options.placement_file, n, options.ep_size)
         check_file_fields(extra, placement, options.engine, options.placement_file,
-                          [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers])
+                          [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers],
+                          family.sglang_mtp_like_decoder)
         if options.check_serving and options.engine == "vllm" and not placement.is_default():
             raise ConvertError(f"--placement {options.placement_file}: vLLM serves MegaMoE experts only in its "
                                f"default placement (slot p holds logical expert p % {n}) and refuses any other at "
@@ -106,7 +107,8 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
             raise PlacementError(f"{e}; {_sizes_text(ckpt, options, layers)}") from None
     for layer in layers:
         try:
-            layer_placement(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+            layer_placement(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+                            family.sglang_mtp_like_decoder)
         except PlacementError as e:
             failing = _failing(ckpt, options.engine, placement, layers)
             keep = [l for l in layers if l not in failing]
@@ -120,7 +122,8 @@ def _failing(ckpt: Checkpoint, engine: str, placement: Placement, layers: Sequen
     failing = []
     for layer in layers:
         try:
-            layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer))
+            layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+                            ckpt.family.sglang_mtp_like_decoder)
         except PlacementError:
             failing.append(layer)
     return failing
@@ -211,7 +214,8 @@ class Plan:
         if self.options.store:
             return Placement.default(self.ckpt.dims.experts_of(layer), 1)
         try:
-            return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer))
+            return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
+                                   self.ckpt.family.sglang_mtp_like_decoder)
         except PlacementError as e:
             raise PlacementError(f"{layer.key}: {e}") from None
 

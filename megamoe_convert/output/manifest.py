@@ -192,7 +192,8 @@ class Manifest:
         a store's layer file: every logical expert of the layer once, in order."""
         if self.store:
             return Placement.default(self.dims.experts_of(layer), 1)
-        return layer_placement(self.engine, self.placement, layer.is_mtp, self.dims.experts_of(layer))
+        return layer_placement(self.engine, self.placement, layer.is_mtp, self.dims.experts_of(layer),
+                               families.by_name(self.family).sglang_mtp_like_decoder)
 
     def expert_file(self, layer: MoELayer, rank: int = 0) -> str:
         """The file holding ``layer``'s experts for ``rank`` (a store's one file for every rank)."""

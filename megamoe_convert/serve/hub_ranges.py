@@ -31,6 +31,7 @@ from megamoe_convert.output.writer import partial_path
 from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
 from megamoe_convert.serve import store
 from megamoe_convert.serve.hub import HubError, _hub_errors, pull
+from megamoe_convert.source import families
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import encode_header
 
@@ -44,7 +45,8 @@ def layer_placements(manifest: Manifest, ep_size: int, num_redundant: int = 0, p
     n = manifest.dims.n_routed_experts
     placement = (Placement.from_file(placement_file, n, ep_size) if placement_file is not None
                  else Placement.default(n, ep_size, num_redundant))
-    return {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer))
+    like_decoder = families.by_name(manifest.family).sglang_mtp_like_decoder
+    return {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer), like_decoder)
             for layer in manifest.layers}
 
 

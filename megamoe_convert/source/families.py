@@ -19,7 +19,15 @@ Kimi-K3         kimi_k3       ``language_model.model.layers.L.block_sparse_moe.`
                               ``experts.E.w1.weight_packed``, ``.weight_scale``    ``routed_expert_hidden_size``),
                                                                                    SiTU, no redundant experts, the
                                                                                    shared expert outside the launch
+DeepSeek-V3/R1  deepseek_v3   ``model.layers.L.mlp.experts.E.gate_proj.weight``,   nothing (SGLang only: its SM90
+                              ``.weight_scale_inv`` (FP8, 128x128 FP32 blocks)     FP8 MegaMoE); MTP ``layers.61``
+Qwen3-MoE       qwen3_moe     the same names                                       nothing (SGLang only); no MTP
+GLM-4.5/4.6     glm4_moe      the same names                                       nothing; SGLang 0.5.23 neither
 ==============  ============  ===================================================  ===============================
+
+``w1`` / ``w3`` / ``w2`` are the project's names of an expert's gate, up and down projections; a
+family whose checkpoint calls them otherwise (``gate_proj`` / ``up_proj`` / ``down_proj``) says so in
+``projections``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ if TYPE_CHECKING:
 
 #: The canonical kinds of one expert projection's tensors (``formats.checkpoint_byte_shapes``).
 KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
+#: The project's names of an expert's projections: gate, down, up.
+PROJECTIONS = ("w1", "w2", "w3")
 _NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 
@@ -77,6 +87,11 @@ class ModelFamily:
     #: ``None``: every decoder layer is MoE).
     first_dense_key: str | None = None
     freq_key: str | None = None
+    #: Checkpoint name of each projection (``w1`` gate, ``w3`` up, ``w2`` down).
+    projections: Mapping[str, str] = field(default_factory=lambda: {p: p for p in PROJECTIONS})
+    #: SGLang builds the MTP (NextN) layer like a decoder layer: with expert location and redundant
+    #: experts (DeepSeek-V3's ``DeepseekV2MoE``), not DeepSeek-V4's plain slot-p-holds-p layer.
+    sglang_mtp_like_decoder: bool = False
 
     # ---------------------------------------------------------------- config.json
     def text(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -125,14 +140,15 @@ class TensorNames:
         return f.mtp_block.format(index=layer.index)
 
     def expert(self, layer: "MoELayer", expert: int, proj: str, kind: str) -> str:
-        return f"{self.block(layer)}.experts.{expert}.{proj}.{self.family.kinds[kind]}"
+        f = self.family
+        return f"{self.block(layer)}.experts.{expert}.{f.projections[proj]}.{f.kinds[kind]}"
 
     def shared_prefix(self, layer: "MoELayer") -> str:
         """Every checkpoint tensor of the layer's shared expert starts with this."""
         return f"{self.block(layer)}.shared_experts."
 
     def shared(self, layer: "MoELayer", proj: str, kind: str) -> str:
-        return f"{self.shared_prefix(layer)}{proj}.{kind}"
+        return f"{self.shared_prefix(layer)}{self.family.projections[proj]}.{kind}"
 
     @cached_property
     def _patterns(self) -> list[tuple[re.Pattern[str], bool]]:
@@ -169,19 +185,26 @@ class TensorNames:
         if found is None:
             return None
         layer, tail = found
-        m = re.fullmatch(rf"(?P<expert>{_NUMBER})\.(?P<proj>w[123])\.(?P<suffix>\w+)", tail)
+        projs = {name: proj for proj, name in self.family.projections.items()}
+        m = re.fullmatch(rf"(?P<expert>{_NUMBER})\.(?P<proj>{'|'.join(map(re.escape, projs))})\.(?P<suffix>\w+)", tail)
         if m is None:
             return None
         kinds = {suffix: kind for kind, suffix in self.family.kinds.items()}
-        return layer, int(m["expert"]), m["proj"], kinds.get(m["suffix"])
+        return layer, int(m["expert"]), projs[m["proj"]], kinds.get(m["suffix"])
+
+    def _proj_pattern(self) -> str:
+        """``w{1,2,3}``, or the family's own names: ``{gate_proj,down_proj,up_proj}``."""
+        names = [self.family.projections[p] for p in PROJECTIONS]
+        return "w{1,2,3}" if names == list(PROJECTIONS) else "{" + ",".join(names) + "}"
 
     def example(self) -> str:
         """A routed-expert weight's name pattern, for errors: ``layers.N.ffn.experts.E.w1.weight``."""
-        return f"{self.family.block.format(index='N')}.experts.E.wK.{self.family.kinds['weight']}"
+        proj = "wK" if self.family.projections["w1"] == "w1" else self.family.projections["w1"]
+        return f"{self.family.block.format(index='N')}.experts.E.{proj}.{self.family.kinds['weight']}"
 
     def expected_pattern(self, kinds: Any) -> str:
         """How an error names the expected expert tensors: ``experts.{e}.w{1,2,3}.weight|scale``."""
-        return f"experts.{{e}}.w{{1,2,3}}.{'|'.join(sorted(self.family.kinds[k] for k in kinds))}"
+        return f"experts.{{e}}.{self._proj_pattern()}.{'|'.join(sorted(self.family.kinds[k] for k in kinds))}"
 
 
 DEEPSEEK_V4 = ModelFamily(
@@ -215,7 +238,47 @@ KIMI_K3 = ModelFamily(
     engine_note="SGLang's Kimi-K3 MegaMoE path (mxfp4.py) rebuilds the experts whatever is installed",
     first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq")
 
-FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V4, DEEPSEEK_V41, KIMI_K3)
+#: The Hugging Face naming of DeepSeek-V3, Qwen3-MoE and GLM-4.5: ``model.layers.L.mlp.experts.E.gate_proj``.
+_HF_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_HF_KINDS = {"weight": "weight", "scale": "weight_scale_inv", "weight_scale_2": "weight_scale_2",
+             "input_scale": "input_scale"}
+#: Why vLLM serves none of the FP8 MegaMoE families below.
+_NO_VLLM = "vLLM 0.33 runs MegaMoE for DeepSeek-V4 and Kimi-K3 only; SGLang's SM90 FP8 MegaMoE serves this family"
+
+#: DeepSeek-V3 / R1 (and V3.1): FP8 e4m3 experts with FP32 128x128 block scales (``weight_scale_inv``),
+#: the first ``first_k_dense_replace`` layers dense, the MTP layer numbered after the decoder layers
+#: (``model.layers.61``). SGLang's ``DeepseekV2MoE`` builds every MoE layer, NextN included, with
+#: expert location and redundant experts; on Hopper its ``Fp8MoEMethod`` runs the SM90 FP8 MegaMoE.
+DEEPSEEK_V3 = ModelFamily(
+    name="deepseek_v3", title="DeepSeek-V3", model_types=("deepseek_v3",), text_key=None,
+    keys={**DEEPSEEK_V4.keys},
+    block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
+    fuses_shared_expert=False, engines=("sglang",), engine_note=_NO_VLLM, weight_formats=("fp8_block",),
+    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq", sglang_mtp_like_decoder=True)
+
+#: Qwen3-MoE (Qwen3-235B-A22B-FP8, Qwen3-30B-A3B-FP8): every layer MoE (as every release:
+#: ``decoder_sparse_step`` 1, no ``mlp_only_layers``; a checkpoint with dense layers is refused by its
+#: layer set), no shared expert, no MTP; SGLang's ``Qwen3MoeSparseMoeBlock`` runs MegaMoE.
+QWEN3_MOE = ModelFamily(
+    name="qwen3_moe", title="Qwen3-MoE", model_types=("qwen3_moe",), text_key=None,
+    keys={"hidden": "hidden_size", "intermediate": "moe_intermediate_size", "experts": "num_experts",
+          "top_k": "num_experts_per_tok", "layers": "num_hidden_layers", "mtp_layers": "num_nextn_predict_layers"},
+    block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
+    fuses_shared_expert=False, engines=("sglang",), engine_note=_NO_VLLM, weight_formats=("fp8_block",))
+
+#: GLM-4.5 / 4.6 (FP8 releases): DeepSeek-V3's naming and dense/MoE split, one MTP layer
+#: (``model.layers.92``). Converted and verified, but served by no engine yet: SGLang 0.5.23's
+#: ``Glm4MoeSparseMoeBlock`` never takes the MegaMoE forward.
+GLM4_MOE = ModelFamily(
+    name="glm4_moe", title="GLM-4.5", model_types=("glm4_moe",), text_key=None,
+    keys={**DEEPSEEK_V4.keys},
+    block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
+    fuses_shared_expert=False, engines=(), weight_formats=("fp8_block",),
+    engine_note="no engine runs GLM-4.5's MegaMoE yet: SGLang 0.5.23's Glm4MoeSparseMoeBlock never takes the "
+                "MegaMoE forward, vLLM 0.33 has none",
+    first_dense_key="first_k_dense_replace", sglang_mtp_like_decoder=True)
+
+FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V4, DEEPSEEK_V41, KIMI_K3, DEEPSEEK_V3, QWEN3_MOE, GLM4_MOE)
 
 
 def by_name(name: Any, where: object = "family") -> ModelFamily:

@@ -12,7 +12,13 @@ mxfp4     int8 (packed e2m1)  2                1x32 UE8M0        -
 mxfp8     float8_e4m3fn       1                1x32 UE8M0        -
 nvfp4     int8 (packed e2m1)  2                1x16 E4M3         FP32 L1/L2 global, L2 input
 bf16      bfloat16            1                none              -
+fp8_block float8_e4m3fn       1                128x128 FP32      - (Hopper: SGLang's SM90 layout)
 ========  ==================  ===============  ================  ==============================
+
+``fp8_block`` is another kernel layout (``kernel = "sm90"``): SGLang's
+``build_sm90_mega_moe_experts_weights`` for DeepGEMM's ``fp8_mega_moe`` interleaves the L1 weight's
+gate/up rows 8 by 8 and leaves the weights' FP32 128x128 block scales (``weight_scale_inv``) as the
+checkpoint stores them: no packing, no MN-major, no UTCCP (``docs/megamoe-layout.md``, "SM90").
 
 A fused shared expert is always MXFP8 here (the one shared precision DeepSeek-V4's FP8 block
 checkpoints fit): 128x128 block scales expanded to the kernel's 1x32.
@@ -50,6 +56,8 @@ class WeightFormat:
     element: str = "e2m1"  # what one weight value is: "e2m1" (packed FP4), "e4m3" or "bf16"
     scale_encoding: str | None = "ue8m0"  # what one block-scale byte is: "ue8m0", "e4m3" (None: unscaled)
     fuses_fp8_shared: bool = True  # the kernel can run an MXFP8 shared expert beside these experts
+    scale_block_n: int = 1  # rows one block scale covers (128: FP8 128x128 blocks)
+    kernel: str = "sm100"  # the kernel layout: "sm100" (layout.py's MegaMoE) or "sm90" (SGLang's FP8)
 
     @property
     def scaled(self) -> bool:
@@ -68,6 +76,16 @@ class WeightFormat:
         """int32 words of one packed scale row (``_pack_scale``: four bytes per word)."""
         return self.scale_row_bytes(k) // SCALES_PER_WORD
 
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of one block scale (4: an FP32 128x128 block scale)."""
+        return 4 if self.scale_encoding == "fp32" else 1
+
+    def scale_shape(self, n: int, k: int) -> tuple[int, int]:
+        """``[rows, blocks]`` of the block scales of an ``[n, k]`` weight."""
+        assert self.scale_group_k is not None
+        return n // self.scale_block_n, k // self.scale_group_k
+
 
 MXFP4 = WeightFormat("mxfp4", "I8", ("I8", "U8", "F4"), values_per_element=2, scale_group_k=32,
                      scale_dtypes=("F8_E8M0", "U8"))
@@ -76,8 +94,11 @@ MXFP8 = WeightFormat("mxfp8", "F8_E4M3", ("F8_E4M3",), scale_group_k=32, scale_d
 NVFP4 = WeightFormat("nvfp4", "I8", ("U8", "I8", "F4"), values_per_element=2, scale_group_k=16,
                      scale_dtypes=("F8_E4M3",), global_scales=True, scale_encoding="e4m3")
 BF16 = WeightFormat("bf16", "BF16", ("BF16",), fuses_fp8_shared=False, element="bf16", scale_encoding=None)
+FP8_BLOCK = WeightFormat("fp8_block", "F8_E4M3", ("F8_E4M3",), scale_group_k=128, scale_dtypes=("F32",),
+                         element="e4m3", scale_encoding="fp32", fuses_fp8_shared=False, scale_block_n=128,
+                         kernel="sm90")
 
-FORMATS: dict[str, WeightFormat] = {f.name: f for f in (MXFP4, MXFP8, NVFP4, BF16)}
+FORMATS: dict[str, WeightFormat] = {f.name: f for f in (MXFP4, MXFP8, NVFP4, BF16, FP8_BLOCK)}
 #: The format of a fused shared expert (``shared_l1`` / ``shared_l2``).
 SHARED_FORMAT = MXFP8
 #: ``config.json`` ``expert_dtype`` values whose experts MegaMoE takes: DeepSeek-V4's ``fp4`` names
@@ -143,7 +164,8 @@ def checkpoint_byte_shapes(fmt: WeightFormat, hidden: int, inter: int) -> dict[t
     for proj, (n, k) in expert_matrix_shapes(hidden, inter).items():
         shapes[proj, "weight"] = (n, fmt.weight_row_bytes(k))
         if fmt.scaled:
-            shapes[proj, "scale"] = (n, fmt.scale_row_bytes(k))
+            rows, blocks = fmt.scale_shape(n, k)
+            shapes[proj, "scale"] = (rows, blocks * fmt.scale_bytes)
     if fmt.global_scales:
         shapes.update({key: (4,) for key in GLOBAL_SCALE_TENSORS})
     return shapes
@@ -161,7 +183,8 @@ def checkpoint_dtypes(fmt: WeightFormat, kind: str) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------
 
 #: Rank-file tensor of each key, after the layer prefix (``layers.7.ffn.experts.l1.weight``).
-#: ``*.sf`` hold MN-major scales' storage ``[E, K/(4*group), MN]`` (kernel view: ``.transpose(-1, -2)``).
+#: ``*.sf`` hold MN-major scales' storage ``[E, K/(4*group), MN]`` (kernel view: ``.transpose(-1, -2)``);
+#: an SM90 format's hold its FP32 block scales ``[E, N/128, K/128]`` as they are (:func:`sf_kernel_view`).
 FILE_NAMES = {
     "l1_weight": "l1.weight", "l1_sf": "l1.sf", "l2_weight": "l2.weight", "l2_sf": "l2.sf",
     # NVFP4: per local slot, and the L2 input scale of every logical expert (the kernel takes their max)
@@ -178,6 +201,12 @@ ROUTED_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf")
 SHARED_KEYS = ("shared_l1_weight", "shared_l1_sf", "shared_l2_weight", "shared_l2_sf")
 
 
+def sf_kernel_view(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of a rank file's scale tensor: MN-major (a transposed view of the file's
+    storage), or for an SM90 format the stored FP32 block scales themselves."""
+    return stored if fmt.kernel == "sm90" else layout.sf_from_storage(stored)
+
+
 def tensor_names(prefix: str) -> dict[str, str]:
     """Every rank-file tensor name a layer can have, by key."""
     return {key: f"{prefix}.{name}" for key, name in FILE_NAMES.items()}
@@ -192,7 +221,10 @@ def _gemm_specs(fmt: WeightFormat, names: dict[str, str], key: str, outer: tuple
     row = fmt.weight_row_bytes(k)
     elements = row * 8 // DTYPE_BITS[fmt.weight_dtype]
     yield TensorSpec(names[f"{key}_weight"], fmt.weight_dtype, (*outer, mn, elements), count * mn * row)
-    if fmt.scaled:
+    if fmt.scaled and fmt.kernel == "sm90":  # the FP32 block scales as SGLang holds them
+        rows, blocks = fmt.scale_shape(mn, k)
+        yield TensorSpec(names[f"{key}_sf"], "F32", (*outer, rows, blocks), count * rows * blocks * 4)
+    elif fmt.scaled:
         words = fmt.scale_words(k)
         yield TensorSpec(names[f"{key}_sf"], "I32", (*outer, words, mn), count * words * mn * 4)
 
@@ -299,6 +331,8 @@ def decode_scales(fmt: WeightFormat, raw: torch.Tensor) -> torch.Tensor:
     raw = raw.contiguous().view(torch.uint8)
     if fmt.scale_encoding == "ue8m0":
         return (raw.to(torch.int32) << 23).view(torch.float32)
+    if fmt.scale_encoding == "fp32":
+        return raw.view(torch.float32)
     return raw.view(torch.float8_e4m3fn).float()
 
 
@@ -310,7 +344,8 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | No
     values = decode_elements(fmt, weight)
     if fmt.scaled:
         assert scale is not None and fmt.scale_group_k is not None
-        values = values * decode_scales(fmt, scale).repeat_interleave(fmt.scale_group_k, dim=-1)
+        scales = decode_scales(fmt, scale).repeat_interleave(fmt.scale_group_k, dim=-1)
+        values = values * (scales.repeat_interleave(fmt.scale_block_n, dim=-2) if fmt.scale_block_n > 1 else scales)
     if fmt.global_scales:
         assert global_scale is not None
         values = values * global_scale.float().reshape(*global_scale.shape, 1, 1)
@@ -322,6 +357,10 @@ def dequantize_kernel(fmt: WeightFormat, weight: torch.Tensor, sf: torch.Tensor 
     """The same values from the kernel form (a rank file's ``l1`` / ``l2`` operand, scales
     MN-major): the layout's permutations undone (``gate_up``: the L1 interleave), then
     :func:`dequantize`. ``k`` is the operand's reduction size (H for L1, I for L2)."""
+    if fmt.kernel == "sm90":  # only the L1 weight's rows moved; the FP32 block scales are the checkpoint's
+        raw = layout.deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
+        assert sf is not None
+        return dequantize(fmt, raw, sf)
     blocks = fmt.scale_row_bytes(k) if fmt.scaled else 0
     raw, raw_sf = layout.untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
     return dequantize(fmt, raw, raw_sf, global_scale)

@@ -16,8 +16,10 @@ from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 #: DeepSeek-V4 (tiny, and the published Flash / Pro dims), DeepSeek-V4.1 (v4.1-flash: the published
-#: V4.1-Flash dims), Kimi-K3 (the published dims): see README "Presets".
-PRESETS = ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3")
+#: V4.1-Flash dims), Kimi-K3, DeepSeek-V3, Qwen3-MoE (Qwen3-235B-A22B) and GLM-4.5 (the published dims):
+#: see README "Presets".
+PRESETS = ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3", "deepseek-v3-tiny",
+           "deepseek-v3", "qwen3-moe-tiny", "qwen3-moe", "glm-4.5-tiny", "glm-4.5")
 
 #: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
 SCALE_BYTE_RANGE = (110, 136)
@@ -45,8 +47,9 @@ class SynthTensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "e4m3" (finite
-    #: FP8 values), "bf16" (small finite values), "ones" (bf16 1.0), or "value" (F32 ``value``).
+    #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "fp32_scale" (positive
+    #: FP32 block scales), "e4m3" (finite FP8 values), "bf16" (small finite values), "ones" (bf16 1.0),
+    #: or "value" (F32 ``value``).
     fill: str = "random"
     value: float = 0.0
 
@@ -63,7 +66,7 @@ class SynthTensor:
 
 #: How each checkpoint weight / scale dtype is filled.
 WEIGHT_FILLS = {"F8_E4M3": "e4m3", "BF16": "bf16"}
-SCALE_FILLS = {"F8_E4M3": "e4m3_scale"}
+SCALE_FILLS = {"F8_E4M3": "e4m3_scale", "F32": "fp32_scale"}
 
 
 def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: int, inter: int, fmt: WeightFormat,
@@ -78,7 +81,9 @@ def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: in
             yield SynthTensor(names.expert(layer, e, proj, "weight"), weight_dtype, (n, cols),
                               WEIGHT_FILLS.get(weight_dtype, "random"))
             if fmt.scaled:
-                yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (n, fmt.scale_row_bytes(k)),
+                rows, blocks = fmt.scale_shape(n, k)
+                cols = blocks * fmt.scale_bytes * 8 // DTYPE_BITS[scale_dtype]
+                yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (rows, cols),
                                   SCALE_FILLS.get(scale_dtype, "scale"))
             if fmt.global_scales:
                 yield SynthTensor(names.expert(layer, e, proj, "weight_scale_2"), "F32", (), "value",

@@ -27,6 +27,7 @@ from megamoe_convert.output.writer import write_json_atomic, write_safetensors
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CONFIG_NAME, INDEX_NAME, MAX_LAYERS
 from megamoe_convert.source.formats import WeightFormat
+from megamoe_convert.synth import hf_moe
 from megamoe_convert.synth.kimi import kimi_k3_tensors
 from megamoe_convert.synth.tensors import (
     E4M3_SCALE_BYTE_RANGE,
@@ -52,6 +53,9 @@ def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4
     if family is families.KIMI_K3:
         yield from kimi_k3_tensors(config, fmt, weight_dtype, scale_dtype)
         return
+    if family in hf_moe.FAMILIES:
+        yield from hf_moe.hf_moe_tensors(family, config, fmt, weight_dtype, scale_dtype)
+        return
     yield from deepseek_tensors(family, config, fmt, weight_dtype, scale_dtype)
 
 
@@ -59,6 +63,8 @@ def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
     if t.fill in ("scale", "e4m3_scale"):
         low, high = SCALE_BYTE_RANGE if t.fill == "scale" else E4M3_SCALE_BYTE_RANGE
         return rng.integers(low, high, size=t.nbytes, dtype=np.uint8).tobytes()
+    if t.fill == "fp32_scale":  # positive, finite: 2**-12 .. 2**-4 with random mantissas
+        return rng.uniform(2.0 ** -12, 2.0 ** -4, size=t.nbytes // 4).astype(np.float32).tobytes()
     if t.fill == "ones":
         return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
     if t.fill == "e4m3":  # every byte but the two NaNs (0x7F, 0xFF)
@@ -109,7 +115,7 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     text, keys = family.text(config), family.keys
     assert isinstance(text, dict)
     check_counts(text, keys, layers, experts, mtp_layers)
-    fmt = formats.by_name(weight_format or formats.MXFP4.name, "--format")
+    fmt = formats.by_name(weight_format or family.weight_formats[0], "--format")
     if fmt.name not in family.weight_formats:
         raise SynthError(f"--format {fmt.name}: {family.title} checkpoints ship {'/'.join(family.weight_formats)} "
                          f"routed experts only; drop --format or pick a preset of another family")
