@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO
 from hub_fake import FakeHub, cache_put
-from megamoe_convert.cli.commands import app
+from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, push, resolve_source

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 from hub_fake import FakeHub
-from megamoe_convert.cli.commands import app
+from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.placement import Placement

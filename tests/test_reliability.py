@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
-from megamoe_convert.cli.commands import run_command
+from megamoe_convert.cli._run import run_command
 from megamoe_convert.output.state import OutputBusy, part_name
 from megamoe_convert.convert.fleet import auto_merge, merge
 from megamoe_convert.serve.errors import LoadError

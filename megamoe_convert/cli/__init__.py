@@ -1,26 +1,69 @@
 """The ``megamoe`` command line (top of the pipeline: it may import every stage, nothing imports it).
 
-``commands`` holds the app and the core commands; ``inspect`` (inspect, plan), ``verify``, ``fleet`` and
-``preload`` add theirs here; ``conventions`` applies the command line's conventions to all of them (``-h``,
-``-q/--quiet``, metavars, plain-worded usage errors, JSON errors under ``--json``, SIGTERM);
-``demo`` is ``make demo``'s last step.
+One module per command (``synth``, ``inspect``, ``plan``, ``convert``, ``verify``, ``push``, ``pull``,
+``merge``, ``preload``), each a top-level function whose docstring carries its examples. :data:`COMMANDS`
+below lists them in the order ``megamoe --help`` shows them, the order a user runs them; the app is
+built from it. Shared pieces: ``options`` (option types several commands take), ``_run`` (the one error
+path, JSON output), ``conventions`` (``-h``, ``-q``, metavars, plain usage errors, JSON errors, SIGTERM),
+``describe`` and ``store`` (what ``inspect`` and ``plan`` say); ``demo`` is ``make demo``'s last step.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Annotated, Any, Callable
 
-from megamoe_convert.cli import conventions, fleet, inspect, preload, verify
-from megamoe_convert.cli.commands import app, print_json, run_command
+import typer
 
-inspect.register(app, run_command, print_json)
-verify.register(app, run_command, print_json)
-fleet.register(app, run_command, print_json)
-preload.register(app, run_command, print_json)
-# `megamoe --help` lists commands in the order they were added: the order a user runs them.
-_ORDER = ["synth", "inspect", "plan", "convert", "verify", "push", "pull", "merge", "preload"]
-app.registered_commands.sort(key=lambda c: _ORDER.index(c.callback.__name__) if c.callback and
-                             c.callback.__name__ in _ORDER else len(_ORDER))
+from megamoe_convert import __version__
+from megamoe_convert.cli import (_run, conventions, convert, inspect, merge, plan, preload, pull, push, synth,
+                                 verify)
+
+#: Every command in display order: its name, its function (the namesake of its module), the line the
+#: command list shows (click would cut the docstring at 45 characters), and further ``app.command`` settings.
+COMMANDS: list[tuple[str, Callable[..., Any], str, dict[str, Any]]] = [
+    ("synth", synth.synth, "Write a random test checkpoint of a supported model family.", {}),
+    ("inspect", inspect.inspect, "Show what a checkpoint or a conversion holds, and how to serve it.", {}),
+    ("plan", plan.plan, "Show which logical experts every rank holds.", {}),
+    ("convert", convert.convert, "Convert a checkpoint into per-rank MegaMoE files and a manifest.", {}),
+    ("verify", verify.verify, "Check a conversion (checksums; bytes, numerics vs the source).", {}),
+    ("push", push.push, "Upload a conversion to the Hugging Face hub.", {}),
+    ("pull", pull.pull, "Download a pushed conversion, only the ranks you name.", {}),
+    ("merge", merge.merge, "Assemble the parts of a split conversion (convert --shard).", {}),
+    ("preload", preload.preload, "Start vLLM's weight-cache daemons from a conversion.", preload.SETTINGS),
+]
+
+app = typer.Typer(
+    name="megamoe", context_settings={"help_option_names": conventions.HELP_OPTIONS},
+    help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
+         "offline, "
+         "so that vLLM ranks load them with no transform work.",
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
+)
+
+
+def _print_version(requested: bool) -> None:
+    """Eager, so that ``megamoe --version`` answers without a command."""
+    if requested:
+        print(f"megamoe-convert {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    _run.state["debug"] = debug
+    _run.state["command"] = ctx.invoked_subcommand
+
+
+for _name, _function, _summary, _settings in COMMANDS:
+    app.command(_name, short_help=_summary, **_settings)(_function)
+del _name, _function, _summary, _settings
 
 __all__ = ["app", "main"]
 

@@ -1,8 +1,7 @@
-"""The command line's conventions, applied to every command at once (cli.py's ``main``):
+"""The command line's conventions, applied to every command at once (``cli.main``):
 
 - ``-h`` as well as ``--help``; ``-q/--quiet`` on every command (no progress, no status lines);
 - metavars that read like a usage line (``SRC OUT``, ``--ep-size N``), never a Python type;
-- one-line summaries written for the command list, never cut mid-parenthesis;
 - usage errors in plain words (the argument parser's validation messages are rewritten), and as
   JSON on stdout too when ``--json`` was asked for;
 - SIGTERM (``timeout``, Kubernetes) handled like Ctrl-C: the same clean stop and resume hint,
@@ -37,20 +36,7 @@ OPTION_METAVARS = {
 COMMAND_METAVARS = {("synth", "layers"): "N"}
 ARGUMENT_METAVARS = {"parts": "PART_DIR"}
 
-#: What the command list shows for each command (click would cut the docstring at 45 characters).
-SHORT_HELP = {
-    "synth": "Write a random test checkpoint of a supported model family.",
-    "inspect": "Show what a checkpoint or a conversion holds, and how to serve it.",
-    "plan": "Show which logical experts every rank holds.",
-    "convert": "Convert a checkpoint into per-rank MegaMoE files and a manifest.",
-    "verify": "Check a conversion (checksums; bytes, numerics vs the source).",
-    "push": "Upload a conversion to the Hugging Face hub.",
-    "pull": "Download a pushed conversion, only the ranks you name.",
-    "merge": "Assemble the parts of a split conversion (convert --shard).",
-    "preload": "Start vLLM's weight-cache daemons from a conversion.",
-}
-
-#: The state the conventions keep for the command running (read by cli.run_command and ui).
+#: The state the conventions keep for the command running (read by ``_run.run_command``).
 state: dict[str, Any] = {"json": False}
 
 
@@ -112,8 +98,6 @@ def apply(group: Any) -> Any:
     template = next(p for p in group.params if p.name == "debug")
     for name, command in group.commands.items():
         command.context_settings = {**(command.context_settings or {}), "help_option_names": HELP_OPTIONS}
-        if name in SHORT_HELP:
-            command.short_help = SHORT_HELP[name]
         for param in command.params:
             if param.name == "as_json":
                 param.callback = _track_json(param.callback)

@@ -13,7 +13,8 @@ from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.convert.plan import ConvertOptions, index_text, non_expert_index, working_ep_sizes
 from megamoe_convert.convert.run import build_plan
 from megamoe_convert.engines import shape_refusals
-from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, format_ranges, rank_dir_name
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output.naming import MANIFEST_NAME, format_ranges, rank_dir_name
 from megamoe_convert.source.safetensors_io import FileCache
 
 
@@ -53,6 +54,11 @@ def ep_sizes(ckpt: Checkpoint, num_redundant: int = 0) -> dict[str, list[int]]:
     (MTP layers with their own expert count included) divides over the ranks."""
     assert ckpt.family is not None
     return {engine: working_ep_sizes(ckpt, num_redundant, engine, ckpt.layers) for engine in ckpt.family.engines}
+
+
+def engines_json(refusals: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+    """Per engine: ``{"supported": bool, "reason": str}`` (never null meaning "supported")."""
+    return {engine: {"supported": why is None, "reason": why or ""} for engine, why in refusals.items()}
 
 
 # --------------------------------------------------------------------------------------

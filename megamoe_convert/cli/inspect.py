@@ -1,134 +1,61 @@
-"""``megamoe inspect`` and ``megamoe plan`` (registered into the main app by cli.py)."""
+"""``megamoe inspect``: what a checkpoint, a conversion or a store holds, and how to serve it."""
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
+from megamoe_convert.cli._run import print_json, run_command
+from megamoe_convert.cli.options import Engine, EngineOption, RedundantOption, RevisionOption, resolve_source
 from megamoe_convert.ui import human_bytes, out_console
 
-if TYPE_CHECKING:
-    from megamoe_convert.placement import Placement
 
+def inspect(
+    src: Annotated[str, typer.Argument(help="A checkpoint directory (or hub repo id), a directory "
+                                            "`megamoe convert` wrote (it has a manifest.json), or a store "
+                                            "(what each rank reads of it).")],
+    ep_size: Annotated[Optional[int], typer.Option(min=1, help="Size the conversion for this EP size: bytes "
+                                                               "per rank and in all (default: list the EP "
+                                                               "sizes that work).")] = None,
+    num_redundant_experts: RedundantOption = 0,
+    engine: EngineOption = Engine.vllm,
+    experts_only: Annotated[bool, typer.Option(help="Size an --experts-only conversion.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
+    revision: RevisionOption = None,
+) -> None:
+    """Show what a checkpoint holds (MoE layers incl. MTP, experts, dims, dtypes, the EP sizes that
+    work, bytes per rank and in all as convert will write them, which engines serve its shapes) or,
+    for a conversion, what it is and the exact command that serves it.
+    \f
+    Examples::
 
-class Engine(str, Enum):
-    vllm = "vllm"
-    sglang = "sglang"
+        megamoe inspect /models/DeepSeek-V4-Flash                  # EP sizes that work, engines
+        megamoe inspect /models/DeepSeek-V4-Flash --ep-size 8      # bytes per rank, before converting
+        megamoe inspect /models/V4-Flash-ep8                       # what it is, the serve command
+        megamoe inspect /models/V4-Flash-store --ep-size 16 --json # what each rank reads of a store
+    """
+    from megamoe_convert.cli.describe import is_conversion
+    from megamoe_convert.cli.store import print_store_reads
 
-
-#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way).
-EngineOption = Annotated[Engine, typer.Option(help="Serving engine whose expert placement the ranks follow: "
-                                                   "SGLang builds the MTP layer without redundant experts.")]
-
-#: ``--revision`` of the commands that read a source checkpoint.
-RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "
-                                                            "download (default: main).")]
-
-
-def resolve_source(src: str, revision: str | None = None) -> Path:
-    """A local directory (hub repo ids are resolved by :mod:`.hub` where available)."""
-    path = Path(src)
-    if path.exists():
-        return path
-    try:
-        from megamoe_convert.serve.hub import resolve_source as hub_resolve
-    except ImportError:
-        return path
-    return hub_resolve(src, revision)
-
-
-def engines_json(refusals: dict[str, str | None]) -> dict[str, dict[str, Any]]:
-    """Per engine: ``{"supported": bool, "reason": str}`` (never null meaning "supported")."""
-    return {engine: {"supported": why is None, "reason": why or ""} for engine, why in refusals.items()}
-
-
-def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
-             print_json: Callable[[Any], None]) -> None:
-    """Add ``inspect`` and ``plan`` to ``app``."""
-
-    @app.command()
-    def inspect(
-        src: Annotated[str, typer.Argument(help="A checkpoint directory (or hub repo id), a directory "
-                                                "`megamoe convert` wrote (it has a manifest.json), or a store "
-                                                "(what each rank reads of it).")],
-        ep_size: Annotated[Optional[int], typer.Option(min=1, help="Size the conversion for this EP size: bytes "
-                                                                   "per rank and in all (default: list the EP "
-                                                                   "sizes that work).")] = None,
-        num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
-        engine: EngineOption = Engine.vllm,
-        experts_only: Annotated[bool, typer.Option(help="Size an --experts-only conversion.")] = False,
-        as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
-        revision: RevisionOption = None,
-    ) -> None:
-        """Show what a checkpoint holds (MoE layers incl. MTP, experts, dims, dtypes, the EP sizes that
-        work, bytes per rank and in all as convert will write them, which engines serve its shapes) or,
-        for a conversion, what it is and the exact command that serves it."""
-        from megamoe_convert.cli.describe import is_conversion
-
-        def body() -> None:
-            if _store_reads(src, as_json, print_json, ep_size or 1, num_redundant_experts, None, engine.value):
-                return  # a store (convert without --ep-size): what each rank reads of it
-            if is_conversion(Path(src)):
-                _inspect_conversion(Path(src), as_json, print_json)
-            else:
-                _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts, engine.value,
-                                    experts_only, as_json, print_json)
-        run_command(body)
-
-    @app.command()
-    def plan(
-        src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
-        ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
-        num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB).")] = 0,
-        placement_file: Annotated[Optional[Path], typer.Option("--placement", help="JSON list: logical expert id "
-                                                                                 "of every physical slot.")] = None,
-        engine: EngineOption = Engine.vllm,
-        layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: "
-                                                           "all).")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
-        revision: RevisionOption = None,
-    ) -> None:
-        """Print which logical experts every rank's slots hold, per layer where the engine's rule
-        differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
-        the checkpoint's shapes."""
-        from megamoe_convert.source.checkpoint import Checkpoint
-        from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
-        from megamoe_convert.engines import describe_engines, shape_refusals
-        from megamoe_convert.placement import layer_placement
-
-        def body() -> None:
-            if _store_reads(src, as_json, print_json, ep_size, num_redundant_experts, placement_file, engine.value):
-                return
-            ckpt = Checkpoint.open(resolve_source(src, revision))
-            options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
-                                     layers=layers)
-            placement = make_placement(ckpt, options)
-            own = {l.key: p for l in select_layers(ckpt, layers)
-                   if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l),
-                                            ckpt.family.sglang_mtp_like_decoder)) != placement}
-            d = ckpt.dims
-            if as_json:
-                print_json({**placement.to_json(), "engine": engine.value,
-                            "layer_placements": {key: p.to_json() for key, p in own.items()},
-                            "engines": engines_json(shape_refusals(d.hidden_size, d.moe_intermediate_size,
-                                                                   ckpt.family))})
-                return
-            out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
-            for key, p in own.items():
-                out_console.print(_placement_table(p, f"{key} ({engine.value})"))
-            out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
-        run_command(body)
+    def body() -> None:
+        if print_store_reads(src, as_json, ep_size or 1, num_redundant_experts, None, engine.value):
+            return  # a store (convert without --ep-size): what each rank reads of it
+        if is_conversion(Path(src)):
+            _inspect_conversion(Path(src), as_json)
+        else:
+            _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts, engine.value,
+                                experts_only, as_json)
+    run_command(body)
 
 
 def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str, experts_only: bool,
-                        as_json: bool, print_json: Callable[[Any], None]) -> None:
+                        as_json: bool) -> None:
     from megamoe_convert.source.checkpoint import Checkpoint
     from megamoe_convert.convert.plan import ConvertOptions
-    from megamoe_convert.cli.describe import ep_sizes, planned_sizes
+    from megamoe_convert.cli.describe import engines_json, ep_sizes, planned_sizes
     from megamoe_convert.engines import describe_engines, shape_refusals
 
     ckpt = Checkpoint.open(path)
@@ -185,7 +112,7 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     out_console.print(table)
 
 
-def _inspect_conversion(out: Path, as_json: bool, print_json: Callable[[Any], None]) -> None:
+def _inspect_conversion(out: Path, as_json: bool) -> None:
     from megamoe_convert.cli.describe import describe_conversion, describe_ranks
     from megamoe_convert.output.manifest import read_manifest
 
@@ -218,35 +145,3 @@ def _inspect_conversion(out: Path, as_json: bool, print_json: Callable[[Any], No
                 out_console.print(f"  ({note})", markup=False, highlight=False)
         else:
             out_console.print(f"not servable with {engine}: {serve['reason']}", markup=False, highlight=False)
-
-
-def _store_reads(src: str, as_json: bool, print_json: Callable[[Any], None], *args: Any) -> bool:
-    """``inspect`` / ``plan`` of a store: what each rank reads of it (``cli/store.py``); False for anything else."""
-    from megamoe_convert.cli.store import reads_table, store_manifest, store_reads
-
-    manifest = store_manifest(src)
-    if manifest is None:
-        return False
-    data = store_reads(src, manifest, *args)
-    if as_json:
-        print_json(data)
-    else:
-        out_console.print(reads_table(data))
-    return True
-
-
-def _placement_table(placement: "Placement", what: str) -> Table:
-    table = Table(title=f"{what}, EP {placement.ep_size}: {placement.n_physical} physical slots for "
-                        f"{placement.n_logical} logical experts ({placement.experts_per_rank} per rank)")
-    for col in ("rank", "physical slots", "logical experts"):
-        table.add_column(col)
-    for rank in range(placement.ep_size):
-        start = placement.experts_start(rank)
-        table.add_row(str(rank), f"{start}..{start + placement.experts_per_rank - 1}",
-                      _short_list(placement.rank_logical_ids(rank)))
-    return table
-
-
-def _short_list(ids: tuple[int, ...]) -> str:
-    text = ", ".join(map(str, ids))
-    return text if len(text) < 80 else text[:76] + " ..."

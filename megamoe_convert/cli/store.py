@@ -8,11 +8,13 @@ from typing import Any
 
 from rich.table import Table
 
-from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest, read_manifest
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.placement import Placement, layer_placement
 from megamoe_convert.serve import store
 from megamoe_convert.source import families
-from megamoe_convert.ui import human_bytes
+from megamoe_convert.cli._run import print_json
+from megamoe_convert.ui import human_bytes, out_console
 
 
 def store_manifest(src: str) -> Manifest | None:
@@ -52,3 +54,17 @@ def reads_table(data: dict[str, Any]) -> Table:
         table.add_row(str(r["rank"]), human_bytes(r["read_bytes"]), str(r["reads"]), str(r["ranges"]),
                       human_bytes(r["range_bytes"]))
     return table
+
+
+def print_store_reads(src: str, as_json: bool, *args: Any) -> bool:
+    """``inspect`` / ``plan`` of a store: print what each rank reads of it (``args``: those of
+    :func:`store_reads`); False, printing nothing, for anything that is no store."""
+    manifest = store_manifest(src)
+    if manifest is None:
+        return False
+    data = store_reads(src, manifest, *args)
+    if as_json:
+        print_json(data)
+    else:
+        out_console.print(reads_table(data))
+    return True

@@ -1,64 +1,69 @@
-"""``megamoe verify`` (registered into the main app by cli/commands.py)."""
+"""``megamoe verify``: check a conversion against its manifest and, optionally, its source."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
+from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.devices import Device
 from megamoe_convert.ui import ByteProgress, human_bytes, out_console
 
 
-def register(app: typer.Typer, run_command: Callable[[Callable[[], Any]], Any],
-             print_json: Callable[[Any], None]) -> None:
-    """Add ``verify`` to ``app``."""
+def verify(
+    out: Annotated[Path, typer.Argument(help="Converted directory (output of `megamoe convert`).")],
+    source: Annotated[Optional[Path], typer.Option(help="Source checkpoint: re-derive expert slots and "
+                                                        "compare bytes; compare non-expert tensors.")] = None,
+    ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
+    sample: Annotated[Optional[int], typer.Option(min=1, help="With --source: compare K random expert slots "
+                                                       "instead of all.")] = None,
+    numerics: Annotated[bool, typer.Option(help="With --source: reference SwiGLU MoE from the pre-baked "
+                                                "layout must equal the one from the source, exactly.")] = False,
+    deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
+                                                 "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
+    device: Annotated[Device, typer.Option(help="Device for --numerics.")] = Device.cpu,
+    seed: Annotated[int, typer.Option(min=0, help="Seed for --sample and --numerics.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+) -> None:
+    """Check a converted directory: files and checksums, shard tensors, placement; optionally
+    bytes and numerics against the source. Exit 0 if all is well (a partial conversion says so),
+    1 if problems were found, 2 if OUT is not a conversion (e.g. a source checkpoint).
+    \f
+    Examples::
 
-    @app.command()
-    def verify(
-        out: Annotated[Path, typer.Argument(help="Converted directory (output of `megamoe convert`).")],
-        source: Annotated[Optional[Path], typer.Option(help="Source checkpoint: re-derive expert slots and "
-                                                            "compare bytes; compare non-expert tensors.")] = None,
-        ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
-        sample: Annotated[Optional[int], typer.Option(min=1, help="With --source: compare K random expert slots "
-                                                           "instead of all.")] = None,
-        numerics: Annotated[bool, typer.Option(help="With --source: reference SwiGLU MoE from the pre-baked "
-                                                    "layout must equal the one from the source, exactly.")] = False,
-        deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
-                                                     "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
-        device: Annotated[Device, typer.Option(help="Device for --numerics.")] = Device.cpu,
-        seed: Annotated[int, typer.Option(min=0, help="Seed for --sample and --numerics.")] = 0,
-        as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
-    ) -> None:
-        """Check a converted directory: files and checksums, shard tensors, placement; optionally
-        bytes and numerics against the source. Exit 0 if all is well (a partial conversion says so),
-        1 if problems were found, 2 if OUT is not a conversion (e.g. a source checkpoint)."""
-        from megamoe_convert.verify import verify as run_verify
+        megamoe verify /models/V4-Flash-ep8                       # sizes and checksums
+        megamoe verify /models/V4-Flash-ep8 --ranks 0-3           # only what this node serves
+        megamoe verify /models/V4-Flash-ep8 --source /models/DeepSeek-V4-Flash --numerics
+        megamoe verify /models/V4-Flash-ep8 --source /models/DeepSeek-V4-Flash --sample 64 --json
+    """
+    from megamoe_convert.verify import verify as run_verify
 
-        if source is None:
-            for flag, given in (("--numerics", numerics), ("--deep-gemm", deep_gemm), ("--sample", sample is not None)):
-                if given:
-                    raise typer.BadParameter(f"{flag} compares against the source checkpoint: pass --source too",
-                                             param_hint=flag)
+    if source is None:
+        for flag, given in (("--numerics", numerics), ("--deep-gemm", deep_gemm), ("--sample", sample is not None)):
+            if given:
+                raise typer.BadParameter(f"{flag} compares against the source checkpoint: pass --source too",
+                                         param_hint=flag)
 
-        def body() -> Any:
-            with ByteProgress("verify") as progress:
-                report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
-                                    deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress)
-            if as_json:
-                print_json(report.to_json())
-            else:
-                print_report(report)
-            return report
+    def body() -> Any:
+        with ByteProgress("verify") as progress:
+            report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
+                                deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress)
+        if as_json:
+            print_json(report.to_json())
+        else:
+            print_report(report)
+        return report
 
-        report = run_command(body)
-        if not report.ok:
-            raise typer.Exit(1)
+    report = run_command(body)
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def print_report(report: Any) -> None:
+    """The report as a table, then OK or every problem found, one per line."""
     table = Table(title=f"megamoe verify {report.out}")
     table.add_column("check")
     table.add_column("result")

@@ -1,0 +1,77 @@
+"""``megamoe synth``: a random checkpoint of a supported model family, to try the tool without one."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from megamoe_convert.cli._run import run_command
+from megamoe_convert.synth.tensors import PRESETS
+from megamoe_convert.ui import ByteProgress, status
+
+#: ``synth`` presets (``configs/``, ``synth.PRESETS``): DeepSeek-V4 tiny / Flash / Pro, DeepSeek-V4.1 tiny / Flash,
+#: Kimi-K3, DeepSeek-V3, Qwen3-MoE and GLM-4.5, each tiny / full.
+Preset = Enum("Preset", {name.replace("-", "_").replace(".", "_"): name for name in PRESETS}, type=str)
+
+
+class WeightDtype(str, Enum):
+    int8 = "int8"
+    uint8 = "uint8"
+    float4 = "float4"
+
+
+class ScaleDtype(str, Enum):
+    e8m0 = "e8m0"
+    uint8 = "uint8"
+
+
+def synth(
+    out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
+    preset: Annotated[Preset, typer.Option(help="Model family and dimensions: tiny (DeepSeek-V4, tests), flash/pro "
+                                                "(real DeepSeek-V4 dims), v4.1-flash (DeepSeek-V4.1), kimi-k3 (Kimi-K3), "
+                                                "*-tiny for tests; cut real ones down with --layers/--experts.")
+                      ] = Preset.tiny,  # type: ignore[attr-defined]
+    layers: Annotated[Optional[int], typer.Option(min=1, help="Decoder layers (default: the preset's).")] = None,
+    experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
+    mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Random seed (same seed, same bytes).")] = 0,
+    weight_format: Annotated[Optional[str], typer.Option(
+        "--format", help="Routed experts' MegaMoE weight format: mxfp4 (DeepSeek-V4's), mxfp8, nvfp4, bf16, or "
+                         "fp8_block (DeepSeek-V3's, Qwen3-MoE's, GLM-4.5's); default: the family's.")] = None,
+    weight_dtype: Annotated[Optional[WeightDtype], typer.Option(
+        help="Stored dtype of packed FP4 expert weights (mxfp4; default int8).")] = None,
+    scale_dtype: Annotated[Optional[ScaleDtype], typer.Option(
+        help="Stored dtype of UE8M0 expert scales (mxfp4; default e8m0).")] = None,
+    shard_mb: Annotated[Optional[float], typer.Option(min=0.001, help="Shard size in MB (default: 0.4 of a layer's "
+                                                           "experts, so layers span shards).")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,
+) -> None:
+    """Write a random checkpoint of a supported model family (real tensor names, FP4 experts, size-cut shards).
+    \f
+    Examples::
+
+        megamoe synth demo/ckpt                                   # tiny DeepSeek-V4, seconds
+        megamoe synth flash-cut --preset flash --layers 2 --experts 16
+        megamoe synth kimi --preset kimi-k3-tiny --format nvfp4 --seed 1
+    """
+    from megamoe_convert.source.families import detect
+    from megamoe_convert.synth.write import synthesize
+
+    def body() -> None:
+        with ByteProgress(f"synth {preset.value}") as progress:
+            config = synthesize(out, preset.value, layers=layers, experts=experts, mtp_layers=mtp_layers, seed=seed,
+                                weight_format=weight_format, weight_dtype=weight_dtype and weight_dtype.value,
+                                scale_dtype=scale_dtype and scale_dtype.value,
+                                shard_bytes=int(shard_mb * 1e6) if shard_mb else None,
+                                progress=progress, overwrite=overwrite)
+        family = detect(config, preset.value)
+        text, keys = family.text(config), family.keys
+        status(f"wrote {out} ({family.title}: {text[keys['layers']]} layers + "
+               f"{text.get(keys['mtp_layers'], 0)} MTP, {text[keys['experts']]} experts, "
+               f"H={text[keys['hidden']]}"
+               f"{'' if keys['hidden'] == 'hidden_size' else ' (' + keys['hidden'] + ')'}, "
+               f"I={text[keys['intermediate']]})")
+    run_command(body)
