@@ -1,5 +1,6 @@
 """The layout probe's engine-agnostic half: the synthetic expert, the project's layout of it (the bytes a
-conversion writes), the comparison, the fingerprint, the once-per-process run and the scratch twin.
+conversion writes), the comparison, the fingerprint and layout identity (``output/layout_identity.py``),
+the once-per-process run, the opt-out and the scratch twin (``engines/probe.py``).
 The engines' own code runs the probe in ``tests/engines``."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from torch import nn
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.engines import probe
+from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.errors import InstallError
 from megamoe_convert.loader import load_rank
 from megamoe_convert.source import formats
@@ -21,7 +23,7 @@ from megamoe_convert.source.safetensors_io import FileCache
 from megamoe_convert.synth.write import synthesize
 
 #: The table's formats written in layout.py's SM100 layout (the ones the reference is checked against here).
-SM100 = [name for name, fmt in formats.FORMATS.items() if probe.kernel_of(fmt) == "sm100"]
+SM100 = [name for name, fmt in formats.FORMATS.items() if identity.kernel_of(fmt) == "sm100"]
 
 
 @pytest.fixture(autouse=True)
@@ -34,16 +36,16 @@ def fresh_probes():
 @pytest.mark.parametrize("name", list(formats.FORMATS))
 def test_the_synthetic_expert_is_the_checkpoint_form_of_its_format_and_the_same_for_a_seed(name):
     fmt = formats.FORMATS[name]
-    inp = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
-    again = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
-    other = probe.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0, seed=probe.PROBE_SEED + 1)
+    inp = identity.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
+    again = identity.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0)
+    other = identity.synthetic_expert(fmt, 256, 128, 256 if fmt.fuses_fp8_shared else 0, seed=identity.PROBE_SEED + 1)
     for (proj, kind), shape in formats.checkpoint_byte_shapes(fmt, 256, 128).items():
         t = inp.routed[proj, kind]
         raw = t.reshape(-1).view(torch.uint8)
         assert raw.numel() == shape[0] * (shape[1] if len(shape) > 1 else 1)
         assert torch.equal(raw, again.routed[proj, kind].reshape(-1).view(torch.uint8))
         if kind == "weight":
-            assert t.dtype == probe.CHECKPOINT_DTYPES[fmt.checkpoint_weight_dtypes[0]]
+            assert t.dtype == identity.CHECKPOINT_DTYPES[fmt.checkpoint_weight_dtypes[0]]
             assert not torch.equal(t.view(torch.uint8), other.routed[proj, kind].view(torch.uint8))
             if fmt.element != "e2m1":  # finite values: an engine may move them as floats
                 assert torch.isfinite(t.float()).all()
@@ -52,9 +54,9 @@ def test_the_synthetic_expert_is_the_checkpoint_form_of_its_format_and_the_same_
 
 
 def test_probe_dims_keep_each_dims_residue_and_stay_within_a_period():
-    assert probe.probe_dims(4096, 2048, 2048) == (1024, 1024, 1024)
-    assert probe.probe_dims(2304, 7168, 0) == (256, 1024, 0)
-    assert probe.probe_dims(512, 384, 640) == (512, 384, 640)
+    assert identity.probe_dims(4096, 2048, 2048) == (1024, 1024, 1024)
+    assert identity.probe_dims(2304, 7168, 0) == (256, 1024, 0)
+    assert identity.probe_dims(512, 384, 640) == (512, 384, 640)
 
 
 @pytest.mark.parametrize("name", SM100)
@@ -70,16 +72,16 @@ def test_the_reference_is_the_bytes_a_conversion_writes(tmp_path, name):
     routed.update({key: value.view(torch.float32).reshape(()) for key, value in routed.items() if len(value.shape) == 1})
     shared = {(proj, kind): files.read(ckpt.shared_entry(layer, proj, kind))
               for proj in ("w1", "w2", "w3") for kind in ("weight", "scale")} if dims.shared_intermediate_size else {}
-    inp = probe.ProbeInput(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size,
+    inp = identity.ProbeInput(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size,
                            routed, shared)
     written = next(iter(load_rank(out, 0).values())).tensors
-    want = probe.reference(inp)
+    want = identity.reference(inp)
     assert set(want) <= set(written)
     for key, tensor in want.items():
         got = written[key] if key.startswith("shared_") or key == "l2_input_scale_all" else written[key][:1]
         if key == "l2_input_scale_all":
             got = got[:1]
-        assert probe.difference(got, tensor) is None, key
+        assert identity.difference(got, tensor) is None, key
 
 
 def _permuted(tensors: dict[str, torch.Tensor], key: str) -> dict[str, torch.Tensor]:
@@ -91,6 +93,10 @@ def _permuted(tensors: dict[str, torch.Tensor], key: str) -> dict[str, torch.Ten
     return out
 
 
+def _laid_out_as_converted(inp, shapes):
+    return identity.reference(inp)
+
+
 def _engine(run, name="engine 1.0"):
     return probe.LayoutProbe(engine=name, where="model.layers.0.ffn.experts", run=run, contract="test contract")
 
@@ -98,12 +104,12 @@ def _engine(run, name="engine 1.0"):
 def test_an_engine_laying_out_like_the_conversion_passes_once_per_process():
     calls = []
 
-    def run(inp):
+    def run(inp, shapes):
         calls.append(inp)
-        return probe.reference(inp)
+        return identity.reference(inp)
 
     first = probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048)
-    assert first == probe.layout_fingerprint(formats.MXFP4, 4096, 2048)
+    assert first == identity.layout_fingerprint(formats.MXFP4, 4096, 2048)
     assert probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048) == first
     assert len(calls) == 1 and (calls[0].hidden, calls[0].inter) == (1024, 1024)
     probe.check_layout(_engine(run), formats.MXFP8, 4096, 2048)
@@ -111,8 +117,8 @@ def test_an_engine_laying_out_like_the_conversion_passes_once_per_process():
 
 
 def test_an_engine_permuting_the_bytes_is_refused_in_one_line_naming_engine_tensor_and_what_to_do():
-    def run(inp):
-        return _permuted(probe.reference(inp), "l1_sf")
+    def run(inp, shapes):
+        return _permuted(identity.reference(inp), "l1_sf")
 
     for _ in range(2):  # a failure is not remembered: every install refuses
         with pytest.raises(InstallError) as e:
@@ -124,16 +130,16 @@ def test_an_engine_permuting_the_bytes_is_refused_in_one_line_naming_engine_tens
 
 
 def test_an_engine_holding_another_view_or_leaving_a_tensor_unset_is_refused():
-    def transposed(inp):
-        out = probe.reference(inp)
+    def transposed(inp, shapes):
+        out = identity.reference(inp)
         out["l2_sf"] = out["l2_sf"].contiguous()  # the same values, row-major instead of MN-major
         return out
 
     with pytest.raises(InstallError, match=r"l2\.sf .*strides"):
         probe.check_layout(_engine(transposed), formats.MXFP4, 512, 512)
 
-    def partial(inp):
-        out = probe.reference(inp)
+    def partial(inp, shapes):
+        out = identity.reference(inp)
         del out["l2_weight"]
         return out
 
@@ -142,7 +148,7 @@ def test_an_engine_holding_another_view_or_leaving_a_tensor_unset_is_refused():
 
 
 def test_an_engine_whose_code_cannot_run_the_probe_is_refused_naming_the_opt_out():
-    def run(inp):
+    def run(inp, shapes):
         raise ImportError("No module named 'deep_gemm'")
 
     with pytest.raises(InstallError) as e:
@@ -154,9 +160,9 @@ def test_an_engine_whose_code_cannot_run_the_probe_is_refused_naming_the_opt_out
 
 def test_a_conversion_recording_another_fingerprint_is_refused():
     with pytest.raises(InstallError, match="written with another layout; convert it again"):
-        probe.check_layout(_engine(probe.reference), formats.MXFP4, 512, 512, recorded="xxh3_64:0000000000000000")
-    recorded = probe.layout_fingerprint(formats.MXFP4, 512, 512)
-    assert probe.check_layout(_engine(probe.reference), formats.MXFP4, 512, 512, recorded=recorded) == recorded
+        probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, recorded="xxh3_64:0000000000000000")
+    recorded = identity.layout_fingerprint(formats.MXFP4, 512, 512)
+    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, recorded=recorded) == recorded
 
 
 def test_the_opt_out_is_explicit_and_logged(monkeypatch, caplog):
@@ -175,15 +181,15 @@ def test_the_opt_out_is_explicit_and_logged(monkeypatch, caplog):
 @pytest.mark.parametrize("name", list(formats.FORMATS))
 def test_the_layout_identity_names_the_transform_and_fingerprints_the_probes_input(name):
     fmt = formats.FORMATS[name]
-    identity = probe.layout_identity(fmt, 4096, 2048)
-    assert identity["transform"] == probe.TRANSFORMS[probe.kernel_of(fmt)] and identity["seed"] == probe.PROBE_SEED
-    assert identity == probe.layout_identity(fmt, 4096, 2048)
-    assert identity["fingerprint"] != probe.layout_identity(fmt, 4096, 1920)["fingerprint"]
-    assert set(identity["proven"]) == {"vllm", "sglang", "deep_gemm"}
+    record = identity.layout_identity(fmt, 4096, 2048)
+    assert record["transform"] == identity.TRANSFORMS[identity.kernel_of(fmt)] and record["seed"] == identity.PROBE_SEED
+    assert record == identity.layout_identity(fmt, 4096, 2048)
+    assert record["fingerprint"] != identity.layout_identity(fmt, 4096, 1920)["fingerprint"]
+    assert set(record["proven"]) == {"vllm", "sglang", "deep_gemm"}
 
 
 def test_fingerprints_differ_across_formats():
-    prints = {probe.layout_fingerprint(fmt, 512, 512) for fmt in formats.FORMATS.values()}
+    prints = {identity.layout_fingerprint(fmt, 512, 512) for fmt in formats.FORMATS.values()}
     assert len(prints) == len(formats.FORMATS)
 
 
