@@ -109,7 +109,7 @@ def test_an_engine_laying_out_like_the_conversion_passes_once_per_process():
         return identity.reference(inp)
 
     first = probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048)
-    assert first == identity.layout_fingerprint(formats.MXFP4, 4096, 2048)
+    assert first == identity.layout_fingerprints(formats.MXFP4, 4096, 2048) and set(first) == {"routed"}
     assert probe.check_layout(_engine(run), formats.MXFP4, 4096, 2048) == first
     assert len(calls) == 1 and (calls[0].hidden, calls[0].inter) == (1024, 1024)
     probe.check_layout(_engine(run), formats.MXFP8, 4096, 2048)
@@ -159,10 +159,16 @@ def test_an_engine_whose_code_cannot_run_the_probe_is_refused_naming_the_opt_out
 
 
 def test_a_conversion_recording_another_fingerprint_is_refused():
-    with pytest.raises(InstallError, match="written with another layout; convert it again"):
-        probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, recorded="xxh3_64:0000000000000000")
-    recorded = identity.layout_fingerprint(formats.MXFP4, 512, 512)
-    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, recorded=recorded) == recorded
+    recorded = identity.layout_fingerprints(formats.MXFP4, 512, 512, 512)
+    assert set(recorded) == {"routed", "shared"}
+    for part in recorded:
+        with pytest.raises(InstallError, match=f"records {part} layout fingerprint .*written with another layout"):
+            probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 512,
+                               recorded={**recorded, part: "xxh3_64:0000000000000000"})
+    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 512, recorded=recorded) == recorded
+    # an engine that does not fuse the shared expert probes the routed experts only: the shared record is not asked
+    routed = probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 0, recorded=recorded)
+    assert routed == {"routed": recorded["routed"]}
 
 
 def test_the_opt_out_is_explicit_and_logged(monkeypatch, caplog):
@@ -184,12 +190,12 @@ def test_the_layout_identity_names_the_transform_and_fingerprints_the_probes_inp
     record = identity.layout_identity(fmt, 4096, 2048)
     assert record["transform"] == identity.TRANSFORMS[identity.kernel_of(fmt)] and record["seed"] == identity.PROBE_SEED
     assert record == identity.layout_identity(fmt, 4096, 2048)
-    assert record["fingerprint"] != identity.layout_identity(fmt, 4096, 1920)["fingerprint"]
+    assert record["fingerprints"] != identity.layout_identity(fmt, 4096, 1920)["fingerprints"]
     assert set(record["proven"]) == {"vllm", "sglang", "deep_gemm"}
 
 
 def test_fingerprints_differ_across_formats():
-    prints = {identity.layout_fingerprint(fmt, 512, 512) for fmt in formats.FORMATS.values()}
+    prints = {identity.layout_fingerprints(fmt, 512, 512)["routed"] for fmt in formats.FORMATS.values()}
     assert len(prints) == len(formats.FORMATS)
 
 

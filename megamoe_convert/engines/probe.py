@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output.layout_identity import (PROVEN, ProbeInput, Tensors, difference, fingerprint, probe_dims,
+from megamoe_convert.output.layout_identity import (PROVEN, ProbeInput, Tensors, difference, fingerprints, probe_dims,
                                                     reference, synthetic_expert)
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
@@ -53,7 +53,7 @@ class LayoutProbe:
 
 
 #: (engine, contract, format, hidden, intermediate, shared) -> the fingerprint that passed.
-_passed: dict[tuple[Any, ...], str] = {}
+_passed: dict[tuple[Any, ...], dict[str, str]] = {}
 
 
 def enabled(probe: bool | None = None) -> bool:
@@ -65,10 +65,11 @@ def enabled(probe: bool | None = None) -> bool:
 
 
 def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0,
-                 recorded: str | None = None) -> str:
+                 recorded: Mapping[str, str] | None = None) -> dict[str, str]:
     """Run ``probe`` once per process for this engine and input (a failure is never remembered, so
     every install refuses), compare with :func:`reference`, and with the conversion's ``recorded``
-    fingerprint when it has one. Returns the fingerprint; raises :class:`InstallError` in one line."""
+    fingerprints (``routed`` / ``shared``) where it has them. Returns the fingerprints; raises
+    :class:`InstallError` in one line."""
     dims = probe_dims(hidden, inter, shared_inter)
     key = (probe.engine, probe.contract, fmt.name, *dims)
     done = _passed.get(key)
@@ -89,13 +90,14 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
                                    f"conversion: {why}; do not serve this conversion with it: use an engine "
                                    f"release megamoe-convert proves ({_proven()}), or serve the original "
                                    "checkpoint without --load-format megamoe")
-        done = _passed[key] = fingerprint(want)
+        done = _passed[key] = fingerprints(want)
         log.info("megamoe: layout probe passed: %s lays out %s as megamoe-convert does (%s)",
-                 probe.engine, inp.describe(), done)
-    if recorded is not None and recorded != done:
-        raise InstallError(f"{probe.engine}: the conversion records layout fingerprint {recorded}, but this "
-                           f"engine's own loading code gives {done} for {probe.where}: it was written with "
-                           "another layout; convert it again with this megamoe-convert")
+                 probe.engine, inp.describe(), ", ".join(f"{k} {v}" for k, v in done.items()))
+    for part, value in done.items():
+        if recorded and part in recorded and recorded[part] != value:
+            raise InstallError(f"{probe.engine}: the conversion records {part} layout fingerprint {recorded[part]}, "
+                               f"but this engine's own loading code gives {value} for {probe.where}: it was "
+                               "written with another layout; convert it again with this megamoe-convert")
     return done
 
 

@@ -211,18 +211,21 @@ def fingerprint(tensors: Mapping[str, torch.Tensor]) -> str:
     return f"xxh3_64:{h.hexdigest()}"
 
 
-def layout_fingerprint(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> str:
-    """The fingerprint of this package's layout of the probe's input for a layer of these dims."""
-    return fingerprint(reference(synthetic_expert(fmt, *probe_dims(hidden, inter, shared_inter))))
+def fingerprints(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{"routed": ..., "shared": ...}``: the routed experts' and (where there is one) the fused shared
+    expert's fingerprints apart, since an engine fuses the shared expert or not at its own choosing."""
+    shared = {k: t for k, t in tensors.items() if k.startswith("shared_")}
+    out = {"routed": fingerprint({k: t for k, t in tensors.items() if k not in shared})}
+    return {**out, "shared": fingerprint(shared)} if shared else out
+
+
+def layout_fingerprints(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> dict[str, str]:
+    """:func:`fingerprints` of this package's layout of the probe's input for a layer of these dims."""
+    return fingerprints(reference(synthetic_expert(fmt, *probe_dims(hidden, inter, shared_inter))))
 
 
 def layout_identity(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> dict[str, Any]:
     """What a manifest records of the layout it was written with (see the module docstring)."""
     return {"transform": TRANSFORMS[kernel_of(fmt)], "seed": PROBE_SEED,
-            "fingerprint": layout_fingerprint(fmt, hidden, inter, shared_inter),
+            "fingerprints": layout_fingerprints(fmt, hidden, inter, shared_inter),
             "proven": {name: list(versions) for name, versions in PROVEN.items()}}
-
-
-# --------------------------------------------------------------------------------------
-# Running an engine's probe: once per process per engine and input
-# --------------------------------------------------------------------------------------
