@@ -296,7 +296,8 @@ def ranks_of(args: argparse.Namespace, ep: int) -> list[int]:
 
 def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
     """The store's expert bytes, and the per-rank form's for every rank of ``ep`` (exact sizes)."""
-    from megamoe_convert.output.manifest import rank_shard_size, read_manifest
+    from megamoe_convert.output.manifest import read_manifest
+    from megamoe_convert.output.shards import rank_shard_size
     from megamoe_convert.placement import Placement
 
     manifest = read_manifest(store_dir)

@@ -146,9 +146,10 @@ class Placement:
                 "physical_to_logical": list(self.physical_to_logical)}
 
     @classmethod
-    def from_json(cls, data: Any, where: object = "placement") -> "Placement":
-        """:meth:`to_json`'s object, every field checked: the derived ones must agree with the list."""
-        f = jsonio.Fields(where, PlacementError)
+    def from_json(cls, data: Any, where: object = "placement", error: type[Exception] = PlacementError) -> "Placement":
+        """:meth:`to_json`'s object, every field checked: the derived ones must agree with the list.
+        A problem is ``error`` (the reader's own class: a manifest's placement is a manifest problem)."""
+        f = jsonio.Fields(where, error)
         f.obj(data, name="placement")
         ep_size = f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE, name="placement.ep_size")
         n_logical = f.int(data, "n_logical", lo=1, hi=MAX_PHYSICAL_EXPERTS, name="placement.n_logical")

@@ -32,21 +32,15 @@ from megamoe_convert import layout
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
 from megamoe_convert.layout import KernelWeights
-from megamoe_convert.output.compare import (
-    check_family,
-    compare_extras,
-    compare_non_expert,
-    copied_family_problem,
-    numerics_config,
-    same_values,
-)
-from megamoe_convert.output import marker
-from megamoe_convert.output.manifest import (MANIFEST_NAME, STATE_DIR, Manifest, ManifestError, read_manifest,
-                                             refuse_source_checkpoint)
+from megamoe_convert.errors import LoadError, ManifestError, UsageError
+from megamoe_convert.output import marker, ranged
+from megamoe_convert.output.compare import (check_family, compare_extras, compare_non_expert, copied_family_problem,
+                                            numerics_config, same_values)
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Phases, Progress
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import check_logical_ids, check_shard, load_rank
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint
@@ -177,6 +171,11 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     (scales ``None`` for an unscaled format)."""
     reader = ExpertReader(ckpt, files, device)
     scaled = ckpt.dims.format.scaled
+    if ckpt.dims.format.kernel == "sm90":  # SGLang's FP8 layout: only the L1 weight's rows move
+        return layout.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+                                             reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
+                                             reader.stacked(layer, logical_ids, ("w2",), "weight"),
+                                             reader.stacked(layer, logical_ids, ("w2",), "scale"))
     if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
         return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
                                         reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
@@ -441,6 +440,18 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
 # Entry point
 # --------------------------------------------------------------------------------------
 
+def refuse_source_checkpoint(out: Path) -> None:
+    """``verify`` pointed at a source checkpoint (a model's config and safetensors weights, no trace of a
+    conversion: an unfinished one is reported as one) is a usage error, not a list of problems."""
+    if ((out / MANIFEST_NAME).exists() or (out / STATE_DIR).exists() or any(out.glob("rank-*"))
+            or any(out.glob(PART_GLOB)) or not (out / "config.json").is_file()):
+        return
+    if any(out.glob("*.safetensors.index.json")) or any(out.glob("*.safetensors")):
+        raise UsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what `megamoe "
+                         f"convert` wrote (megamoe verify OUT --source {out}); `megamoe inspect {out}` shows what a "
+                         "checkpoint holds")
+
+
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
            progress: Progress | None = None) -> VerifyReport:
@@ -479,6 +490,8 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
     report.coverage = manifest.coverage()
+    if problem := ranged.record_problem(out):  # holes are no conversion's bytes
+        report.problem(str(ranged.record_path(out).relative_to(out)), problem)
     check_files(out, manifest, report, chosen, phases)
     if problem := copied_family_problem(out, manifest):  # install names layers by the family
         report.problem(MANIFEST_NAME, problem)

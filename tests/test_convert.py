@@ -219,7 +219,7 @@ def test_single_file_checkpoint_without_an_index_converts_to_the_same_experts(ti
 ])
 def test_layer_selections_that_select_nothing_or_too_much_are_refused(tiny_ckpt, spec, message):
     from megamoe_convert.source.checkpoint import Checkpoint
-    from megamoe_convert.output.state import ConvertError
+    from megamoe_convert.errors import ConvertError
     from megamoe_convert.convert.plan import select_layers
 
     with pytest.raises(ConvertError, match=message):

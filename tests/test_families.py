@@ -199,7 +199,9 @@ def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line
 def test_a_manifest_whose_dspark_count_vllm_could_not_place_is_refused(v41_ckpt, tmp_path):
     """The manifest's ``dims.mtp_n_routed_experts`` fixes the MTP layer's placement and file sizes:
     a count that does not divide over the EP size is a manifest problem, not a crash."""
-    from megamoe_convert.output.manifest import ManifestError, read_manifest, seal
+    from megamoe_convert.errors import ManifestError
+    from megamoe_convert.output.manifest import read_manifest
+    from megamoe_convert.output.seal import seal
 
     out = tmp_path / "out"
     run_cli("convert", v41_ckpt, out, "--ep-size", 4, "--layers", "mtp", "--experts-only")

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from conftest import REPO, output_files, run_cli
-from megamoe_convert.output.state import ConvertError
+from megamoe_convert.errors import ConvertError
 from megamoe_convert.convert.plan import ConvertOptions, parse_shard
 from megamoe_convert.convert.run import build_plan, convert
 from megamoe_convert.convert.fleet import MergeError, merge

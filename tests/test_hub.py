@@ -29,7 +29,7 @@ from megamoe_convert.convert.run import convert
 from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, push, resolve_source
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.output.manifest import ManifestError
+from megamoe_convert.errors import ManifestError
 
 REPO_ID = "team/tiny-ep4"
 SMALL = {"config.json", "tokenizer_config.json"}

@@ -17,7 +17,8 @@ from megamoe_convert import layout
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.output.manifest import read_manifest, seal
+from megamoe_convert.output.manifest import read_manifest
+from megamoe_convert.output.seal import seal
 from megamoe_convert.synth.write import synthesize
 from test_convert import assert_rank_matches_source
 

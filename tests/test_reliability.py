@@ -28,11 +28,14 @@ from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
 from megamoe_convert.cli._run import run_command
-from megamoe_convert.output.state import OutputBusy, part_name
+from megamoe_convert.errors import OutputBusy
+from megamoe_convert.output.naming import part_name
 from megamoe_convert.convert.fleet import auto_merge, merge
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.output.manifest import Manifest, ManifestError, read_manifest, seal
+from megamoe_convert.errors import ManifestError
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.seal import seal
 from megamoe_convert.source.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
@@ -150,7 +153,7 @@ def test_commit_errors_name_the_file_and_leave_no_temporary_file(tmp_path, monke
 
 
 def test_journal_write_errors_name_the_journal(tmp_path, monkeypatch):
-    from megamoe_convert.output.state import OutputState
+    from megamoe_convert.output.resume import OutputState
     from megamoe_convert.output.writer import FileRecord
 
     state = OutputState(tmp_path)

@@ -18,7 +18,7 @@ import torch
 from conftest import run_cli
 
 from megamoe_convert.loader import LoadError, load_rank
-from megamoe_convert.output.manifest import seal
+from megamoe_convert.output.seal import seal
 from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.synth import synthesize
 from megamoe_convert.output.compare import same_values

@@ -5,6 +5,6 @@ Imports ``output`` and below.
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import Summary, convert
-from megamoe_convert.output.state import ConvertError
+from megamoe_convert.errors import ConvertError
 
 __all__ = ["ConvertError", "ConvertOptions", "Summary", "convert"]

@@ -16,8 +16,9 @@ import torch
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import Plan, Unit
 from megamoe_convert.output import marker, rank_extras
-from megamoe_convert.output.manifest import rank_file, rank_shard_metadata, rank_shard_specs, store_file, store_metadata
-from megamoe_convert.output.state import ConvertError
+from megamoe_convert.output.naming import rank_file, store_file
+from megamoe_convert.output.shards import rank_shard_metadata, rank_shard_specs, store_metadata
+from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
 from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer

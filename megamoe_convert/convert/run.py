@@ -32,17 +32,14 @@ from megamoe_convert.convert.plan import (
 )
 from megamoe_convert.devices import DeviceError, usable_device
 from megamoe_convert.output import rank_extras
-from megamoe_convert.output.manifest import MANIFEST_NAME, Manifest
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.preflight import check_before_converting
-from megamoe_convert.output.state import (
-    ConvertError,
-    OutputState,
-    PartState,
-    SourceWatch,
-    check_output_dir,
-    is_done,
-    remove_named,
-)
+from megamoe_convert.errors import ConvertError
+from megamoe_convert.output.clearing import remove_named
+from megamoe_convert.output.journal import is_done
+from megamoe_convert.output.resume import OutputState, PartState, check_output_dir
+from megamoe_convert.output.stamps import SourceWatch
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
 from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Progress

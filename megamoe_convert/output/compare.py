@@ -25,7 +25,8 @@ import torch
 
 from megamoe_convert import jsonio
 from megamoe_convert.output import marker, rank_extras
-from megamoe_convert.output.manifest import Manifest, rank_shard_specs
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output.shards import rank_shard_specs
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.families import FamilyError
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError

@@ -1,15 +1,32 @@
+"""The manifest: the sealed record of a conversion, and the one reader that trusts it.
+
+``manifest.json`` is written last, so its presence means the conversion finished. It lists what
+the conversion holds (dims, placement, engine, family, ranks, layers, every file with its size
+and checksum); :meth:`Manifest.from_json` checks every field (through :mod:`jsonio`'s typed
+reads), the seal (:mod:`seal`) and that the manifest agrees with itself
+(:func:`manifest_problems`) before any reader uses it. Every problem is a :class:`ManifestError`
+naming the file and the field.
+"""
+
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from megamoe_convert.errors import ManifestError, UsageError as VerifyUsageError  # noqa: F401
-
-import xxhash
 
 from megamoe_convert import __version__, jsonio
+from megamoe_convert.errors import ManifestError
+from megamoe_convert.output.naming import (
+    MANIFEST_NAME,
+    PART_GLOB,
+    format_ranges,
+    is_own_path,
+    rank_file,
+    store_file,
+)
+from megamoe_convert.output.seal import SEAL_KEY, check_seal, seal
+from megamoe_convert.output.shards import LAYOUT_VERSION, rank_shard_size
 from megamoe_convert.output.writer import CHECKSUM_ALGORITHM, FileRecord
 from megamoe_convert.placement import (
     ENGINES,
@@ -22,120 +39,13 @@ from megamoe_convert.placement import (
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import MAX_DIM, ModelDims
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.source.safetensors_io import TensorSpec, encode_header
 
-MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "megamoe-convert"
 #: Version of this directory format (file names, manifest fields). 2: the manifest carries
-#: ``manifest_checksum`` (:func:`seal`); version 1 manifests (no checksum) are still read.
+#: ``manifest_checksum`` (:mod:`seal`); version 1 manifests (no checksum) are still read.
 FORMAT_VERSION = 2
-#: Version of the MegaMoE tensor layout (DeepGEMM ``transform_weights_for_mega_moe``, June 2026).
-LAYOUT_VERSION = 1
-#: Hidden folder for conversion state (lock, journal, plan); never read by loaders.
-STATE_DIR = ".megamoe"
-#: The manifest's checksum of itself: xxh3-128 of its canonical JSON without this field.
-SEAL_KEY = "manifest_checksum"
-
-
-def format_ranges(ids: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the ``--ranks`` syntax)."""
-    parts: list[list[int]] = []
-    for i in ids:
-        if parts and parts[-1][1] == i - 1:
-            parts[-1][1] = i
-        else:
-            parts.append([i, i])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
-
-
-def rank_dir_name(rank: int, ep_size: int) -> str:
-    return f"rank-{rank:05d}-of-{ep_size:05d}"
-
-
-def rank_file(rank: int, ep_size: int, layer: MoELayer) -> str:
-    """Relative path of one rank's shard for one MoE layer."""
-    return f"{rank_dir_name(rank, ep_size)}/{layer.key}.safetensors"
-
-
-#: The store's folder (``convert`` without ``--ep-size``): one file per MoE layer holding its
-#: logical experts once, expert-major, in the kernel layout (any rank's tensors are ranges of it).
-STORE_DIR = "experts"
 #: A store's ``engine``: it holds no engine's placement; the engine's own one is read at install.
 ANY_ENGINE = "any"
-
-
-def store_file(layer: MoELayer) -> str:
-    """Relative path of one MoE layer's file in a store."""
-    return f"{STORE_DIR}/{layer.key}.safetensors"
-
-
-#: The only paths this tool writes below OUT: a rank shard, a store's layer file, or a plain top-level name.
-_RANK_FILE = re.compile(r"(?:rank-[0-9]{5,}-of-[0-9]{5,}|experts)/(?:layers|mtp)\.(?:0|[1-9][0-9]*)\.safetensors")
-_TOP_LEVEL = re.compile(r"[^/\\\x00-\x1f\x7f]+")
-RANK_DIR = re.compile(r"rank-[0-9]{5,}-of-[0-9]{5,}|experts")
-
-
-_NON_EXPERT_SHARD = re.compile(r"model-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
-
-
-def is_shard_path(rel: str) -> bool:
-    """A rank shard or a non-expert shard, by the tool's exact naming scheme."""
-    return bool(_RANK_FILE.fullmatch(rel) or _NON_EXPERT_SHARD.fullmatch(rel))
-
-
-def is_own_path(rel: str) -> bool:
-    """Whether ``rel`` fits this tool's naming scheme: a rank shard (``rank-NNNNN-of-NNNNN/
-    layers.L.safetensors``) or a visible top-level file name. Never absolute, never ``..``."""
-    if is_shard_path(rel):
-        return True
-    return bool(_TOP_LEVEL.fullmatch(rel)) and not rel.startswith(".")
-
-
-def expert_tensor_names(layer: MoELayer) -> dict[str, str]:
-    """Names of the tensors a rank shard can hold (:data:`formats.FILE_NAMES`)."""
-    return formats.tensor_names(layer.prefix)
-
-
-def rank_shard_specs(layer: MoELayer, experts: int, dims: ModelDims) -> list[TensorSpec]:
-    """The tensors of one rank shard, in file order (the writer's and every reader's contract):
-    what :func:`formats.rank_tensor_specs` gives for the conversion's format and shared expert."""
-    return formats.rank_tensor_specs(dims.format, layer.prefix, experts, dims.hidden_size,
-                                     dims.moe_intermediate_size, dims.experts_of(layer), dims.shared_intermediate_size)
-
-
-def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int, dims: ModelDims) -> dict[str, str]:
-    """A rank shard's safetensors metadata. MXFP4 shards carry no ``weight_format`` entry, so the
-    files of conversions made before other formats existed keep the sizes their manifests list."""
-    metadata = {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
-                "rank": str(rank), "ep_size": str(ep_size),
-                "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
-    if dims.weight_format != formats.MXFP4.name:
-        metadata["weight_format"] = dims.weight_format
-    return metadata
-
-
-def store_metadata(layer: MoELayer, dims: ModelDims) -> dict[str, str]:
-    """A store file's safetensors metadata: no rank, no EP size (its experts are every logical one, in order)."""
-    return {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key, "store": "logical-experts",
-            "weight_format": dims.weight_format, "sf_storage": "[E, packed_k, MN]; kernel view = tensor.transpose(1, 2)"}
-
-
-def rank_shard_size(layer: MoELayer, rank: int, placement: Placement, dims: ModelDims, store: bool = False) -> int:
-    """The exact size of a rank shard (or with ``store``, a store file): its header (aligned) plus its tensors."""
-    specs = rank_shard_specs(layer, placement.experts_per_rank, dims)
-    metadata = store_metadata(layer, dims) if store else rank_shard_metadata(layer, rank, placement.ep_size, dims)
-    return len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs)
-
-
-def _canonical(data: dict[str, Any]) -> bytes:
-    body = {k: v for k, v in data.items() if k != SEAL_KEY}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def seal(data: dict[str, Any]) -> str:
-    """The manifest text of ``data`` with its own checksum added (also for tests that forge edits)."""
-    sealed = dict(data, **{SEAL_KEY: xxhash.xxh3_128_hexdigest(_canonical(data))})
-    return json.dumps(sealed, indent=1) + "\n"
 
 
 @dataclass
@@ -248,7 +158,7 @@ class Manifest:
             raise f.fail("the conversion did not finish (manifest marked incomplete); "
                          "rerun the same `megamoe convert` command to complete it")
         if sealed and (versions[0] >= 2 or SEAL_KEY in data):
-            _check_seal(data, f)
+            check_seal(data, f)
         manifest = _parse(data, f, versions)
         problems = manifest_problems(manifest, data)
         if problems:
@@ -264,13 +174,6 @@ class Manifest:
 
     def rank_files(self, rank: int) -> dict[MoELayer, FileRecord]:
         return {layer: self.file(self.expert_file(layer, rank)) for layer in self.layers}
-
-
-def _check_seal(data: dict[str, Any], f: jsonio.Fields) -> None:
-    if SEAL_KEY not in data:
-        raise f.fail(f"no {SEAL_KEY} (a format_version 2 manifest carries its own checksum)")
-    if f.str(data, SEAL_KEY) != xxhash.xxh3_128_hexdigest(_canonical(data)):
-        raise f.fail(f"{SEAL_KEY} does not match its content (the manifest is corrupted or was edited)")
 
 
 _CHECKSUM = re.compile(r"[0-9a-f]{32}")
@@ -297,13 +200,6 @@ def _layer(f: jsonio.Fields, item: Any, label: str) -> MoELayer:
     return layer
 
 
-def _placement(f: jsonio.Fields, data: Any) -> Placement:
-    try:
-        return Placement.from_json(f.obj(data, "placement"), f.where)
-    except PlacementError as e:
-        raise ManifestError(str(e)) from None
-
-
 def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manifest:
     dims_data = f.obj(data, "dims")
     dims = ModelDims(*(f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
@@ -313,7 +209,7 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
                      mtp_n_routed_experts=f.int(dims_data, "mtp_n_routed_experts", lo=1, hi=MAX_PHYSICAL_EXPERTS,
                                                 name="dims.mtp_n_routed_experts")
                      if "mtp_n_routed_experts" in dims_data else 0)
-    placement = _placement(f, data)
+    placement = Placement.from_json(f.obj(data, "placement"), f.where, ManifestError)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
     engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's
@@ -324,10 +220,9 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     if engine not in (*ENGINES, ANY_ENGINE):
         raise f.fail(f"unknown engine {jsonio.short(engine)} (known: {', '.join(ENGINES)})")
     family = f.str(data, "family") if "family" in data else "deepseek_v4"  # before model families
-    try:
-        families.by_name(family, f"{f.where}: family")
-    except families.FamilyError as e:
-        raise ManifestError(str(e)) from None
+    known = [k.name for k in families.FAMILIES]
+    if family not in known:
+        raise f.fail(f"family: unknown model family {family!r} (known: {', '.join(known)})")
     algorithm = f.str(data, "checksum_algorithm") if "checksum_algorithm" in data else CHECKSUM_ALGORITHM
     if algorithm != CHECKSUM_ALGORITHM:
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
@@ -393,26 +288,10 @@ def read_manifest(out: Path) -> Manifest:
     if not Path(out).is_dir():
         raise ManifestError(f"{out}: no such converted directory")
     if not path.exists():
-        parts = sorted(p.name for p in Path(out).glob("manifest.part-*-of-*.json"))
+        parts = sorted(p.name for p in Path(out).glob(PART_GLOB))
         if parts:
             raise ManifestError(f"{path}: missing; {out} holds {parts[0]}{' ...' if len(parts) > 1 else ''}, a part "
                                 "of a conversion split with --shard: run `megamoe merge` to assemble the parts")
         raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
                             "(rerun `megamoe convert` to complete it)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))
-
-
-def is_source_checkpoint(path: Path) -> bool:
-    """A directory holding a model's ``config.json`` and safetensors weights, but no manifest."""
-    if (path / STATE_DIR).exists() or any(path.glob("rank-*")) or any(path.glob("manifest.part-*")):
-        return False  # an unfinished conversion: reported as one
-    return (path / "config.json").is_file() and (any(path.glob("*.safetensors.index.json"))
-                                                  or any(path.glob("*.safetensors")))
-
-
-def refuse_source_checkpoint(out: Path) -> None:
-    """``verify`` pointed at a source checkpoint (no manifest, a model's config and weights): a usage error."""
-    if not (out / MANIFEST_NAME).exists() and is_source_checkpoint(out):
-        raise VerifyUsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what "
-                               f"`megamoe convert` wrote (megamoe verify OUT --source {out}); "
-                               f"`megamoe inspect {out}` shows what a checkpoint holds")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 from megamoe_convert import faults, jsonio
-from megamoe_convert.output.state import ConvertError
+from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.writer import LinkInOutput, link_refusal
 
 E = TypeVar("E", bound=Exception)

@@ -39,16 +39,13 @@ import huggingface_hub.file_download
 import huggingface_hub.utils
 
 from megamoe_convert import __version__, jsonio
-from megamoe_convert.output.manifest import (
-    MANIFEST_NAME,
-    STORE_DIR,
-    Manifest,
-    ManifestError,
-    rank_dir_name,
-    read_manifest,
-)
+from megamoe_convert.errors import ManifestError
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import MANIFEST_NAME, STORE_DIR, rank_dir_name
 from megamoe_convert.output.preflight import check_no_links
-from megamoe_convert.output.state import ConvertError, hold_whole_output, owned_path
+from megamoe_convert.errors import ConvertError
+from megamoe_convert.output.locks import hold_whole_output
+from megamoe_convert.output.naming import owned_path
 from megamoe_convert.output.writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
 from megamoe_convert.placement import PlacementError, parse_ranks
 from megamoe_convert.source import families

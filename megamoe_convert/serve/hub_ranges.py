@@ -26,7 +26,9 @@ from typing import Any, Sequence
 
 import huggingface_hub
 
-from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_specs, read_manifest, store_metadata
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import STATE_DIR
+from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import partial_path
 from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
 from megamoe_convert.serve import store

@@ -24,13 +24,10 @@ from megamoe_convert import jsonio, layout
 from megamoe_convert.devices import DeviceError, usable_device
 from megamoe_convert.jsonio import Fields, one_line
 from megamoe_convert.layout import KernelWeights
-from megamoe_convert.output.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    ManifestError,
-    rank_shard_specs,
-    read_manifest,
-)
+from megamoe_convert.errors import ManifestError
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import MANIFEST_NAME
+from megamoe_convert.output.shards import rank_shard_specs
 from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.writer import FileRecord, file_problems
 from megamoe_convert.placement import Placement

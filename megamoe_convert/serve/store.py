@@ -25,7 +25,9 @@ import torch
 
 from megamoe_convert import jsonio
 from megamoe_convert.jsonio import one_line
-from megamoe_convert.output.manifest import STATE_DIR, Manifest, rank_shard_specs, store_file, store_metadata
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output.naming import STATE_DIR, store_file
+from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import loader, staging

@@ -11,7 +11,7 @@ from unittest import mock
 def old_conversion(ckpt, converted, root):
     """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
     recorded so in its sealed manifest."""
-    from megamoe_convert.output.manifest import SEAL_KEY, seal
+    from megamoe_convert.output.seal import SEAL_KEY, seal
     from megamoe_convert.output.writer import file_checksum
 
     old = root / "old"

@@ -1,0 +1,187 @@
+"""Resuming a conversion into OUT: whether OUT may be written at all, and whether what is already
+there may be reused.
+
+``convert`` and ``merge`` use one interface, :class:`OutputState` (``OUT/.megamoe/``: the plan
+fingerprint, the source stamp, the journal), or :class:`PartState` for one part of a split
+conversion (``OUT/.megamoe/part-I-of-N/``):
+
+* :meth:`OutputState.locked`: who may write OUT at once (``locks``);
+* :meth:`OutputState.prepare`: refuse a differently-planned or stale OUT before touching it, or
+  clear it with ``--overwrite``;
+* :meth:`OutputState.record` / :meth:`OutputState.journal`: what was written (``journal``);
+* :meth:`OutputState.clear`: delete what this tool wrote, nothing else (``clearing``).
+
+A state file that is damaged is read as absent or different, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from megamoe_convert import jsonio
+from megamoe_convert.errors import ConvertError, JsonError
+from megamoe_convert.output import clearing
+from megamoe_convert.output.journal import JOURNAL_NAME, REPLACED_JOURNAL, JournalWriter, read_journal
+from megamoe_convert.output.locks import hold_part, hold_whole_output
+from megamoe_convert.output.naming import MERGED_PARTS_DIR, STATE_DIR, part_manifest_name, part_name
+from megamoe_convert.output.writer import FileRecord, write_json_atomic
+
+
+def check_output_dir(out: Path) -> None:
+    """OUT must be new, empty, or a previous megamoe output: never someone else's files."""
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: exists and is not a directory")
+    if (out / STATE_DIR).is_symlink() or (out / STATE_DIR).exists() and not (out / STATE_DIR).is_dir():
+        raise ConvertError(f"{out / STATE_DIR}: not a directory of its own (a link or a file); remove it by hand")
+    if out.is_dir() and not (out / STATE_DIR).is_dir() and any(out.iterdir()):
+        raise ConvertError(f"{out}: directory is not empty and is not a megamoe output; choose an empty directory")
+
+
+def read_state_json(path: Path) -> dict[str, Any] | None:
+    """A state file's JSON object, or ``None`` where it is not one (cut short, edited, binary)."""
+    try:
+        data = jsonio.read(path, JsonError, "state file", jsonio.MAX_STATE_BYTES)
+    except JsonError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """The keys where two plan fingerprints disagree (for errors that say what differs)."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+class OutputState:
+    """The hidden ``OUT/.megamoe/`` folder: a lock, the plan fingerprint, the source stamp, the journal."""
+
+    def __init__(self, out: Path, fsync: bool = True) -> None:
+        self.out = out
+        self.fsync = fsync  # --no-fsync: files are not durable, so neither need their state be
+        self._use(out / STATE_DIR)
+
+    def _use(self, folder: Path) -> None:
+        self.dir = folder
+        self.plan_path = folder / "plan.json"
+        self.source_path = folder / "source.json"
+        self.journal_path = folder / JOURNAL_NAME
+        self._journal = JournalWriter(self.journal_path, self.fsync)
+
+    def locked(self) -> AbstractContextManager[None]:
+        """Hold OUT for a whole-directory writer (a conversion, or a merge): no other one, and
+        no part of a split conversion, may write it meanwhile."""
+        return hold_whole_output(self.out, timeout=0, who="`megamoe convert`")
+
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, Any]) -> None:
+        """Refuse foreign, differently-planned or stale output (source files changed since, or no
+        record of the source at all), or state a crash or a person damaged; clear it when
+        ``overwrite``. ``source``: :func:`stamps.stamp_files` of the source, plus its ``"path"``."""
+        if self.plan_path.exists():
+            problem = self._plan_problem(fingerprint) or self._source_problem(source)
+            if problem:
+                if not overwrite:
+                    raise ConvertError(f"{self.out} {problem}; pass --overwrite to convert again")
+                self.clear()
+        elif overwrite:
+            self.clear()
+        self.write_state(fingerprint, source)
+
+    def write_state(self, fingerprint: dict[str, Any], source: dict[str, Any] | None) -> None:
+        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True), fsync=self.fsync,
+                          root=self.out)
+        if source is not None:
+            write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True), fsync=self.fsync,
+                              root=self.out)
+
+    def _plan_problem(self, fingerprint: dict[str, Any]) -> str | None:
+        previous = read_state_json(self.plan_path)
+        if previous is None:
+            return f"has an unreadable {self.plan_path.relative_to(self.out)} (not a JSON object)"
+        changed = differing_keys(previous, fingerprint)
+        return f"holds a conversion made with different options ({', '.join(changed)} differ)" if changed else None
+
+    def _source_problem(self, source: dict[str, Any]) -> str | None:
+        if not self.source_path.exists():
+            return ("has no record of the source files it was converted from (made by `megamoe merge` or an older "
+                    "version), so its files cannot be reused for this source")
+        changed = self.changed_sources(source)
+        if not changed:
+            return None
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        return f"was converted before these source files changed (or from others): {', '.join(changed[:3])}{more}"
+
+    def changed_sources(self, source: dict[str, Any]) -> list[str]:
+        """Source entries whose stamp differs from the previous run's (all of them where the record
+        is unreadable, since nothing then says they are unchanged)."""
+        previous = read_state_json(self.source_path)
+        if previous is None:
+            return sorted(source)
+        return [name for name, stamp in source.items() if previous.get(name) != stamp]
+
+    def clear(self) -> None:
+        """Remove what a previous conversion (or merge) wrote, and nothing else
+        (:func:`clearing.remove_results`), then this state's journal and source stamp."""
+        journal = self.journal()  # read first: an unreadable journal fails the run before anything goes
+        clearing.remove_results(self.out, journal)
+        self.journal_path.unlink(missing_ok=True)
+        self.source_path.unlink(missing_ok=True)
+
+    def journal(self, path: Path | None = None) -> dict[str, FileRecord]:
+        """The committed files of the journal at ``path`` (default: this run's)."""
+        return read_journal(path or self.journal_path)
+
+    def record(self, rec: FileRecord) -> None:
+        self._journal.append(rec)
+
+    def remove_partials(self) -> None:
+        """The tool's own temporary files (``.NAME.partial``) at the top and in rank folders."""
+        clearing.remove_partials(self.out)
+
+
+class PartState(OutputState):
+    """State of one part of a split conversion, in ``OUT/.megamoe/part-I-of-N/``.
+
+    Parts may run at the same time into one shared OUT: each has its own lock, plan and
+    journal, and touches only its own files (no directory-wide cleanup).
+    """
+
+    def __init__(self, out: Path, shard: dict[str, Any], paths: list[str], fsync: bool = True) -> None:
+        super().__init__(out, fsync)
+        index, count = shard["index"], shard["count"]
+        self.root_plan_path, self.root_journal_path = self.plan_path, self.journal_path
+        self.root_source_path = self.source_path
+        self.shard = shard
+        self._use(out / STATE_DIR / part_name(index, count))
+        self.part_manifest = out / part_manifest_name(index, count)
+        self.merged_part_manifest = out / MERGED_PARTS_DIR / part_manifest_name(index, count)
+        self.paths = paths
+
+    def locked(self) -> AbstractContextManager[None]:
+        """Hold this part's lock; refuse if another run holds it, or a whole-directory writer OUT."""
+        return hold_part(self.out, self.dir, f"{self.shard['index']}/{self.shard['count']}")
+
+    def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, Any]) -> None:
+        # A whole conversion already in OUT (single-machine or merged) must be of the same plan.
+        if self.root_plan_path.exists() and read_state_json(self.root_plan_path) != fingerprint:
+            if not overwrite:
+                raise ConvertError(f"{self.out} holds a conversion made with different options; "
+                                   "pass --overwrite (to every part) to replace it")
+            self.root_plan_path.unlink(missing_ok=True)
+            if self.root_journal_path.exists():  # kept for merge, to delete what the new plan does not write
+                os.replace(self.root_journal_path, self.root_journal_path.with_name(REPLACED_JOURNAL))
+            self.root_source_path.unlink(missing_ok=True)
+        super().prepare(fingerprint | {"shard": self.shard}, overwrite, source)
+        self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten
+        self.merged_part_manifest.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        clearing.remove_owned(self.out, self.journal().values())
+        self.journal_path.unlink(missing_ok=True)
+        self.part_manifest.unlink(missing_ok=True)
+        self.merged_part_manifest.unlink(missing_ok=True)
+
+    def remove_partials(self) -> None:
+        clearing.remove_partials(self.out, self.paths)  # only this part's: others may be writing theirs now
