@@ -107,7 +107,7 @@ def role_daemon(args: argparse.Namespace) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.plugins import load_general_plugins
 
-    from megamoe_convert.engines.vllm_preload import prepare_daemon
+    from megamoe_convert.engines.vllm.preload import prepare_daemon
 
     prebaked = (Path(args.model) / "manifest.json").exists()
     if prebaked:

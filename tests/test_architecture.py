@@ -117,7 +117,8 @@ def test_modules_are_readable_in_one_sitting() -> None:
 @pytest.mark.parametrize("dotted", [
     "megamoe_convert.loader.load_rank", "megamoe_convert.loader.LoadError", "megamoe_convert.layout.transform_experts",
     "megamoe_convert.vllm_integration.install", "megamoe_convert.vllm_integration.register",
-    "megamoe_convert.engines.sglang.install", "megamoe_convert.engines.sglang_loader.register",
+    "megamoe_convert.engines.sglang.install", "megamoe_convert.engines.vllm.plugin.register",
+    "megamoe_convert.engines.sglang.plugin.register",
     "megamoe_convert.cli.main", "megamoe_convert.convert.convert", "megamoe_convert.synth.synthesize",
 ])
 def test_documented_names_still_import(dotted: str) -> None:

@@ -210,8 +210,8 @@ def test_serve_commands_parse_with_vllms_own_parser(tiny_ckpt, tmp_path):
 
 PARSE_SGLANG = """
 import argparse, json, sys
-from megamoe_convert.engines import sglang_loader
-sglang_loader.register()  # what the sglang.srt.plugins entry point does at start-up
+from megamoe_convert.engines.sglang import plugin
+plugin.register()  # what the sglang.srt.plugins entry point does at start-up
 from sglang.srt.server_args import ServerArgs
 for flags in json.loads(sys.argv[1]):
     parser = argparse.ArgumentParser()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.sglang import layer_key
-from megamoe_convert.engines.sglang_loader import register
+from megamoe_convert.errors import InstallError
+from megamoe_convert.engines.sglang.experts import layer_key
+from megamoe_convert.engines.sglang.plugin import register
 
 
 def test_layer_keys_map_sglang_prefixes_to_checkpoint_layers():
@@ -28,4 +28,4 @@ def test_register_is_a_no_op_without_sglang(monkeypatch):
 def test_entry_point_is_declared():
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert '[project.entry-points."sglang.srt.plugins"]' in text
-    assert 'megamoe = "megamoe_convert.engines.sglang_loader:register"' in text
+    assert 'megamoe = "megamoe_convert.engines.sglang.plugin:register"' in text

@@ -5,6 +5,7 @@ checks these stand-ins against the real classes."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -13,9 +14,9 @@ from conftest import run_cli
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.engines import InstallError
-from megamoe_convert.vllm_integration import install
-from megamoe_convert.engines.vllm_common import layer_key
+from megamoe_convert.errors import InstallError
+from megamoe_convert.vllm_integration import CONTRACTS, install
+from megamoe_convert.engines.vllm.experts import layer_key
 from vllm_stand_in import STAND_INS, experts_of, kernel_tensors, stand_in_model
 
 KEYS = ["layers.0", "layers.1", "mtp.0"]
@@ -77,7 +78,29 @@ def test_a_model_without_megamoe_modules_is_refused(tiny_converted):
         install(torch.nn.Sequential(torch.nn.Linear(2, 2)), tiny_converted, rank=0)
 
 
+def test_register_is_a_no_op_without_vllm(monkeypatch):
+    from megamoe_convert.engines.vllm import plugin
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    plugin.register()
+    assert not plugin._registered  # nothing registered: a later process with vLLM registers everything
+
+
+def test_every_contract_is_a_contract_and_binds():
+    """The driver calls every method of :class:`Contract` on whichever contract detects a module;
+    vLLM 0.30-0.32's contract binds to the module's owner, the others ignore it."""
+    from megamoe_convert.engines.contract import Contract
+    from megamoe_convert.engines.sglang import CONTRACTS as SGLANG_CONTRACTS
+
+    owner = torch.nn.Module()
+    for contract in (*CONTRACTS, *SGLANG_CONTRACTS):
+        assert isinstance(contract, Contract)
+        bound = contract.bind(owner)
+        assert type(bound) is type(contract) and bound.name == contract.name
+    assert CONTRACTS[1].bind(owner).owner is owner and CONTRACTS[0].bind(owner) is CONTRACTS[0]
+
+
 def test_entry_point_is_declared():
     text = (__import__("pathlib").Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert '[project.entry-points."vllm.general_plugins"]' in text
-    assert 'megamoe = "megamoe_convert.vllm_integration:register"' in text
+    assert 'megamoe = "megamoe_convert.engines.vllm.plugin:register"' in text

@@ -15,9 +15,9 @@ from typing import Protocol, Sequence
 
 from torch import nn
 
-from megamoe_convert.engines import Contract, InstallError, require_engine
-from megamoe_convert.placement import Placement, PlacementError
-from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.engines.contract import Contract
+from megamoe_convert.errors import InstallError, PlacementError
+from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
 from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
@@ -54,6 +54,14 @@ class Engine(Protocol):
         ...
 
 
+def require_engine(converted: ConvertedModel, engine: str) -> None:
+    """A conversion holds one engine's per-layer placement (``convert --engine``); another
+    engine would read the wrong experts in the layers where the rules differ."""
+    if converted.manifest.engine != engine:
+        raise InstallError(f"{converted.path}: converted for {converted.manifest.engine}'s expert placement, "
+                           f"not {engine}'s; convert with --engine {engine}")
+
+
 @dataclass(frozen=True)
 class Installed:
     """What :func:`install_layers` put in place, by checkpoint layer key (``layers.7`` / ``mtp.0``)."""
@@ -71,10 +79,7 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
     ``serving``: the engine's ``--load-format megamoe`` loads the rest from the same directory,
     so an ``--experts-only`` conversion is refused."""
     rank = engine.current_rank() if rank is None else rank
-    try:
-        converted = open_converted(out, [rank])
-    except LoadError as e:
-        raise InstallError(str(e)) from None
+    converted = open_converted(out, [rank])
     if not converted.manifest.store:
         require_engine(converted, engine.name)
     if serving and converted.manifest.experts_only:
@@ -121,9 +126,10 @@ def _engine_placements(engine: Engine, planned: list[tuple[nn.Module, Contract, 
         try:
             placement = engine.placement(module, layer, converted)
             placement.check_rank(rank)
-        except PlacementError as e:
-            raise InstallError(f"{engine.prefix(module)}: cannot be served from the store {converted.path} "
-                               f"({layer.key}: {converted.manifest.dims.experts_of(layer)} logical experts): {e}") from None
+        except PlacementError as e:  # the same error, saying which module and store it was found in
+            raise PlacementError(f"{engine.prefix(module)}: cannot be served from the store {converted.path} "
+                                 f"({layer.key}: {converted.manifest.dims.experts_of(layer)} logical experts): {e}"
+                                 ) from e
         if placements.setdefault(layer, placement) != placement:
             raise InstallError(f"{engine.prefix(module)}: a second module of {layer.key} with another placement")
     return placements

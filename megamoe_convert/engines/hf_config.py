@@ -11,7 +11,11 @@ all of those go through, ``PretrainedConfig._dict_from_json_file`` (transformers
 that a conversion's dict comes back with the original ``model_type``
 (:func:`marker.restore_model_type`: only a conversion's marker is touched, anything else is
 returned as read). The engine then parses, configures and tokenizes exactly as for the source;
-the architecture markers are restored by the engine's own config hook, as before.
+the architecture markers are restored by each engine's doors (``engines/*/doors.py``).
+
+transformers' public ``AutoConfig.register`` cannot do this: it maps a model type to a config
+class whose ``model_type`` must be that same (marker) type, so the engine would read the marker
+where it keys settings and the tokenizer on the original type.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from megamoe_convert.output import marker
-from megamoe_convert.engines import InstallError, sglang_models
+from megamoe_convert.engines.sglang import doors as sglang_doors
+from megamoe_convert.errors import InstallError
 
 import bare_env
 from doors_common import hub_repos, old_conversion
@@ -66,7 +67,7 @@ def hooked_load_weights(cls, seen: list[str]):
     def load_weights(self, weights, *args, **kwargs):
         seen.extend(name for name, _ in weights)
 
-    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, sglang_models.load_weights_around,
+    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, sglang_doors.load_weights_around,
                                                          HookType.AROUND)):
         yield
 
@@ -102,7 +103,7 @@ def assert_experts(model, want) -> None:
 def test_sglang_reads_the_original_architecture_of_a_conversion(sglang_converted, sglang_ckpt):
     config = parsed(sglang_converted)
     assert config.architectures == ["DeepseekV4ForCausalLM"]
-    assert getattr(config, marker.SECTION)[sglang_models.PATH_KEY] == str(sglang_converted)
+    assert getattr(config, marker.SECTION)[sglang_doors.PATH_KEY] == str(sglang_converted)
     assert not hasattr(parsed(sglang_ckpt), marker.SECTION)
 
 
@@ -196,7 +197,7 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_
     with hub_repos(tmp_path, monkeypatch, **{"owner/sg-old": old, "owner/sg-src": sglang_ckpt}) as hub:
         config = parsed("owner/sg-old")
         assert config.architectures == ["DeepseekV4ForCausalLM"]
-        assert getattr(config, marker.SECTION)[sglang_models.PATH_KEY] == "owner/sg-old"
+        assert getattr(config, marker.SECTION)[sglang_doors.PATH_KEY] == "owner/sg-old"
         assert "manifest.json" in hub.downloaded
         assert not hasattr(parsed("owner/sg-src"), marker.SECTION)  # the hub has no manifest for it
         seen: list[str] = []

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.sglang import CONTRACT, install
+from megamoe_convert.errors import InstallError
+from megamoe_convert.engines.sglang import install
+from megamoe_convert.engines.sglang.mega_moe import CONTRACT
 
 import sglang_harness as h
 

@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from megamoe_convert.engines import InstallError
+from megamoe_convert.errors import InstallError
 
 import sglang_harness as h
 

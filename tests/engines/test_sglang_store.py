@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megamoe_convert.engines import InstallError
+from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.serve import store as store_reader
 
@@ -60,7 +60,7 @@ def test_a_table_naming_an_expert_the_store_lacks_is_refused_before_any_module_c
         nextn = h.build_nextn_model(config)
         nextn.model.decoder.mlp.experts.num_experts = 12  # 12 slots 0..11 without expert location: no such experts
         before = {p: [t.clone() for t in m.parameters()] for p, m in h.experts_of(nextn).items()}
-        with pytest.raises(InstallError, match=r"model.decoder.mlp.experts: cannot be served from the store .* "
+        with pytest.raises(PlacementError, match=r"model.decoder.mlp.experts: cannot be served from the store .* "
                                                r"logical expert id 8 out of range \[0, 8\)"):
             install(nextn, sglang_store, rank=1)
         for prefix, module in h.experts_of(nextn).items():

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from megamoe_convert import vllm_integration
-from megamoe_convert.engines import InstallError
+from megamoe_convert.errors import InstallError
 from megamoe_convert.vllm_integration import install
 
 import vllm_harness as h

@@ -14,7 +14,7 @@ import torch
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.synth.write import synthesize
-from megamoe_convert.engines import InstallError
+from megamoe_convert.errors import InstallError
 from megamoe_convert.vllm_integration import install
 
 import vllm_harness as vh

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_convert.engines.load_format import without_expert_tensors
+from megamoe_convert.engines.shared_doors import without_expert_tensors
 from megamoe_convert.vllm_integration import install_layers
 
 import vllm_harness as h

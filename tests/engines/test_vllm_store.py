@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe_convert.engines import InstallError
+from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.serve import store as store_reader
 from megamoe_convert.vllm_integration import install
 
@@ -73,7 +73,7 @@ def test_a_module_with_fewer_slots_than_experts_is_refused(engine_ckpt, engine_s
         main, _ = build(config, 0, 2, 0)
         target = h.experts_of(main)["model.layers.0.ffn.experts"]
         target.num_experts = 6  # fewer physical slots than the store's 8 logical experts
-        with pytest.raises(InstallError, match=r"model.layers.0.ffn.experts: cannot be served from the store .* "
+        with pytest.raises(PlacementError, match=r"model.layers.0.ffn.experts: cannot be served from the store .* "
                                                r"\(layers.0: 8 logical experts\)"):
             install(main, engine_store, rank=0)
 

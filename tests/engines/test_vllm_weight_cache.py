@@ -240,7 +240,7 @@ def _spawned_daemon_probe(queue) -> None:
     from vllm.config import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
 
-    from megamoe_convert.engines import vllm_preload
+    from megamoe_convert.engines.vllm import preload
 
     def loader() -> str:
         try:
@@ -249,7 +249,7 @@ def _spawned_daemon_probe(queue) -> None:
             return str(e)
 
     before = loader()
-    vllm_preload.prepare_daemon()
+    preload.prepare_daemon()
     queue.put((before, loader(), getattr(h.weight_cache("protocol").hash_checkpoint, "megamoe", False)))
 
 
@@ -269,13 +269,13 @@ def test_daemon_entry_is_vllms_run_daemon_after_the_registration():
     that resolves to itself."""
     import pickle
 
-    from megamoe_convert.engines import vllm_preload
+    from megamoe_convert.engines.vllm import preload
 
-    assert pickle.loads(pickle.dumps(vllm_preload.daemon_entry)) is vllm_preload.daemon_entry
+    assert pickle.loads(pickle.dumps(preload.daemon_entry)) is preload.daemon_entry
     calls = []
     with mock.patch.object(h.weight_cache("daemon"), "_run_daemon", lambda *a, **k: calls.append((a, k))), \
-            mock.patch.object(vllm_preload, "prepare_daemon", lambda: calls.append("prepared")):
-        vllm_preload.daemon_entry(0, 0, "config", init_method="tcp://x")
+            mock.patch.object(preload, "prepare_daemon", lambda: calls.append("prepared")):
+        preload.daemon_entry(0, 0, "config", init_method="tcp://x")
     assert calls == ["prepared", ((0, 0, "config"), {"init_method": "tcp://x"})]
 
 
@@ -296,7 +296,7 @@ def test_megamoe_preload_runs_vllms_preload_with_the_entry_in_each_daemon(ep4, s
     log = done.stdout + done.stderr
     assert done.returncode == 1, log
     assert "MegaMoEIpcModelLoader" in log  # registered in the daemon (vLLM warns ipc_cache is overridden)
-    chain = ["Process vllm-weight-cache-target-0", "vllm_preload.py", "in daemon_entry", "daemon.py",
+    chain = ["Process vllm-weight-cache-target-0", "preload.py", "in daemon_entry", "daemon.py",
              "in _run_daemon", "daemon.load_model()", "set_device_index",
              "Cannot access accelerator device when none is available"]
     at = [done.stderr.find(step) for step in chain]

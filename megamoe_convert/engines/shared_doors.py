@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from megamoe_convert.engines import InstallError
 from megamoe_convert.engines.driver import Installed
+from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.source import families
 

@@ -4,8 +4,8 @@ A converted directory's ``config.json`` names a marker model type and marker arc
 (``output/marker.py``): a bare SGLang refuses the model type when it reads the config (through
 transformers' ``AutoConfig``, whatever ``--model-impl``), and the architecture when it resolves the
 model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry point
-(:func:`.sglang_loader.register`) makes transformers read the original model type
-(``engines/hf_config.py``) and adds hooks through SGLang's own ``HookRegistry``:
+(:mod:`.plugin`) makes transformers read the original model type (``engines/hf_config.py``) and
+:func:`register` adds hooks through SGLang's own ``HookRegistry``:
 
 - around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
   and configures the model exactly as for the source); the ``megamoe`` section stays on the
@@ -13,7 +13,7 @@ model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry po
   placement: every DeepSeek-V4.1 and Kimi-K3 conversion, a DeepSeek-V4 one without
   ``--engine sglang``) is refused right there, in one line.
 - around ``load_weights`` of SGLang's DeepSeek-V4 model classes (the model and its NextN draft):
-  the rank's experts are installed first (:func:`.sglang.install_layers`, which refuses a model
+  the rank's experts are installed first (:func:`.install.install_layers`, which refuses a model
   that does not match), then everything else loads as SGLang would. Every loader that calls the
   model's ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ...) therefore serves
   the experts; around ``get_model_architecture``, any other class (``--model-impl transformers``)
@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError, hf_config
-from megamoe_convert.engines.load_format import (
+from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
+from megamoe_convert.engines.shared_doors import (
     INSTALLED_ATTR,
     conversion_manifest,
     is_unmarked_conversion,
@@ -43,6 +43,7 @@ from megamoe_convert.engines.load_format import (
     served_reference,
     without_expert_tensors,
 )
+from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
 
@@ -101,14 +102,10 @@ def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
     """``AROUND`` hook of the models' ``load_weights``: a conversion's experts first, then the rest."""
     out = conversion_of(model)
     if out is None:  # no conversion: SGLang's loading, checked once that the checkpoint had experts
-        from megamoe_convert.engines.sglang import CONTRACT
-
-        if not any(CONTRACT.detect(m) for m in model.modules()):
+        if not any(c.detect(m) for m in model.modules() for c in CONTRACTS):
             return load_weights(model, weights, *args, **kwargs)
         name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
         return load_checked(model, lambda w: load_weights(model, w, *args, **kwargs), weights, str(name), "SGLang")
-    from megamoe_convert.engines.sglang import install_layers
-
     installed = getattr(model, INSTALLED_ATTR, None)
     if installed is None:
         installed = install_layers(model, out, serving=True)
@@ -133,11 +130,10 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
     return model_cls, arch
 
 
-def register_hooks() -> None:
-    """Register both hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
+def register() -> None:
+    """Register the hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
     HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
     for target in LOAD_WEIGHTS:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.vllm_common import EP_ATTRIBUTES, expect_kernel_tensors, require
+from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_kernel_tensors, require
+from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
@@ -39,7 +40,7 @@ PARAMETERS = {
 }
 
 
-class KernelLayoutContract:
+class KernelLayoutContract(Contract):
     name = "vLLM >= 0.33 DeepGemmMegaMoEExperts (parameters in the kernel layout)"
 
     def missing(self, module: nn.Module) -> list[str]:
@@ -64,10 +65,6 @@ class KernelLayoutContract:
         expert loads through vLLM's normal path."""
         fused = bool(getattr(module, "has_fused_shared_experts", False))
         return ("weight", "scale") if fused and converted.manifest.dims.shared_intermediate_size else ()
-
-    def bind(self, owner: nn.Module | None) -> "KernelLayoutContract":
-        """The module holds everything it takes: its owner changes nothing."""
-        return self
 
     def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         fmt = getattr(module.weight_format, "name", module.weight_format)

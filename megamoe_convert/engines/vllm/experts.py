@@ -1,4 +1,4 @@
-"""What vLLM's two MegaMoE contracts share: module names, the EP numbers, the install driver.
+"""What vLLM's two MegaMoE contracts share: module prefixes, the EP numbers, tensor checks.
 
 vLLM names a MegaMoE module by its prefix (``model.layers.7.ffn.experts``; MTP blocks are
 numbered after the decoder layers, ``model.layers.{N+i}.mtp_block.ffn.experts``; multimodal
@@ -10,16 +10,14 @@ wrappers put ``language_model.`` in front, DeepSeek-V4.1's and Kimi-K3's; Kimi-K
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from megamoe_convert.engines import Contract, InstallError, driver
-from megamoe_convert.engines.driver import classify
-from megamoe_convert.output.manifest import rank_shard_specs
-from megamoe_convert.placement import Placement, PlacementError
+from megamoe_convert.errors import InstallError, PlacementError
+from megamoe_convert.output.shards import rank_shard_specs
+from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
@@ -89,46 +87,6 @@ def current_ep_rank() -> int:
     except ImportError as e:
         raise InstallError("rank=None needs vLLM's EP group, but vllm is not importable; pass rank=") from e
     return int(get_ep_group().rank_in_group)
-
-
-class VllmEngine:
-    """vLLM's side of :func:`driver.install_layers`: modules by prefix, EP numbers checked first."""
-
-    name = "vllm"
-
-    def __init__(self, contracts: Sequence[Contract]) -> None:
-        self.contracts = contracts
-
-    def current_rank(self) -> int:
-        return current_ep_rank()
-
-    def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
-        """Each experts module with its contract, bound to the module's owner (the MoE block
-        holding it: vLLM 0.32 fuses the owner's shared MLP in ``finalize_weights``)."""
-        found = classify([m for m in model.modules() if looks_like_megamoe_experts(m)], self.contracts,
-                         hint=" (is --moe-backend deep_gemm_mega_moe set, with --enable-expert-parallel?)")
-        owners = {id(child): parent for parent in model.modules() for child in parent.children()}
-        return [(m, c.bind(owners.get(id(m)))) for m, c in found]  # type: ignore[attr-defined]
-
-    def prefix(self, module: nn.Module) -> str:
-        return module.prefix
-
-    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
-        return layer_key(module.prefix, converted.num_hidden_layers)
-
-    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
-        return module_placement(module, converted.manifest.dims.experts_of(layer))
-
-    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
-              rank: int) -> None:
-        check_ep_numbers(module, layer, converted, rank)
-        contract.check(module, layer, converted, rank)
-
-
-def install_layers(model: nn.Module, out: Path | str, rank: int | None, contracts: Sequence[Contract],
-                   *, verify: bool = False, serving: bool = False) -> driver.Installed:
-    """Check every module, then put each layer's bytes straight into its module's storage."""
-    return driver.install_layers(model, out, rank, VllmEngine(contracts), verify=verify, serving=serving)
 
 
 def require(module: nn.Module, names: Sequence[str]) -> list[str]:

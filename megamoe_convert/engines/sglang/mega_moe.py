@@ -1,9 +1,10 @@
 """SGLang (0.5.23): DeepSeek-V4's ``FusedMoE`` experts under ``--moe-a2a-backend megamoe``.
 
-SGLang loads the checkpoint's MXFP4 experts into ``w13_weight`` / ``w2_weight`` (int8) and FP32
-``w13_weight_scale_inv`` / ``w2_weight_scale_inv``; then ``Fp8MoEMethod`` post-processing calls
-``mega_moe.py: build_mega_moe_experts_weights``, which returns at once when
-``_mega_moe_weights_built`` is set. What it leaves, and what :func:`install` leaves:
+The MegaMoE build contract. SGLang loads the checkpoint's MXFP4 experts into ``w13_weight`` /
+``w2_weight`` (int8) and FP32 ``w13_weight_scale_inv`` / ``w2_weight_scale_inv``; then
+``Fp8MoEMethod`` post-processing calls ``mega_moe.py: build_mega_moe_experts_weights``, which
+returns at once when ``_mega_moe_weights_built`` is set. What it leaves, and what installing
+through :data:`CONTRACT` leaves:
 
 - ``w13_weight``: the gate/up-interleaved weight; ``mega_l1_weights[0]`` is its ``.data``;
   ``w2_weight`` unchanged, ``mega_l2_weights[0]`` is its ``.data``.
@@ -21,62 +22,22 @@ module's physical-to-logical map is compared with it before anything is changed.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
 from torch import nn
 
-from megamoe_convert import layout
-from megamoe_convert.engines import SHAPE_RULES, Contract, InstallError, driver
-from megamoe_convert.placement import Placement, PlacementError
+from megamoe_convert import layout, layout_inverse
+from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.shapes import SHAPE_RULES
+from megamoe_convert.engines.sglang.experts import module_logical_ids
+from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source.layers import MoELayer
 
-#: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.
-SGLANG_PREFIX = re.compile(r"^model\.(?:layers\.(?P<index>\d+)|(?P<mtp>decoder))\.mlp\.experts$")
 MARKERS = ("layer_name", "layer_id", "moe_ep_rank", "moe_ep_size", "moe_tp_size", "num_experts",
            "num_local_experts", "num_fused_shared_experts", "hidden_size", "intermediate_size_per_partition",
            "uses_expert_location", "quant_method", "_mega_moe_weights_built", "w13_weight", "w2_weight",
            "w13_weight_scale_inv", "w2_weight_scale_inv")
 SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
-
-
-def layer_key(prefix: str) -> str:
-    """SGLang module prefix -> checkpoint layer key (``layers.7`` / ``mtp.0``)."""
-    m = SGLANG_PREFIX.match(prefix)
-    if m is None:
-        raise InstallError(f"{prefix}: not a MegaMoE experts prefix (expected model.layers.N.mlp.experts or "
-                           "model.decoder.mlp.experts)")
-    return "mtp.0" if m["mtp"] else f"layers.{m['index']}"
-
-
-def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
-    """The logical expert SGLang loads into each local slot: from its expert-location table for
-    layers that use one, else slot ``p`` holds logical ``p`` (the NextN layer, drafts)."""
-    start = module.moe_ep_rank * module.num_local_experts
-    if not module.uses_expert_location:
-        return tuple(range(start, start + module.num_local_experts))
-    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-    table = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
-    return tuple(int(x) for x in table[start:start + module.num_local_experts])
-
-
-def module_placement(module: nn.Module, n_logical: int) -> Placement:
-    """The placement SGLang built a module with over ``n_logical`` logical experts: its layer's row of
-    the expert-location table (``--init-expert-location``, EPLB's redundant slots), or for a module
-    without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``."""
-    if module.uses_expert_location:
-        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
-
-        row = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
-        table = [int(x) for x in row]
-    else:
-        table = list(range(module.num_experts))
-    if len(table) != module.num_experts:
-        raise PlacementError(f"its expert-location table has {len(table)} slots, the module {module.num_experts}")
-    return Placement.from_list(table, n_logical, module.moe_ep_size, source="SGLang's expert location")
 
 
 def refusal(module: nn.Module) -> str | None:
@@ -103,14 +64,11 @@ def expect(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, .
                            f"{list(t.stride())}, expected a contiguous {dtype}{list(shape)}")
 
 
-class MegaMoEContract:
+class MegaMoEContract(Contract):
     name = "SGLang FusedMoE with --moe-a2a-backend megamoe (fp8.py, build_mega_moe_experts_weights)"
 
     def missing(self, module: nn.Module) -> list[str]:
         return [n for n in MARKERS if not hasattr(module, n)]
-
-    def detect(self, module: nn.Module) -> bool:
-        return not self.missing(module)
 
     def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         where = module.layer_name
@@ -159,7 +117,7 @@ class MegaMoEContract:
     def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
         for gemm, kernel, scale in (("l1", layer.l1, "w13"), ("l2", layer.l2, "w2")):
             utccp = kernel.sf
-            getattr(module, f"{scale}_weight_scale_inv").data = layout.untranspose_sf_for_utccp(utccp)
+            getattr(module, f"{scale}_weight_scale_inv").data = layout_inverse.untranspose_sf_for_utccp(utccp)
             getattr(module, f"{scale}_weight_scale_inv").format_ue8m0 = True
             setattr(module, f"mega_{gemm}_weights", (getattr(module, f"{scale}_weight").data, utccp))
             module.register_parameter(f"mega_{scale}_weight_scale_utccp", nn.Parameter(utccp, requires_grad=False))
@@ -173,55 +131,3 @@ def empty_sf_storage(experts: int, mn: int, k: int, module: nn.Module) -> torch.
 
 
 CONTRACT = MegaMoEContract()
-
-
-class SglangEngine:
-    """SGLang's side of :func:`driver.install_layers`."""
-
-    name = "sglang"
-
-    def current_rank(self) -> int:
-        try:
-            from sglang.srt.runtime_context import get_parallel
-        except ImportError as e:
-            raise InstallError("rank=None needs SGLang's parallel context, but sglang is not importable; "
-                               "pass rank=") from e
-        return int(get_parallel().moe_ep_rank)
-
-    def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
-        candidates = [m for m in model.modules() if SGLANG_PREFIX.match(str(getattr(m, "layer_name", "")))]
-        return driver.classify(candidates, [CONTRACT], prefix="layer_name",
-                               hint=" (is --moe-a2a-backend megamoe set?)")
-
-    def prefix(self, module: nn.Module) -> str:
-        return module.layer_name
-
-    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
-        return layer_key(module.layer_name)
-
-    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
-        return module_placement(module, converted.manifest.dims.experts_of(layer))
-
-    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
-              rank: int) -> None:
-        contract.check(module, layer, converted, rank)
-
-
-ENGINE = SglangEngine()
-
-
-def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *,
-                   verify: bool = False, serving: bool = False) -> driver.Installed:
-    """:func:`install`, saying which layers were installed (``--load-format megamoe`` reads it;
-    ``serving`` as in :func:`driver.install_layers`)."""
-    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving)
-
-
-def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
-    """Load rank ``rank``'s MegaMoE experts from ``out`` into every MegaMoE ``FusedMoE`` of an
-    SGLang model, leaving them as SGLang's own post-processing would (so it skips its transform).
-
-    ``rank=None`` takes SGLang's current MoE EP rank. Every module is checked (mode, EP numbers,
-    placement, shapes) before any is changed; a mismatch raises :class:`InstallError`.
-    """
-    return len(install_layers(model, out, rank, verify=verify).layers)

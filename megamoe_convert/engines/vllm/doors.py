@@ -1,18 +1,18 @@
 """Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
 
 A converted directory's ``config.json`` names a marker model type and marker architectures
-(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, :func:`register`
-(run by the ``vllm.general_plugins`` entry point in every vLLM process, before any config is read)
-does this:
+(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, the ``vllm.general_plugins`` entry point
+(:mod:`.plugin`, in every vLLM process, before any config is read) does this:
 
 - transformers' JSON config reading gives back the original model type (``engines/hf_config.py``:
   vLLM's parser, its speculative draft config, the weight-cache daemon and the tokenizer all read
-  through it), and vLLM's ``hf`` config parser is replaced by one that puts the original
+  through it), and vLLM's ``hf`` config parser is replaced (``register_config_parser``,
+  :func:`register_config_parser`) by one that puts the original
   architectures back, so vLLM builds and configures the model exactly as for the source (every
   architecture-keyed setting of vLLM applies); the ``megamoe`` section stays on the config.
 - Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
-  drafts) is registered again as a thin subclass of vLLM's own class whose ``load_weights``
-  first installs the rank's pre-baked experts (``engines/vllm_install.py``'s ``install_layers``, which
+  drafts) is registered again (``ModelRegistry.register_model``, :func:`register_models`) as a thin subclass of vLLM's own class whose ``load_weights``
+  first installs the rank's pre-baked experts (:func:`.install.install_layers`, which
   refuses a model that does not match) and then loads the rest as vLLM would. Every loader that
   calls ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ``fastsafetensors``, ...)
   therefore serves the experts. On a directory that is no conversion the subclass is vLLM's class.
@@ -24,21 +24,19 @@ recognised by its manifest, in its directory or, pulled by repo id, its hub repo
 cache, else downloaded), and served the same way (a bare vLLM would serve it without experts:
 rerun the same ``megamoe convert`` to mark it). One whose manifest cannot be had (offline, not
 cached) is refused by the subclass's first ``load_weights``: vLLM fed it no routed-expert tensor
-(``load_format.ExpertTensorCount``), so its experts would stay zeros.
+(``shared_doors.ExpertTensorCount``), so its experts would stay zeros.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError, hf_config
-from megamoe_convert.engines.load_format import (
+from megamoe_convert.engines.shared_doors import (
     INSTALLED_ATTR,
     is_unmarked_conversion,
     load_checked,
@@ -46,6 +44,9 @@ from megamoe_convert.engines.load_format import (
     served_reference,
     without_expert_tensors,
 )
+from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
+from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
 
@@ -83,11 +84,9 @@ def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> 
             for p, _ in module.named_parameters(recurse=False)}
 
 
-def make_model_class(base: type, draft: bool) -> type:
+def make_model_class(base: Any, draft: bool) -> type:
     """vLLM's ``base`` with a ``load_weights`` that installs a conversion's experts first."""
-    from megamoe_convert.engines.vllm_install import CONTRACTS, install_layers
-
-    class MegaMoEModel(base):  # type: ignore[misc, valid-type]
+    class MegaMoEModel(base):
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
             spec = getattr(vllm_config, "speculative_config", None)
             own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
@@ -119,10 +118,10 @@ def make_model_class(base: type, draft: bool) -> type:
     return MegaMoEModel
 
 
-def make_refusing_class(base: type, arch: str) -> type:
+def make_refusing_class(base: Any, arch: str) -> type:
     """vLLM's Transformers-backend ``base`` (``--model-impl transformers``): it has no MegaMoE experts
     modules, so on a conversion it is refused before it is built."""
-    class NoMegaMoEModel(base):  # type: ignore[misc, valid-type]
+    class NoMegaMoEModel(base):
         def __init__(self, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
             out = conversion_of(vllm_config.model_config)
             if out is not None:
@@ -149,14 +148,10 @@ def _vllm_suffix() -> str:
 @functools.cache
 def model_class(attribute: str) -> type:
     """This module's attribute ``ARCH__vllm_X_Y_Z``: the subclass of vLLM's class for ``ARCH``."""
-    from vllm.model_executor.models import registry
-
     arch = attribute.partition("__vllm_")[0]
     refuse = arch.endswith(REFUSE)
     arch = arch.removesuffix(REFUSE)
-    module, cls = registry._VLLM_MODELS[arch]
-    module = module if module.startswith("vllm.") else f"vllm.model_executor.models.{module}"
-    base = getattr(importlib.import_module(module), cls)
+    base = private_hooks.model_class(arch)
     made = make_refusing_class(base, arch) if refuse else make_model_class(base, draft=arch in DRAFTS)
     made.__qualname__ = attribute  # what vLLM's registry imports (and pickle finds) in any process
     return made
@@ -168,10 +163,10 @@ def __getattr__(name: str) -> type:  # the lazy "module:class" vLLM's registry i
     return model_class(name)
 
 
-def make_config_parser(base: type) -> type:
+def make_config_parser(base: Any) -> type:
     """vLLM's ``HFConfigParser`` putting a conversion's original architectures back."""
 
-    class MegaMoEConfigParser(base):  # type: ignore[misc, valid-type]
+    class MegaMoEConfigParser(base):
         def parse(self, model: Any, *args: Any, **kwargs: Any) -> tuple[dict, Any]:
             config_dict, config = super().parse(model, *args, **kwargs)
             if marker.restore(config) is not None:
@@ -185,21 +180,24 @@ def make_config_parser(base: type) -> type:
     return MegaMoEConfigParser
 
 
-def register_models() -> None:
-    """Register the config parser and the model subclasses (see the module docstring)."""
-    from vllm.model_executor.models import ModelRegistry
+def register_config_parser() -> None:
+    """vLLM's ``hf`` config parser, replaced by one putting a conversion's architectures back."""
     from vllm.transformers_utils import config as config_utils
 
-    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     base = config_utils.get_config_parser("hf").__class__
     if base.__name__ != "MegaMoEConfigParser":
         config_utils.register_config_parser("hf")(make_config_parser(base))
+
+
+def register_models() -> None:
+    """Every MegaMoE model class, and every Transformers-backend class, registered again as its
+    subclass here (see the module docstring)."""
+    from vllm.model_executor.models import ModelRegistry
+
     suffix = _vllm_suffix()
     for arch in TARGETS + DRAFTS:
         if arch in ModelRegistry.models:
             ModelRegistry.register_model(arch, f"{__name__}:{arch}{suffix}")
-    from vllm.model_executor.models import registry
-
-    for arch in getattr(registry, "_TRANSFORMERS_BACKEND_MODELS", {}):
+    for arch in private_hooks.transformers_backend_architectures():
         if arch in ModelRegistry.models:
             ModelRegistry.register_model(arch, f"{__name__}:{arch}{REFUSE}{suffix}")

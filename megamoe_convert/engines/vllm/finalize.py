@@ -35,8 +35,10 @@ from importlib.metadata import PackageNotFoundError, version
 import torch
 from torch import nn
 
-from megamoe_convert.engines import InstallError
-from megamoe_convert.engines.vllm_common import EP_ATTRIBUTES, expect_tensor, require
+from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_tensor, require
+from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
@@ -71,7 +73,7 @@ def _as_int32_storage(param: torch.Tensor, mn: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class FinalizeContract:
+class FinalizeContract(Contract):
     #: The MoE block holding the module and its shared MLP (``shared_experts``), see :meth:`bind`.
     owner: nn.Module | None = None
     name = "vLLM 0.30-0.32 DeepseekV4MegaMoEExperts (finalize_weights transforms)"
@@ -94,18 +96,14 @@ class FinalizeContract:
             w = getattr(linear, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dtype != weight or tuple(w.shape) != shape or not w.is_contiguous():
                 return None  # not what vLLM fuses either (a TP-sharded MLP, another precision)
-        from vllm.utils.deep_gemm import _import_deep_gemm  # vLLM's own test, as finalize_weights makes it
-
-        return mlp if module._ensure_backend().supports_shared_experts(_import_deep_gemm()) else None
+        # vLLM's own test, as finalize_weights makes it
+        return mlp if module._ensure_backend().supports_shared_experts(private_hooks.deep_gemm()) else None
 
     def missing(self, module: nn.Module) -> list[str]:
         gone = require(module, MARKERS)
         if hasattr(module, FLASHINFER_MARKER):
             gone.append(f"no {FLASHINFER_MARKER} (a FlashInfer MegaMoE module runs its own layout)")
         return gone
-
-    def detect(self, module: nn.Module) -> bool:
-        return not self.missing(module)
 
     def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         if converted.weight_format != "mxfp4":

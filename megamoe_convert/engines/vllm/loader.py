@@ -15,15 +15,14 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.driver import Installed
-from megamoe_convert.engines.load_format import (
+from megamoe_convert.engines.shared_doors import (
     INSTALLED_ATTR,
     LOAD_FORMAT,
     RANK_FILES_PATTERN,
     as_safetensors_config,
     without_expert_tensors,
 )
-from megamoe_convert.engines.vllm_install import install_layers
-from megamoe_convert.engines.vllm_models import register_models
+from megamoe_convert.engines.vllm.install import install_layers
 from megamoe_convert.serve.loader import prepare_gpu_staging
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
@@ -31,9 +30,9 @@ __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
 log = logging.getLogger(__name__)
 
 
-def make_loader_class(default_loader: type) -> type:
+def make_loader_class(default_loader: Any) -> type:
     """A ``DefaultModelLoader`` subclass: experts from the shards, everything else as usual."""
-    class MegaMoEModelLoader(default_loader):  # type: ignore[misc, valid-type]
+    class MegaMoEModelLoader(default_loader):
         """``--load-format megamoe``: ``vllm serve OUT`` where OUT is a ``megamoe convert`` output."""
 
         #: What ``install`` put in place: its shared experts are not loaded again.
@@ -56,12 +55,7 @@ def make_loader_class(default_loader: type) -> type:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: register ``--load-format megamoe``, and make every other
-    load format serve a conversion's experts too (:mod:`.vllm_models`; no-op without vLLM)."""
-    try:
-        from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
-    except ImportError:
-        log.debug("megamoe: vllm not importable; --load-format megamoe not registered")
-        return
+    """Register ``--load-format megamoe`` with vLLM's ``register_model_loader``."""
+    from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
+
     register_model_loader(LOAD_FORMAT)(make_loader_class(DefaultModelLoader))
-    register_models()

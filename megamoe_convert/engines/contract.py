@@ -1,0 +1,69 @@
+"""The interface every engine contract implements: how one kind of engine module holds MegaMoE experts.
+
+A contract is found by what a module has, never by class name, and installing through it takes
+the steps :mod:`.driver` runs for every engine, in this order:
+
+- :meth:`Contract.detect` / :meth:`Contract.missing`: is this module of my contract (and if not,
+  what does it lack)?
+- :meth:`Contract.bind`: the contract for one module, given the module that holds it (its owner
+  may hold what the contract also fills, e.g. vLLM 0.32's shared MLP).
+- :meth:`Contract.check`: is the module built for exactly what was converted? Raises
+  :class:`~megamoe_convert.errors.InstallError` naming the module and both values. Runs for every module before any
+  module is changed.
+- :meth:`Contract.shared_kinds`: which of the checkpoint's shared-expert tensors (``weight``,
+  ``scale``) the install puts in place from the conversion's pre-baked fused shared expert, so
+  the engine must not load them; empty: it loads them as usual.
+- :meth:`Contract.destinations` + :meth:`Contract.finish`: where the file bytes go (the engine's
+  own storage, so no second copy exists), and what the engine needs set afterwards.
+
+A new contract (another engine release, another kernel) subclasses :class:`Contract` in its
+engine's package; a new step every contract must take is a new method here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+    from megamoe_convert.source.layers import MoELayer
+
+__all__ = ["Contract"]
+
+
+class Contract(ABC):
+    """One engine's way of holding MegaMoE experts (see the module docstring)."""
+
+    #: Named in refusals: the engine release and module class this contract is for.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def missing(self, module: "nn.Module") -> list[str]:
+        """What a module that looks like MegaMoE experts lacks to be of this contract."""
+
+    def detect(self, module: "nn.Module") -> bool:
+        """The module is of this contract: it lacks nothing."""
+        return not self.missing(module)
+
+    def bind(self, owner: "nn.Module | None") -> "Contract":
+        """This contract for a module held by ``owner``; by default the owner changes nothing."""
+        return self
+
+    @abstractmethod
+    def check(self, module: "nn.Module", layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None:
+        """Refuse (``InstallError``) a module not built for exactly what ``converted`` holds."""
+
+    @abstractmethod
+    def shared_kinds(self, module: "nn.Module", converted: "ConvertedModel") -> tuple[str, ...]:
+        """The shared-expert tensor kinds the install puts in place (the engine must skip them)."""
+
+    @abstractmethod
+    def destinations(self, module: "nn.Module", converted: "ConvertedModel") -> "Destinations":
+        """Rank-file key -> the tensor in the engine's own storage its bytes go into."""
+
+    @abstractmethod
+    def finish(self, module: "nn.Module", layer: "ExpertLayer") -> None:
+        """What the engine needs set once the bytes are in place."""

@@ -1,0 +1,56 @@
+"""SGLang's MegaMoE experts modules (0.5.23): their names, and which logical expert each slot holds.
+
+SGLang names a ``FusedMoE`` by its ``layer_name`` (``model.layers.7.mlp.experts``; the NextN draft
+model's one MTP layer is ``model.decoder.mlp.experts``) and places logical experts on slots by its
+expert-location table for layers that use one (``--init-expert-location``, EPLB's redundant
+slots); the NextN layer is built without one: slot ``p`` holds logical ``p``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from megamoe_convert.errors import InstallError, PlacementError
+from megamoe_convert.placement import Placement
+
+#: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.
+SGLANG_PREFIX = re.compile(r"^model\.(?:layers\.(?P<index>\d+)|(?P<mtp>decoder))\.mlp\.experts$")
+
+
+def layer_key(prefix: str) -> str:
+    """SGLang module prefix -> checkpoint layer key (``layers.7`` / ``mtp.0``)."""
+    m = SGLANG_PREFIX.match(prefix)
+    if m is None:
+        raise InstallError(f"{prefix}: not a MegaMoE experts prefix (expected model.layers.N.mlp.experts or "
+                           "model.decoder.mlp.experts)")
+    return "mtp.0" if m["mtp"] else f"layers.{m['index']}"
+
+
+def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
+    """The logical expert SGLang loads into each local slot: from its expert-location table for
+    layers that use one, else slot ``p`` holds logical ``p`` (the NextN layer, drafts)."""
+    start = module.moe_ep_rank * module.num_local_experts
+    if not module.uses_expert_location:
+        return tuple(range(start, start + module.num_local_experts))
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+    table = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
+    return tuple(int(x) for x in table[start:start + module.num_local_experts])
+
+
+def module_placement(module: nn.Module, n_logical: int) -> Placement:
+    """The placement SGLang built a module with over ``n_logical`` logical experts: its layer's row of
+    the expert-location table (``--init-expert-location``, EPLB's redundant slots), or for a module
+    without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``."""
+    if module.uses_expert_location:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        row = get_global_expert_location_metadata().physical_to_logical_map_cpu[module.layer_id]
+        table = [int(x) for x in row]
+    else:
+        table = list(range(module.num_experts))
+    if len(table) != module.num_experts:
+        raise PlacementError(f"its expert-location table has {len(table)} slots, the module {module.num_experts}")
+    return Placement.from_list(table, n_logical, module.moe_ep_size, source="SGLang's expert location")

@@ -1,0 +1,68 @@
+"""Every SGLang name megamoe-convert uses that is not SGLang's public extension API, in one place.
+
+SGLang's plugin API does most of the work: ``sglang.srt.plugins`` entry points, ``HookRegistry``
+hooks around its public functions (``get_config``, ``get_model_architecture``, the models'
+``load_weights``: :mod:`.doors`) and ``add_load_format_choices`` (:mod:`.loader`). What it cannot
+do is make a new ``--load-format`` load: SGLang has no loader registry, so only these can, each
+checked against the supported release by ``tests/engines/test_sglang_private_hooks.py`` (and
+exercised by the load-format tests):
+
+- ``LoadConfig._verify_load_format`` turns ``--load-format`` into its ``LoadFormat`` enum and
+  refuses any other name: hooked, the name becomes the loader class itself, which
+  ``get_model_loader`` instantiates.
+- ``DefaultModelLoader._get_all_weights`` is the one iterator of every weight the model's
+  ``load_weights`` is fed: the loader class wraps it.
+
+The experts modules' own attributes (``_mega_moe_weights_built``, ...) are the contract's subject
+and stay in :mod:`.mega_moe`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+#: The method SGLang calls to turn ``--load-format`` into its ``LoadFormat`` enum.
+VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
+
+#: Every private name used here, as ``module:attribute.path`` (the test resolves each).
+PRIVATE_NAMES = (
+    "sglang.srt.configs.load_config:LoadConfig._verify_load_format",
+    "sglang.srt.model_loader.loader:DefaultModelLoader._get_all_weights",
+)
+
+#: ``weights(model_config, model, own)``: the weights fed to ``load_weights``, given SGLang's own iterator ``own()``.
+Weights = Callable[[Any, nn.Module, Callable[[], Iterator[tuple[str, torch.Tensor]]]],
+                   Iterator[tuple[str, torch.Tensor]]]
+
+
+def default_loader_class(name: str, load_config: Callable[[Any], Any], weights: Weights) -> type:
+    """SGLang's ``DefaultModelLoader`` (named ``name``) built with ``load_config(config)`` and
+    feeding the model ``weights(...)`` instead of its own iterator."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    def __init__(self: Any, config: Any) -> None:
+        DefaultModelLoader.__init__(self, load_config(config))
+
+    def _get_all_weights(self: Any, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        own = functools.partial(DefaultModelLoader._get_all_weights, self, model_config, model)
+        yield from weights(model_config, model, own)
+
+    return type(name, (DefaultModelLoader,), {"__init__": __init__, "_get_all_weights": _get_all_weights,
+                                              "__doc__": f"``--load-format``'s {name}."})
+
+
+def route_load_format(name: str, loader_class: Callable[[], type]) -> None:
+    """``--load-format NAME`` loads with ``loader_class()`` (``AROUND`` hook of ``_verify_load_format``)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    def as_loader_class(verify: Callable[[Any], None], config: Any) -> None:
+        if isinstance(config.load_format, str) and config.load_format.lower() == name:
+            config.load_format = loader_class()
+            return
+        verify(config)
+
+    HookRegistry.register(VERIFY_LOAD_FORMAT, as_loader_class, HookType.AROUND)
