@@ -34,6 +34,12 @@ def test_top_level_help_lists_every_command():
         assert f" {command} " in out, command
 
 
+def test_top_level_help_lists_commands_in_the_order_a_user_runs_them():
+    out = run_cli("--help", env={"COLUMNS": "200"}).stdout
+    listed = [line.split()[0] for line in out.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == [*COMMANDS, "preload"]
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_explains_itself(command):
     proc = run_cli(command, "--help", env={"COLUMNS": "200"})
