@@ -36,6 +36,7 @@ from megamoe_convert.errors import LoadError, ManifestError, UsageError
 from megamoe_convert.output import marker, ranged
 from megamoe_convert.output.compare import (check_family, compare_extras, compare_non_expert, copied_family_problem,
                                             numerics_config, same_values)
+from megamoe_convert.output.layout_identity import NOT_RECORDED, identity_problems
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.writer import file_problems
@@ -496,6 +497,11 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     if problem := copied_family_problem(out, manifest):  # install names layers by the family
         report.problem(MANIFEST_NAME, problem)
     check_unlisted_files(out, manifest, report)
+    if manifest.layout is None:
+        report.skipped["layout identity"] = NOT_RECORDED
+    else:  # the recorded transform and fingerprints must be what this code writes
+        report.count("layout identity")
+        report.problems += [Problem(MANIFEST_NAME, p) for p in identity_problems(manifest.layout, manifest.dims)]
     check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:

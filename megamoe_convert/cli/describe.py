@@ -148,6 +148,7 @@ def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
         "experts_per_rank": placement.experts_per_rank,
         "placement": "default" if placement.is_default() else "explicit",
         "shared_expert_prebaked": bool(manifest.dims.shared_intermediate_size),
+        "layout": manifest.layout,
         "partial": coverage["partial"], "servable": coverage["servable"], "coverage": coverage,
         "sizes": conversion_sizes(Path(out), manifest),
         "serve": serve_commands(absolute, manifest),

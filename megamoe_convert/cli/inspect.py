@@ -133,6 +133,7 @@ def _inspect_conversion(out: Path, as_json: bool) -> None:
     table.add_row("experts", f"{info['n_routed_experts']} routed + {info['num_redundant_experts']} redundant, "
                              f"{info['experts_per_rank']} per rank; placement {info['placement']}")
     table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
+    table.add_row("layout identity", _describe_layout(info["layout"]))
     table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
     table.add_row("size", f"{human_bytes(sizes['expert_bytes_per_rank'])} per rank, "
                           f"{human_bytes(sizes['total_bytes'])} in all")
@@ -145,3 +146,13 @@ def _inspect_conversion(out: Path, as_json: bool) -> None:
                 out_console.print(f"  ({note})", markup=False, highlight=False)
         else:
             out_console.print(f"not servable with {engine}: {serve['reason']}", markup=False, highlight=False)
+
+
+def _describe_layout(record: dict[str, Any] | None) -> str:
+    """The recorded transform, its fingerprints and the releases it is proven against, in one cell."""
+    if record is None:
+        return "not recorded (converted before megamoe-convert recorded it); the engine's probe still runs"
+    prints = ", ".join(f"{part} {value}" for part, value in record["fingerprints"].items())
+    proven = "; ".join(f"{name} {', '.join(versions)}" for name, versions in record["proven"].items())
+    return f"{record['transform']} ({prints}); proven with {proven}"
+

@@ -12,13 +12,14 @@ code and compares tensor by tensor (:func:`difference`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import xxhash
 
-from megamoe_convert import layout
+from megamoe_convert import jsonio, layout
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
 
@@ -229,3 +230,50 @@ def layout_identity(fmt: WeightFormat, hidden: int, inter: int, shared_inter: in
     return {"transform": TRANSFORMS[kernel_of(fmt)], "seed": PROBE_SEED,
             "fingerprints": layout_fingerprints(fmt, hidden, inter, shared_inter),
             "proven": {name: list(versions) for name, versions in PROVEN.items()}}
+
+
+#: ``xxh3_64:`` and 16 hex digits.
+_FINGERPRINT = re.compile(r"xxh3_64:[0-9a-f]{16}")
+
+
+def identity_from_json(record: Any, f: jsonio.Fields) -> dict[str, Any]:
+    """A manifest's ``layout`` record, every field checked through the manifest's validating ``f``
+    (:class:`jsonio.Fields`)."""
+    f.obj(record, name="layout")
+    prints = f.obj(record, "fingerprints", name="layout.fingerprints")
+    fingerprints_read = {}
+    for part in ("routed", "shared"):
+        if part in prints or part == "routed":
+            value = f.str(prints, part, name=f"layout.fingerprints.{part}")
+            if not _FINGERPRINT.fullmatch(value):
+                raise f.fail(f"layout.fingerprints.{part} must be xxh3_64: and 16 hex digits, got {value[:40]!r}")
+            fingerprints_read[part] = value
+    proven = f.obj(record, "proven", name="layout.proven") if "proven" in record else {}
+    return {"transform": f.str(record, "transform", name="layout.transform"),
+            "seed": f.int(record, "seed", name="layout.seed"), "fingerprints": fingerprints_read,
+            "proven": {str(name): [f.str(v, -1, name=f"layout.proven.{name}") for v in
+                                   f.list(proven, name, name=f"layout.proven.{name}", max_len=256)]
+                       for name in proven}}
+
+
+def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
+    """How a manifest's recorded layout identity differs from what this package writes for its ``dims``
+    (``ModelDims``; empty: the same transform and fingerprints). ``None``, a manifest written before
+    the identity was recorded, has nothing to differ (``verify`` says it was not checked)."""
+    if record is None:
+        return []
+    want = layout_identity(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size)
+    problems = []
+    if record["transform"] != want["transform"]:
+        problems.append(f"layout.transform is {record['transform']!r}, this megamoe-convert writes {want['transform']!r}: "
+                        "convert again with this megamoe-convert")
+    for part, value in want["fingerprints"].items():
+        got = record["fingerprints"].get(part)
+        if got != value:
+            problems.append(f"layout.fingerprints.{part} is {got}, but this megamoe-convert's layout of the probe expert "
+                            f"is {value}: the experts were written with another layout; convert again")
+    return problems
+
+
+#: ``verify``'s word for a manifest without a layout identity.
+NOT_RECORDED = "the manifest records no layout identity (written before megamoe-convert recorded one)"

@@ -17,6 +17,7 @@ from typing import Any
 
 from megamoe_convert import __version__, jsonio
 from megamoe_convert.errors import ManifestError
+from megamoe_convert.output.layout_identity import identity_from_json, layout_identity
 from megamoe_convert.output.naming import (
     MANIFEST_NAME,
     PART_GLOB,
@@ -46,6 +47,9 @@ FORMAT_NAME = "megamoe-convert"
 FORMAT_VERSION = 2
 #: A store's ``engine``: it holds no engine's placement; the engine's own one is read at install.
 ANY_ENGINE = "any"
+#: :attr:`Manifest.layout` of a manifest this code makes: the layout identity of what it writes is
+#: recorded when the manifest is written (:meth:`Manifest.layout_record`).
+ON_WRITE: Any = object()
 
 
 @dataclass
@@ -70,6 +74,17 @@ class Manifest:
     #: Every MoE layer of the source (``None``: a manifest written before this was recorded), so
     #: that a ``--layers`` subset reads as partial.
     source_layers: list[str] | None = None
+    #: The layout identity (:mod:`layout_identity`: the transform, the engine releases it is proven
+    #: against, the fingerprints of its layout of the probe expert); ``None``: a manifest written
+    #: before it was recorded.
+    layout: Any = ON_WRITE
+
+    def layout_record(self) -> dict[str, Any] | None:
+        """The layout identity this manifest records (for one this code makes: this code's, computed once)."""
+        if self.layout is ON_WRITE:
+            d = self.dims
+            self.layout = layout_identity(d.format, d.hidden_size, d.moe_intermediate_size, d.shared_intermediate_size)
+        return self.layout
 
     def coverage(self) -> dict[str, Any]:
         """What this conversion holds of the model at its EP size, and whether an engine can serve it
@@ -128,6 +143,7 @@ class Manifest:
             "ranks": self.ranks,
             "engine": self.engine,
             "family": self.family,
+            **({"layout": self.layout_record()} if self.layout_record() is not None else {}),
             "placement": self.placement.to_json(),
             "layers": [{"key": l.key, "prefix": l.prefix} for l in self.layers],
             "experts_only": self.experts_only,
@@ -235,7 +251,8 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
                     format_version=versions[0], layout_version=versions[1], engine=engine, family=family,
-                    store=store, source_layers=source_layers)
+                    store=store, source_layers=source_layers,
+                    layout=identity_from_json(data["layout"], f) if "layout" in data else None)
 
 
 def _duplicates(items: list[Any]) -> list[Any]:
