@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class MegamoeError(Exception):
-    """Base of every error the tool raises on purpose: the CLI prints it in one line, exit 1."""
+    """Base of every error the tool raises on purpose: the CLI prints it in one line and exits 2."""
 
 
 # --- arguments and shared helpers --------------------------------------------------------
