@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import report_daemon
+import report_node
 import report_store
 import report_startup
 
@@ -345,7 +346,8 @@ def headline(after: dict, main: dict) -> str:
     q = after["sizes"]
     big = report_startup.load_all()[-1]
     warm, cold = report_startup.by_method(big, "warm"), report_startup.by_method(big, "cold")
-    return (f"Start-up, first call in a fresh process on an H100 (rank 0 of EP 8, 1.71 GB of a 13.85 GB "
+    node = report_node.headline()
+    return (f"{node}{chr(10) * 2 if node else ''}Start-up, first call in a fresh process on an H100 (rank 0 of EP 8, 1.71 GB of a 13.85 GB "
             f"checkpoint): `install()` into vLLM 0.33's real modules takes {warm['ours']['load_s'] * 1e3:.0f} ms warm "
             f"and {cold['ours']['load_s']:.2f} s cold; vLLM 0.33's own loading code takes "
             f"{warm['vllm033_ep_filter']['load_s']:.2f}-{warm['vllm033_all']['load_s']:.2f} s warm and "
@@ -384,6 +386,7 @@ Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmark
 `python benchmarks/bench_verify.py --save benchmarks/results/verify.json`, then `python benchmarks/make_report.py`.
 `make bench` runs the quick convert benchmark.
 
+{report_node.section()}
 {report_startup.section(startup_png.name)}
 {report_daemon.section()}
 {report_store.section()}

@@ -18,6 +18,7 @@ STAGES = {
     "errors": -1,  # the one error family, below everything
     "jsonio": 0, "progress": 0, "ui": 0, "faults": 0, "devices": 0, "interrupts": 0,
     "layout": 1, "placement": 1,
+    "layout_inverse": 1.5,  # above layout, which it undoes; below source/, whose format table dequantises with it
     "source": 2,
     "output": 3,
     "convert": 4, "synth": 4,

@@ -33,7 +33,8 @@ def test_every_script_has_a_test():
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
-              "report_store.py"}  # report_*: make_report regenerating docs/benchmarks.md exactly  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
+              "report_store.py",
+              "bench_node.py", "node_forms.py", "device_node.sh", "report_node.py"}  # bench_node --quick: below  # report_*: make_report regenerating docs/benchmarks.md exactly  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
     assert set(scripts) == tested, set(scripts) ^ tested
 
 
@@ -100,3 +101,43 @@ def test_bench_startup_smoke_in_vllm_033(tmp_path):
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [row["method"] for row in summary["single"]] == ["ours", "vllm033_all"]
     assert summary["identical"] == {"redundant=0": True}, out
+
+
+def test_device_node_script_parses_and_runs_real_flags():
+    subprocess.run(["bash", "-n", str(BENCH / "device_node.sh")], check=True)
+    sys.path.insert(0, str(BENCH))
+    import bench_node
+
+    text = (BENCH / "device_node.sh").read_text().replace("\\\n", " ")
+    line = next(l for l in text.splitlines() if "bench_node.py" in l and not l.lstrip().startswith("#"))
+    flags = shlex.split(line.split("bench_node.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
+                        .replace("$1", "60").replace("$RESULTS", "/tmp/r"))
+    args = bench_node.parse_args(flags)  # exits (SystemExit) on an unknown flag
+    assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json"
+
+
+def test_bench_node_quick_in_vllm_033(tmp_path):
+    """The node benchmark on the CPU: two rank processes per shape, released together, loading through
+    vLLM 0.33's own loaders, install() and an ipc_cache restart into vLLM's real modules; every form
+    that ran leaves the same kernel bytes, and a form that cannot run here says why."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    path = os.pathsep.join([*map(str, ensure("vllm==0.33.0")), str(REPO), str(BENCH)])
+    run("bench_node.py", "--quick", "--work", tmp_path, "--save", tmp_path / "n.json", timeout=1800,
+        env={"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
+    result = json.loads((tmp_path / "n.json").read_text())
+    assert [(s["shape"], s["ep_size"]) for s in result["steps"]] == [("node-l1", 2), ("slice-l1", 8)]
+    node, piece = ({(r["form"], r["cache"]): r for r in step["rows"]} for step in result["steps"])
+    for rows, forms in ((node, ("auto", "auto_ep_filter", "megamoe_per_rank", "megamoe_store")),
+                        (piece, ("auto_ep_filter", "megamoe_store"))):
+        assert sorted(f for f, _ in rows) == sorted([*forms, "host_read", "h2d"] +
+                                                    (["instanttensor", "ipc_cache"] if rows is node else []))
+        for form in (*forms, "host_read"):
+            row = rows[(form, "warm")]
+            assert [r["rank"] for r in row["ranks"]] == [0, 1] and row["node_wall_s"] > 0, row
+        assert "needs a CUDA GPU" in rows[("h2d", "warm")]["skipped"]
+    assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
+    assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
+    # every form that loaded left the same kernel bytes, rank by rank, in each shape
+    assert len(result["identical"]) == 4 and all(result["identical"].values()), result["identical"]

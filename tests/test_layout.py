@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe_convert import layout
+from megamoe_convert import layout, layout_inverse
 from megamoe_convert.layout import LayoutError, transform_experts
 
 # ----------------------------------------------------------------------------- reference
@@ -120,7 +120,7 @@ def test_pack_pads_missing_bytes_with_zero():
     sf = torch.tensor([[[1, 2, 3, 4, 5, 6]]], dtype=torch.uint8)
     packed = layout.pack_ue8m0(sf)
     assert packed.tolist() == [[[0x04030201, 0x00000605]]]
-    assert torch.equal(layout.unpack_ue8m0(packed, 6), sf)
+    assert torch.equal(layout_inverse.unpack_ue8m0(packed, 6), sf)
 
 
 def test_accepts_every_one_byte_storage_dtype():
@@ -157,7 +157,7 @@ dims = st.tuples(st.integers(1, 3), st.sampled_from([128, 256, 384]), st.sampled
 def test_inverse_of_transform_is_identity(d):
     experts, hidden, inter, seed = d
     inputs = random_experts(experts, hidden, inter, seed)
-    back = layout.inverse_transform_experts(*transform_experts(*inputs))
+    back = layout_inverse.inverse_transform_experts(*transform_experts(*inputs))
     for original, recovered in zip(inputs, back):
         assert recovered.dtype == torch.uint8
         assert torch.equal(original, recovered)
@@ -225,7 +225,7 @@ def ref_dequant(packed: np.ndarray, sf: np.ndarray) -> np.ndarray:
 
 def test_dequantise_checkpoint_matches_reference():
     w13, w13_sf, w2, w2_sf = random_experts(2, 256, 128, seed=11, scale_range=(100, 150))
-    d13, d2 = layout.dequantize_checkpoint(w13, w13_sf, w2, w2_sf)
+    d13, d2 = layout_inverse.dequantize_checkpoint(w13, w13_sf, w2, w2_sf)
     for e in range(2):
         np.testing.assert_array_equal(d13[e].numpy(), ref_dequant(w13[e].numpy(), w13_sf[e].numpy()))
         np.testing.assert_array_equal(d2[e].numpy(), ref_dequant(w2[e].numpy(), w2_sf[e].numpy()))
@@ -235,13 +235,13 @@ def test_dequantise_checkpoint_matches_reference():
 def test_dequantised_transformed_equals_dequantised_checkpoint(dtype):
     inputs = random_experts(3, 384, 256, seed=5, scale_range=(100, 150))
     l1, l2 = transform_experts(*inputs)
-    from_layout = layout.dequantize_transformed(l1, l2, dtype=dtype)
-    from_ckpt = layout.dequantize_checkpoint(*inputs, dtype=dtype)
+    from_layout = layout_inverse.dequantize_transformed(l1, l2, dtype=dtype)
+    from_ckpt = layout_inverse.dequantize_checkpoint(*inputs, dtype=dtype)
     for a, b in zip(from_layout, from_ckpt):
         assert a.dtype == dtype and torch.equal(a, b)
     # w1 / w3 halves are the gate and up matrices of the checkpoint, in order.
     inter = 256
-    w1 = layout.dequantize_fp4(inputs[0][:, :inter], inputs[1][:, :inter], dtype)
+    w1 = layout_inverse.dequantize_fp4(inputs[0][:, :inter], inputs[1][:, :inter], dtype)
     assert torch.equal(from_layout[0][:, :inter], w1)
 
 
@@ -258,7 +258,7 @@ def test_cuda_gives_the_same_bytes_as_cpu():
         assert b.device.type == "cuda"
         assert a.stride() == b.stride() and a.dtype == b.dtype
         assert torch.equal(a, b.cpu())
-    back = layout.inverse_transform_experts(*gpu)
+    back = layout_inverse.inverse_transform_experts(*gpu)
     assert all(torch.equal(x, y.cpu()) for x, y in zip(inputs, back))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
-from megamoe_convert import layout
+from megamoe_convert import layout_inverse
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
@@ -219,9 +219,9 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     assert total > 2 * loader.RING_BUFFERS * loader.RING_BUFFER_BYTES
     # Dequantised from the GPU tensors == dequantised from the CPU ones (same bytes, same math).
     l1, l2 = gpu["layers.0.ffn.experts"].l1, gpu["layers.0.ffn.experts"].l2
-    d_gpu = layout.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
+    d_gpu = layout_inverse.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
     c = cpu["layers.0.ffn.experts"]
-    d_cpu = layout.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
+    d_cpu = layout_inverse.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
     assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu))
 
 

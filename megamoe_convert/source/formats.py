@@ -35,7 +35,7 @@ from megamoe_convert.errors import FormatError  # noqa: F401
 
 import torch
 
-from megamoe_convert import jsonio, layout
+from megamoe_convert import jsonio, layout, layout_inverse
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
@@ -147,7 +147,7 @@ GLOBAL_SCALE_TENSORS = (("w1", "weight_scale_2"), ("w3", "weight_scale_2"), ("w2
 #: The kind of each projection's weight global scale (the factor its dequantised values carry).
 WEIGHT_GLOBAL_SCALE = "weight_scale_2"
 #: e2m1 code -> value (bit 3 the sign); element ``2k`` of a packed row is the low nibble of byte ``k``.
-E2M1_VALUES = layout.FP4_E2M1_VALUES
+E2M1_VALUES = layout_inverse.FP4_E2M1_VALUES
 #: torch dtype of a one-element-per-value weight.
 ELEMENT_DTYPES = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
@@ -358,11 +358,11 @@ def dequantize_kernel(fmt: WeightFormat, weight: torch.Tensor, sf: torch.Tensor 
     MN-major): the layout's permutations undone (``gate_up``: the L1 interleave), then
     :func:`dequantize`. ``k`` is the operand's reduction size (H for L1, I for L2)."""
     if fmt.kernel == "sm90":  # only the L1 weight's rows moved; the FP32 block scales are the checkpoint's
-        raw = layout.deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
+        raw = layout_inverse.deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
         assert sf is not None
         return dequantize(fmt, raw, sf)
     blocks = fmt.scale_row_bytes(k) if fmt.scaled else 0
-    raw, raw_sf = layout.untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
+    raw, raw_sf = layout_inverse.untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
     return dequantize(fmt, raw, raw_sf, global_scale)
 
 

@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""A whole node's start-up: N rank processes, one per GPU, started together, each loading its
+experts into vLLM 0.33's real ``DeepGemmMegaMoEExperts`` modules, for every load format a user
+would pick, beside the node's disk and memory ceilings.
+
+Each measurement is one fresh process per rank (``--child``): it imports, builds vLLM's real
+expert modules on its GPU (``tests/engines/vllm_harness.py``: only the SM100 check and the process
+groups patched), prepares what the load format's loader prepares when vLLM makes it, reports
+ready, and waits; the parent drops the page cache (cold) or reads the files into it (warm), then
+releases every rank at once; each times its first load. The forms:
+
+  auto, auto_ep_filter, fastsafetensors, instanttensor, runai_streamer
+            vLLM's own loader for that ``--load-format`` (``get_model_loader(...).load_weights``)
+            over the source checkpoint; ``auto_ep_filter`` with the rank's expert ids from vLLM's
+            ``compute_local_expert_ids`` (``--enable-ep-weight-filter``);
+  megamoe_per_rank, megamoe_store
+            ``megamoe_convert.vllm_integration.install`` from the per-rank form / the store, the
+            staging started when the loader is made (``--load-format megamoe``);
+  ipc_cache an engine restart: vLLM's ``IpcModelLoader`` mapping the experts of one weight-cache
+            daemon per rank (``megamoe preload``'s, started once per shape; bench_daemon.py).
+
+Ceilings, timed in the same rounds: ``disk_read`` (cold: the node's rank files read by one
+process, 64 threads x 4 MB), and the node's page cache -> pinned -> device ceiling (warm: every
+rank at once reading its files into pinned buffers, ``host_read``, and copying its bytes from
+pinned memory to its GPU, ``h2d``; the ceiling is the slower). Shapes: one node holding every
+rank (EP = N) and one node of a larger deployment (ranks 0..N-1 of EP 4N). Threads: torch and
+OpenMP as vLLM 0.33 sets them for its workers' start-up (``startup_omp_num_threads``: the CPUs
+shared among the node's workers). The next measurement's processes start while one runs, so
+their imports (vLLM's take tens of seconds) overlap. Rows land in ``--save`` after each one.
+
+    PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --work /tmp/node --save r.json
+    PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --quick   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import select
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+START = time.perf_counter()
+REPO = Path(__file__).resolve().parent.parent
+for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
+    sys.path.insert(0, str(path))
+
+from node_forms import CEILINGS, FORMS, Shape, child_main, rank_files  # noqa: E402
+
+
+# --------------------------------------------------------------------------------------
+# Processes: one per rank, released together
+# --------------------------------------------------------------------------------------
+
+class Ranks:
+    """One measurement's rank processes: spawned early (their imports overlap the measurement
+    before), each reporting ready on its protocol pipe, then released at once."""
+
+    def __init__(self, kind: str, shape: Shape, args: argparse.Namespace, fingerprint: bool) -> None:
+        self.kind, self.shape = kind, shape
+        ranks = [0] if kind == "disk_read" else list(range(args.n))
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
+               "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
+                                              str(REPO / "tests" / "engines")])}
+        self.procs = []
+        for rank in ranks:
+            cmd = [sys.executable, __file__, "--child", kind, "--rank", str(rank), "--shape", shape.to_json()]
+            if fingerprint:
+                cmd.append("--fingerprint")
+            err = open(args.work / "logs" / f"{shape.name}-{kind}-r{rank}-{time.time_ns()}.err", "w")
+            gpu = {"CUDA_VISIBLE_DEVICES": str(rank % args.gpus)} if args.gpus else {}
+            self.procs.append(subprocess.Popen(cmd, env={**env, **gpu}, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=err, text=True))
+            self.procs[-1].err_path = err.name  # type: ignore[attr-defined]
+
+    def _line(self, proc: subprocess.Popen, timeout: float = 900) -> str:
+        if not select.select([proc.stdout], [], [], timeout)[0]:
+            self.kill()
+            raise RuntimeError(f"{self.kind}: no answer within {timeout:.0f} s (stopped)")
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            proc.wait()
+            raise RuntimeError(f"{self.kind} rank process ended ({proc.returncode}):\n"
+                               f"{Path(proc.err_path).read_text()[-3000:]}")  # type: ignore[attr-defined]
+        return line
+
+    def ready(self) -> None:
+        for proc in self.procs:
+            if self._line(proc).strip() != "ready":
+                raise RuntimeError(f"{self.kind}: expected 'ready'")
+
+    def go(self, timeout: float) -> list[dict[str, Any]]:
+        for proc in self.procs:  # every rank is blocked on its stdin: one write each releases them
+            proc.stdin.write("go\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        deadline = time.time() + timeout
+        reports = [json.loads(self._line(proc, max(1.0, deadline - time.time()))) for proc in self.procs]
+        for proc in self.procs:
+            proc.wait()
+        return reports
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def drop_page_cache() -> bool:
+    from bench_convert import drop_page_cache as drop
+
+    return drop()
+
+
+def warm(files: list[Path]) -> None:
+    from bench_startup import warm as read_all
+
+    read_all(files)
+
+
+# --------------------------------------------------------------------------------------
+# One shape: its forms and ceilings, interleaved
+# --------------------------------------------------------------------------------------
+
+def node_row(kind: str, cache: str, reports: list[dict[str, Any]], nbytes: int, dropped: bool) -> dict[str, Any]:
+    """The node's figures from its ranks' reports: wall time from the first release to the last end."""
+    wall = max(r["end_unix"] for r in reports) - min(r["start_unix"] for r in reports)
+    row = {"form": kind, "cache": cache, "node_wall_s": round(wall, 4),
+           "slowest_rank_s": round(max(r["seconds"] for r in reports), 4),
+           "read_bytes": sum(r.get("read_bytes", 0) for r in reports), "node_bytes": nbytes,
+           "gb_per_s": round(nbytes / wall / 1e9, 3), "ranks": reports}
+    if cache == "cold":
+        row["dropped"] = dropped
+    return row
+
+
+def daemons(shape: Shape, args: argparse.Namespace) -> list[subprocess.Popen]:
+    """One vLLM weight-cache daemon per rank, loading the per-rank form (``megamoe preload``'s path)."""
+    procs = []
+    for rank in range(args.n):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
+                                                             str(REPO / "tests" / "engines")])}
+        if args.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(rank % args.gpus)
+        err = open(args.work / "logs" / f"{shape.name}-daemon-r{rank}.err", "w")
+        cmd = [sys.executable, str(REPO / "benchmarks" / "bench_daemon.py"), "--role", "daemon", "--model",
+               str(shape.per_rank), "--rank", str(rank), "--ep-size", str(shape.ep_size),
+               "--socket-dir", shape.socket_dir(rank)]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc.err_path = err.name  # type: ignore[attr-defined]
+        procs.append(proc)
+    return procs
+
+
+def daemons_ready(procs: list[subprocess.Popen]) -> None:
+    from bench_daemon import first_json
+
+    try:
+        for proc in procs:
+            first_json(proc, 600)
+    except RuntimeError:
+        for proc in procs:
+            proc.kill()
+        raise
+
+
+def schedule(forms: list[str], caches: list[str], rnd: int) -> list[tuple[str, str]]:
+    """Every form's cold run then its warm one, the ceilings among them; odd rounds reversed
+    (a host's drift touches every form alike)."""
+    plan: list[tuple[str, str]] = []
+    for kind in forms + ["ceilings"]:
+        for cache in caches:
+            if kind == "ceilings":
+                plan += [("disk_read", "cold")] if cache == "cold" else [("host_read", "warm"), ("h2d", "warm")]
+            elif kind == "ipc_cache":
+                plan += [] if cache == "cold" else [(kind, "restart")]  # reads nothing from disk
+            else:
+                plan.append((kind, cache))
+    return plan[::-1] if rnd % 2 else plan
+
+
+def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    forms = args.slice_forms if shape.ep_size != shape.n else args.forms
+    held = daemons(shape, args) if "ipc_cache" in forms else []
+    plan = schedule(forms, args.caches, rnd)
+    try:
+        upcoming = Ranks(plan[0][0], shape, args, fingerprint=rnd == 0) if plan else None  # imports meanwhile
+        try:
+            daemons_ready(held)
+        except RuntimeError as e:
+            held = []
+            plan = [(kind, cache) for kind, cache in plan if kind != "ipc_cache"]
+            rows.append({"form": "ipc_cache", "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"})
+            if upcoming is not None and upcoming.kind == "ipc_cache":
+                upcoming.kill()
+                upcoming = Ranks(plan[0][0], shape, args, rnd == 0) if plan else None
+        for i, (kind, cache) in enumerate(plan):
+            current = upcoming
+            assert current is not None
+            try:
+                current.ready()
+            except RuntimeError as e:
+                rows.append({"form": kind, "cache": cache, "failed": str(e)[-1500:]})
+                save(rows)
+                current.kill()
+                upcoming = Ranks(plan[i + 1][0], shape, args, rnd == 0) if i + 1 < len(plan) else None
+                continue
+            if time.time() > args.deadline:
+                current.kill()
+                rows.append({"form": kind, "cache": cache, "skipped": "the run's deadline passed"})
+                break
+            upcoming = Ranks(plan[i + 1][0], shape, args, rnd == 0) if i + 1 < len(plan) else None
+            dropped = drop_page_cache() if cache == "cold" else False
+            if cache == "warm":
+                warm(shape.files_of(kind))
+            try:
+                reports = current.go(args.form_timeout)
+            except (RuntimeError, json.JSONDecodeError) as e:
+                rows.append({"form": kind, "cache": cache, "failed": str(e)[-1500:]})
+                save(rows)
+                continue
+            if "skipped" in reports[0]:
+                rows.append({"form": kind, "cache": cache, "skipped": reports[0]["skipped"]})
+            else:
+                rows.append(node_row(kind, cache, reports, shape.node_bytes(), dropped))
+                print(f"{shape.name} r{rnd} {cache:7s} {kind:17s} node {rows[-1]['node_wall_s']:7.3f}s slowest "
+                      f"{rows[-1]['slowest_rank_s']:7.3f}s read {rows[-1]['read_bytes'] / 1e9:6.2f} GB", flush=True)
+            save(rows)
+        if upcoming is not None:
+            upcoming.kill()
+    finally:
+        for proc in held:
+            proc.kill()
+            proc.wait()
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# Set-up, the run, the summary
+# --------------------------------------------------------------------------------------
+
+def convert(src: Path, out: Path, ep_size: int | None, ranks: str | None) -> None:
+    """The store holds experts only; the per-rank form is whole (a weight-cache daemon serves it)."""
+    if (out / "manifest.json").exists():
+        return
+    cmd = [sys.executable, "-m", "megamoe_convert.cli", "convert", str(src), str(out), "--no-fsync"]
+    cmd += ["--ep-size", str(ep_size)] if ep_size else ["--experts-only"]
+    cmd += ["--ranks", ranks] if ranks else []
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, env={**os.environ, "PYTHONPATH": path})
+
+
+def setup(args: argparse.Namespace, layers: int) -> tuple[list[Shape], dict[str, Any]]:
+    """The checkpoint of ``layers`` MoE layers, its store, and the per-rank form of each shape."""
+    from bench_convert import bench_config, ensure_checkpoint
+
+    base = args.work / f"l{layers}"
+    src = base / "src"
+    synth_s = ensure_checkpoint(src, bench_config(args.preset, layers, args.experts, 0, 1024))
+    start = time.perf_counter()
+    convert(src, base / "store", None, None)
+    shapes = []
+    for ep, name in ((args.n, "node"), (4 * args.n, "slice")):
+        if name in args.shapes:
+            per_rank = base / f"ep{ep}"
+            convert(src, per_rank, ep, None if ep == args.n else f"0-{args.n - 1}")
+            shapes.append(Shape(f"{name}-l{layers}", layers, ep, args.n, src, per_rank, base / "store",
+                                args.sockets))
+    return shapes, {"layers": layers, "synth_s": synth_s, "convert_s": time.perf_counter() - start,
+                    "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
+                    "store_bytes": sum(f.stat().st_size for f in (base / "store").rglob("*.safetensors"))}
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
+            "omp_threads": args.threads, "rank_processes": args.n}
+
+
+def identical(results: dict[str, Any]) -> dict[str, bool]:
+    """Per shape and rank, whether every form left the same kernel bytes (round 0 fingerprints)."""
+    prints: dict[str, set[str]] = {}
+    for step in results["steps"]:
+        for row in step["rows"]:
+            for r in row.get("ranks", []):
+                if "fingerprint" in r:
+                    prints.setdefault(f"{step['shape']} rank {r['rank']}", set()).add(r["fingerprint"])
+    return {key: len(v) == 1 for key, v in prints.items()}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shape", help=argparse.SUPPRESS)
+    p.add_argument("--fingerprint", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work", type=Path, default=Path("/tmp/megamoe-node"))
+    p.add_argument("--n", type=int, default=0, help="rank processes (default: one per GPU)")
+    p.add_argument("--preset", default="flash")
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--layers", default="8,2", help="MoE layer counts, each its own checkpoint, in this order")
+    p.add_argument("--rounds", default="2,1", help="rounds for each of --layers")
+    p.add_argument("--shapes", default="node,slice", help="node: EP = N; slice: ranks 0..N-1 of EP 4N")
+    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--slice-forms", default="", help="the forms timed in the slice shape (default: --forms)")
+    p.add_argument("--caches", default="cold,warm")
+    p.add_argument("--budget-s", type=float, default=0, help="start nothing new after this many seconds")
+    p.add_argument("--form-timeout", type=float, default=150, help="stop a measurement that runs longer (s)")
+    p.add_argument("--save", type=Path)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny dims, 2 rank processes, warm, "
+                                                       "the forms that run without a GPU")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.preset, args.experts, args.layers, args.rounds, args.n = "tiny", 8, "1", "1", 2
+        args.caches, args.forms = "warm", "auto,auto_ep_filter,instanttensor,megamoe_per_rank,megamoe_store,ipc_cache"
+        args.slice_forms = "auto_ep_filter,megamoe_store"
+    args.layers = [int(x) for x in args.layers.split(",")]
+    args.rounds = [int(x) for x in args.rounds.split(",")] + [1] * len(args.layers)
+    args.shapes, args.forms, args.caches = args.shapes.split(","), args.forms.split(","), args.caches.split(",")
+    args.slice_forms = args.slice_forms.split(",") if args.slice_forms else args.forms
+    unknown = (set(args.forms) | set(args.slice_forms)) - set(FORMS)
+    if unknown:
+        raise SystemExit(f"--forms: unknown {sorted(unknown)}; known: {', '.join(FORMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child, args.rank, Shape.from_json(args.shape), args.fingerprint, START)
+        return {}
+    import torch
+
+    args.gpus = torch.cuda.device_count()
+    args.n = args.n or max(1, args.gpus)
+    # vLLM 0.33's set_multiprocessing_worker_envs: startup_omp_num_threads(N), the CPUs shared out
+    args.threads = max(1, len(os.sched_getaffinity(0)) // args.n)
+    args.deadline = time.time() + args.budget_s if args.budget_s else float("inf")
+    (args.work / "logs").mkdir(parents=True, exist_ok=True)
+    args.sockets = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # short: a Unix socket's path is bounded
+    results: dict[str, Any] = {"benchmark": "node", "machine": machine(args), "setup": [], "steps": [],
+                               "forms": args.forms, "ceilings": list(CEILINGS)}
+
+    def save(_: Any = None) -> None:
+        if args.save:
+            args.save.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.save.with_suffix(".tmp")
+            tmp.write_text(json.dumps(results, indent=1) + "\n")
+            tmp.replace(args.save)
+
+    prepared = []
+    for layers in args.layers:  # every checkpoint written before any timing: files of alike history
+        shapes, info = setup(args, layers)
+        results["setup"].append(info)
+        prepared.append((shapes, args.rounds[args.layers.index(layers)]))
+        print(json.dumps(info), flush=True)
+    save()
+    for rnd in range(max(rounds for _, rounds in prepared)):  # round 0 of every size before any round 1
+        for shape in [s for shapes, rounds in prepared if rounds > rnd for s in shapes]:
+            if time.time() < args.deadline:
+                step = {"shape": shape.name, "layers": shape.layers, "ep_size": shape.ep_size, "ranks": args.n,
+                        "round": rnd, "rows": []}
+                results["steps"].append(step)
+                step["rows"] = measure_shape(shape, args, rnd, lambda rows, s=step: (s.update(rows=rows), save()))
+    results["identical"] = identical(results)
+    print(f"identical kernel bytes across forms: {results['identical']}", flush=True)
+    save()
+    print(json.dumps({"benchmark": "node", "steps": len(results["steps"]), "identical": results["identical"]}))
+    return results
+
+
+if __name__ == "__main__":
+    main()

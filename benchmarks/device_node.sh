@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The node benchmark (bench_node.py) as run on a lent machine of several GPUs (no network there).
+# Carried in the ignored folder .device/: vLLM 0.33.0's Python tree with transformers
+# (vllm-0.33.0.tar.xz, made from the wheels without compiled libraries or headers, which loading
+# does not use), cp312 wheels of the import chain missing there and of the load formats' packages
+# (whl/: fastsafetensors, instanttensor, runai-model-streamer), and tree.tar (`git archive HEAD`:
+# the committed tree, whatever the working tree holds). See docs/benchmarks.md.
+#
+#   benchmarks/device_node.sh setup            # unpack, install, what the machine is
+#   benchmarks/device_node.sh job SECONDS      # bench_node.py in the background, nothing new after SECONDS
+#   benchmarks/device_node.sh wait DEST [S]    # wait (at most S seconds) for the job, copy its results to DEST
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=/tmp/node-results
+WORK=${WORK:-/tmp/node}
+export PYTHONPATH=/tmp/site:/tmp/v33 PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu  # vLLM's CPU platform: no vllm._C
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+setup() {
+    mkdir -p /tmp/v33 /tmp/site /tmp/tree "$RESULTS"
+    tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xf .device/tree.tar -C /tmp/tree || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .device/whl/*.whl > "$RESULTS/pip.log" 2>&1 || { tail -n 20 "$RESULTS/pip.log"; exit 1; }
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
+      df -h /tmp; free -g; lsblk -d -o NAME,SIZE,ROTA,MODEL 2>/dev/null; } | tee "$RESULTS/machine.log"
+}
+
+job() {
+    setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_node.py --work $WORK --budget-s $1 \
+        --save $RESULTS/node.json > $RESULTS/node.log 2>&1; touch $RESULTS/done" > /dev/null 2>&1 < /dev/null &
+}
+
+wait_for() {
+    for _ in $(seq 1 "${2:-560}"); do [ -e "$RESULTS/done" ] && break; sleep 1; done
+    cp "$RESULTS"/node.json "$RESULTS"/node.log "$RESULTS"/machine.log "$1"/ 2>/dev/null
+    tar czf "$1/logs.tgz" -C "$WORK" logs 2>/dev/null
+    tail -n 60 "$RESULTS/node.log"
+}
+
+case "${1:-}" in
+    setup) setup ;;
+    job) job "${2:-900}" ;;
+    wait) wait_for "$2" "${3:-560}" ;;
+    *) echo "usage: $0 setup|job SECONDS|wait DEST [SECONDS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,214 @@
+"""The node section of docs/benchmarks.md, and its headline (from benchmarks/results/node-*/node.json,
+saved by benchmarks/bench_node.py)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: The goals at node level: cold against the disk's parallel read, warm against the node's ceiling.
+COLD_GOAL, WARM_GOAL = 0.9, 0.8
+NAMES = {"auto": "vLLM `auto`", "auto_ep_filter": "vLLM `auto` + EP weight filter",
+         "fastsafetensors": "vLLM `fastsafetensors`", "instanttensor": "vLLM `instanttensor`",
+         "runai_streamer": "vLLM `runai_streamer`", "megamoe_per_rank": "`megamoe`, per-rank form",
+         "megamoe_store": "`megamoe`, store", "ipc_cache": "`ipc_cache` restart (daemon up)"}
+OURS = ("megamoe_per_rank", "megamoe_store")
+COMMAND = ("`benchmarks/device_node.sh setup && benchmarks/device_node.sh job 900`, then "
+           "`benchmarks/device_node.sh wait DEST`")
+
+
+def load_all() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.parent.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("node-*/node.json"))]
+
+
+def by_shape(result: dict[str, Any]) -> dict[str, dict[tuple[str, str], list[dict[str, Any]]]]:
+    """shape -> (form, cache) -> its rows over the rounds."""
+    shapes: dict[str, dict[tuple[str, str], list[dict[str, Any]]]] = {}
+    for step in result["steps"]:
+        for row in step["rows"]:
+            shapes.setdefault(step["shape"], {}).setdefault((row["form"], row["cache"]), []).append(row)
+    return shapes
+
+
+def wall(rows: list[dict[str, Any]]) -> float | None:
+    times = [r["node_wall_s"] for r in rows if "node_wall_s" in r]
+    return statistics.median(times) if times else None
+
+
+def why(rows: list[dict[str, Any]]) -> str:
+    for r in rows:
+        for key in ("skipped", "failed"):
+            if key in r:
+                return f"{key}: {r[key].strip().splitlines()[-1][:140]}"
+    return "-"
+
+
+def ceilings(rows: dict[tuple[str, str], list[dict[str, Any]]]) -> tuple[float | None, float | None]:
+    """Seconds the node's disk takes to read its bytes (cold), and its page cache -> pinned ->
+    device ceiling (warm: the slower of every rank reading into pinned memory and copying to its GPU)."""
+    disk = wall(rows.get(("disk_read", "cold"), []))
+    host, h2d = wall(rows.get(("host_read", "warm"), [])), wall(rows.get(("h2d", "warm"), []))
+    warm = max(host, h2d) if host is not None and h2d is not None else None
+    return disk, warm
+
+
+def shape_label(step: dict[str, Any]) -> str:
+    n, ep = step["ranks"], step["ep_size"]
+    where = "one node holds every rank" if n == ep else f"one node of {ep // n}: ranks 0-{n - 1}"
+    return f"{where} (EP {ep}), {step['layers']} MoE layers"
+
+
+def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[str]) -> tuple[str, dict]:
+    disk, ceiling = ceilings(rows)
+    base = {c: wall(rows.get(("auto", c), [])) for c in ("cold", "warm")}
+    lines = ["| form | cold: node s | cold: x of disk | cold: vs `auto` | cold: GB read | warm: node s "
+             "| warm: x of ceiling | warm: vs `auto` | slowest rank cold / warm s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ratios: dict[str, dict[str, float]] = {}
+    for form in forms:
+        if form == "ipc_cache":
+            got = rows.get((form, "restart"), [])
+            t = wall(got)
+            cells = ["-", "-", "-", "0", f"{t:.3f}" if t else why(got), "-", "-",
+                     f"- / {max(r['slowest_rank_s'] for r in got if 'slowest_rank_s' in r):.3f}" if t else "-"]
+            lines.append(f"| {NAMES[form]} | " + " | ".join(cells) + " |")
+            continue
+        cold, warm = rows.get((form, "cold"), []), rows.get((form, "warm"), [])
+        tc, tw = wall(cold), wall(warm)
+        r = ratios.setdefault(form, {})
+        if tc and disk:
+            r["cold_vs_disk"] = disk / tc
+        if tw and ceiling:
+            r["warm_vs_ceiling"] = ceiling / tw
+        if tc and base["cold"]:
+            r["cold_vs_auto"] = base["cold"] / tc
+        if tw and base["warm"]:
+            r["warm_vs_auto"] = base["warm"] / tw
+        gb = statistics.median(x["read_bytes"] for x in cold if "read_bytes" in x) / 1e9 if tc else None
+        slow = [statistics.median(x["slowest_rank_s"] for x in rs if "slowest_rank_s" in x) if wall(rs) else None
+                for rs in (cold, warm)]
+        cells = [f"{tc:.2f}" if tc else why(cold), f"{r['cold_vs_disk']:.2f}x" if "cold_vs_disk" in r else "-",
+                 f"{r['cold_vs_auto']:.2f}x" if "cold_vs_auto" in r else "-", f"{gb:.2f}" if gb is not None else "-",
+                 f"{tw:.3f}" if tw else why(warm), f"{r['warm_vs_ceiling']:.2f}x" if "warm_vs_ceiling" in r else "-",
+                 f"{r['warm_vs_auto']:.2f}x" if "warm_vs_auto" in r else "-",
+                 " / ".join(f"{s:.3f}" if s else "-" for s in slow)]
+        lines.append(f"| {NAMES[form]} | " + " | ".join(cells) + " |")
+    lines.append(f"| ceiling: disk's parallel read of the node's bytes (cold) | {disk:.2f} | 1.00x | | | "
+                 f"{ceiling:.3f} | 1.00x | | |" if disk and ceiling else "| ceilings | not measured | | | | | | | |")
+    return "\n".join(lines), ratios
+
+
+def growth(result: dict[str, Any], forms: list[str]) -> str:
+    """Each form's node time at each layer count, per shape kind and cache."""
+    shapes = by_shape(result)
+    layers = sorted({s["layers"] for s in result["steps"]})
+    if len(layers) < 2:
+        return ""
+    lines = ["| form | shape | cache | " + " | ".join(f"{n} layers s" for n in layers) + " | per added layer s |",
+             "|---|---|---|" + "---:|" * (len(layers) + 1)]
+    for form in forms:
+        for kind in ("node", "slice"):
+            for cache in (("restart",) if form == "ipc_cache" else ("cold", "warm")):
+                times = [wall(shapes.get(f"{kind}-l{n}", {}).get((form, cache), [])) for n in layers]
+                if None in times:
+                    continue
+                per_layer = (times[-1] - times[0]) / (layers[-1] - layers[0])
+                lines.append(f"| {NAMES[form]} | {kind} | {cache} | " + " | ".join(f"{t:.3f}" for t in times)
+                             + f" | {per_layer:.3f} |")
+    return "\n".join(lines)
+
+
+def section() -> str:
+    head = """## A whole node at once: vLLM 0.33's real loading code, every load format (bench_node.py)
+
+`benchmarks/bench_node.py` starts one process per GPU, all released together behind a barrier; each
+builds vLLM 0.33's real `DeepGemmMegaMoEExperts` modules on its GPU (through
+`tests/engines/vllm_harness.py`: only the SM100 check and the process groups patched) and times its
+first load: vLLM's own loader for `--load-format auto` (with and without `--enable-ep-weight-filter`),
+`fastsafetensors`, `instanttensor` and `runai_streamer` over the source checkpoint; `megamoe` from
+the per-rank form and from the store (`install()`, the staging started when the loader is made);
+and an engine restart through `--load-format ipc_cache` mapping what one weight-cache daemon per
+rank holds. Torch and OpenMP threads as vLLM 0.33 sets them for its workers' start-up (the CPUs
+shared among the node's workers). Cold: `drop_caches` before each; warm: the form's files in the page
+cache. Node time: from the release to the last rank's end. Beside every row, in the same rounds:
+the disk's parallel read of the node's bytes (cold) and the node's page cache -> pinned -> device
+ceiling with every rank at once (warm: the slower of the ranks reading their files into pinned
+memory together and copying their bytes to their GPUs together). Every ratio is against the
+node's expert bytes (what its GPUs hold). The forms are interleaved within a round, odd rounds in
+reverse order; each round's figures are in the JSON, the tables give medians.
+`--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`).
+"""
+    runs = load_all()
+    if not runs:
+        return head + f"\nNot measured yet: run {COMMAND} on a machine of several GPUs.\n"
+    parts = [head]
+    for name, result in runs:
+        m = result["machine"]
+        parts.append(f"\n### {name}: {len(m['gpus'])} x {m['gpus'][0] if m['gpus'] else 'CPU'}, {m['cpus']} CPUs, "
+                     f"{m['rank_processes']} rank processes, OpenMP threads {m['omp_threads']}, torch {m['torch']}\n")
+        shapes = by_shape(result)
+        seen = set()
+        for step in result["steps"]:
+            if step["shape"] in seen:
+                continue
+            seen.add(step["shape"])
+            table, _ = shape_table(shapes[step["shape"]], result["forms"])
+            rounds = sum(1 for s in result["steps"] if s["shape"] == step["shape"])
+            nbytes = next((r["node_bytes"] for r in step["rows"] if "node_bytes" in r), 0)
+            parts.append(f"\n#### {shape_label(step)}: {nbytes / 1e9:.2f} GB of experts for the node, "
+                         f"{rounds} round(s)\n\n{table}\n")
+        table = growth(result, result["forms"])
+        if table:
+            parts.append(f"\nHow each form's node time grows with the MoE layers:\n\n{table}\n")
+        parts.append(f"\nIdentical kernel bytes across forms (per shape and rank): "
+                     f"{all(result.get('identical', {}).values()) if result.get('identical') else 'not checked'}.\n")
+    return "".join(parts)
+
+
+def goals() -> list[tuple[str, str, float, float]]:
+    """(shape, form, cold x of disk, warm x of ceiling) for the megamoe forms, largest checkpoint."""
+    out = []
+    for _, result in load_all():
+        top = max(s["layers"] for s in result["steps"])
+        for shape, rows in by_shape(result).items():
+            if not shape.endswith(f"-l{top}"):
+                continue
+            _, ratios = shape_table(rows, result["forms"])
+            for form in OURS:
+                r = ratios.get(form, {})
+                out.append((shape, form, r.get("cold_vs_disk", float("nan")), r.get("warm_vs_ceiling", float("nan"))))
+    return out
+
+
+def headline() -> str:
+    """The node-level figures against vLLM's `auto`, each with its shape, machine and the disk's speed."""
+    runs = load_all()
+    if not runs:
+        return ""
+    name, result = runs[-1]
+    m = result["machine"]
+    top = max(s["layers"] for s in result["steps"])
+    parts = []
+    for step in result["steps"]:
+        if step["layers"] != top or step["round"] != 0:
+            continue
+        rows = by_shape(result)[step["shape"]]
+        disk, _ = ceilings(rows)
+        nbytes = next((r["node_bytes"] for r in step["rows"] if "node_bytes" in r), 0)
+        t = {(f, c): wall(rows.get((f, c), [])) for f in ("auto", "megamoe_store", "megamoe_per_rank")
+             for c in ("cold", "warm")}
+        if None in t.values() or not disk:
+            continue
+        best = {c: min(t[("megamoe_store", c)], t[("megamoe_per_rank", c)]) for c in ("cold", "warm")}
+        parts.append(f"{shape_label(step)} ({nbytes / 1e9:.1f} GB of experts for the node): cold "
+                     f"{best['cold']:.2f} s against {t[('auto', 'cold')]:.2f} s for vLLM's `auto` "
+                     f"({t[('auto', 'cold')] / best['cold']:.1f}x; the disk reads the node's bytes at "
+                     f"{nbytes / disk / 1e9:.2f} GB/s), warm {best['warm']:.3f} s against "
+                     f"{t[('auto', 'warm')]:.2f} s ({t[('auto', 'warm')] / best['warm']:.1f}x)")
+    if not parts:
+        return ""
+    return (f"A whole node's first load, every rank process at once ({len(m['gpus'])} x {m['gpus'][0]}, one "
+            f"process per GPU, vLLM 0.33's real modules and loaders, Flash dims; `{name}`): " + "; ".join(parts) + ".")
