@@ -1,5 +1,5 @@
 """``inspect`` / ``plan`` on a store (``convert`` without ``--ep-size``): for an EP size, redundant
-count (or explicit placement) and engine, what each rank reads of it: bytes, reads and file ranges."""
+count (or explicit placement) and engine, what each rank reads of it: bytes, reads and distinct file ranges."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ from rich.table import Table
 
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
-from megamoe_convert.placement import Placement, layer_placement
 from megamoe_convert.serve import store
-from megamoe_convert.source import families
 from megamoe_convert.cli._run import print_json
 from megamoe_convert.ui import human_bytes, out_console
 
@@ -28,20 +26,16 @@ def store_manifest(src: str) -> Manifest | None:
 
 def store_reads(src: str, manifest: Manifest, ep_size: int, num_redundant: int = 0,
                 placement_file: Path | None = None, engine: str = "vllm") -> dict[str, Any]:
-    """Every rank's reads of the store at ``ep_size`` (the engine's per-layer placement rule)."""
-    n = manifest.dims.n_routed_experts
-    if placement_file is not None:
-        placement = Placement.from_file(placement_file, n, ep_size)
-    else:
-        placement = Placement.default(n, ep_size, num_redundant)
-    like_decoder = families.by_name(manifest.family).sglang_mtp_like_decoder
-    placements = {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer),
-                                         like_decoder) for layer in manifest.layers}
+    """Every rank's reads of the store at ``ep_size`` (the engine's per-layer placement rule), refused
+    where the store's family and the engine cannot serve it, as on the checkpoint. Worked out once per
+    group of layers read alike, so its size and cost grow with the ranks, not the layers."""
+    placements = store.store_placements(manifest, ep_size, num_redundant, placement_file, engine, where=src)
     expert_bytes = sum(manifest.file(manifest.expert_file(layer)).size for layer in manifest.layers)
-    ranks = [store.rank_reads(manifest, placements, rank) for rank in range(ep_size)]
-    return {"store": src, "ep_size": ep_size, "num_redundant": placement.num_redundant, "engine": engine,
-            "placement": "explicit" if placement_file is not None else "default",
-            "store_expert_bytes": expert_bytes, "layers": [l.key for l in manifest.layers], "ranks": ranks}
+    ranks, groups = store.rank_reads(manifest, placements, range(ep_size))
+    return {"store": src, "ep_size": ep_size, "num_redundant": next(iter(placements.values())).num_redundant,
+            "engine": engine, "placement": "explicit" if placement_file is not None else "default",
+            "store_expert_bytes": expert_bytes, "layers": [l.key for l in manifest.layers],
+            "layer_groups": groups, "ranks": ranks}
 
 
 def reads_table(data: dict[str, Any]) -> Table:

@@ -26,7 +26,7 @@ import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -43,20 +43,19 @@ from megamoe_convert.errors import ManifestError
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, STORE_DIR, rank_dir_name
 from megamoe_convert.output.preflight import check_no_links
-from megamoe_convert.errors import ConvertError
+from megamoe_convert.output import ranged
+from megamoe_convert.output.clearing import remove_owned
 from megamoe_convert.output.locks import hold_whole_output
 from megamoe_convert.output.naming import owned_path
+from megamoe_convert.output.resume import check_output_dir
 from megamoe_convert.output.writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
 from megamoe_convert.placement import PlacementError, parse_ranks
-from megamoe_convert.source import families
+from megamoe_convert.serve.hub_card import CARD_NAME, model_card
 from megamoe_convert.source.checkpoint import INDEX_NAME
 
-CARD_NAME = "README.md"
 REPO_TYPE = "model"
-CARD_TAGS = ["megamoe", "deepgemm", "mixture-of-experts", "deepseek-v4"]
 #: ``owner/name`` or ``owner/name@revision`` (the hub's own rules are checked by huggingface_hub).
 _REPO_REF = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[^\s@]+))?$")
-_CACHE_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})$")
 
 
 # --------------------------------------------------------------------------------------
@@ -216,22 +215,25 @@ def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, whe
         list(pool.map(check, records))
 
 
-def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path | str | None = None,
-         revision: str | None = None, *, non_expert: bool = True, verify: bool = True,
-         force_download: bool = False, max_workers: int = 8, experts: bool = True) -> PullResult:
-    """Download a pushed conversion's manifest, small files, non-expert shards (unless
-    ``non_expert=False``) and the shards of ``ranks`` (``"0-7"``, a list, or ``None`` for all);
-    then check sizes and (``verify``) checksums of everything downloaded.
+@dataclass
+class Pinned:
+    """Step 1 of every pull: one commit's manifest, read from the HF cache (nothing local changed yet)."""
 
-    ``local_dir=None`` downloads into the HF cache and returns the snapshot directory.
-    """
+    repo_id: str
+    commit: str
+    manifest: Manifest
+    snapshot: Path  # the cache snapshot that holds the manifest
+    where: str
+
+
+def pin(repo_id: str, revision: str | None = None, force_download: bool = False) -> Pinned:
+    """The manifest alone, through the cache: its snapshot directory is named by the commit, which
+    then pins every other file (and every range) of the pull to that commit."""
     ref = parse_repo_ref(repo_id)
     if ref is None:
         raise HubError(f"{repo_id}: not a Hugging Face repo id (expected owner/name)")
     repo_id, rev = ref
     revision = revision or rev
-    # 1. The manifest alone, through the cache: its snapshot directory is named by the commit,
-    #    which then pins every other file to the same commit.
     first = _snapshot(repo_id, revision, allow_patterns=[MANIFEST_NAME], force_download=force_download)
     where = f"{repo_id}@{revision or 'main'}"
     try:
@@ -242,51 +244,100 @@ def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path
                            "finish") from None
         raise HubError(f"{where}: {e}") from None
     commit = first.name if huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name) else (revision or "main")
-    chosen_ranks = _parse_pull_ranks(ranks, manifest, where)
-    records, patterns = select_files(manifest, chosen_ranks, non_expert, experts)
-    # 2. Everything else, at that commit. Offline, huggingface_hub looks only inside local_dir,
-    #    so the files are taken from the cache and linked into local_dir after the checks.
-    with nullcontext() if local_dir is None else _holding(Path(local_dir)):
-        path = _download_checked(repo_id, commit, where, manifest, records, patterns, local_dir, non_expert,
-                                 verify=verify, force_download=force_download, max_workers=max_workers)
-    skipped = [CARD_NAME] if any(r.path == CARD_NAME for r in manifest.files) else []
-    return PullResult(path, repo_id, commit, chosen_ranks, records, "checksum" if verify else "size", skipped)
+    return Pinned(repo_id, commit, manifest, first, where)
+
+
+def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path | str | None = None,
+         revision: str | None = None, *, non_expert: bool = True, verify: bool = True,
+         force_download: bool = False, max_workers: int = 8, experts: bool = True) -> PullResult:
+    """Download a pushed conversion's manifest, small files, non-expert shards (unless
+    ``non_expert=False``) and the shards of ``ranks`` (``"0-7"``, a list, or ``None`` for all);
+    then check sizes and (``verify``) checksums of everything downloaded.
+
+    ``local_dir=None`` downloads into the HF cache and returns the snapshot directory. Into
+    ``local_dir``, the pull is one transaction bound to the commit (:func:`pull_into`).
+    """
+    pinned = pin(repo_id, revision, force_download)
+    chosen_ranks = _parse_pull_ranks(ranks, pinned.manifest, pinned.where)
+    records, patterns = select_files(pinned.manifest, chosen_ranks, non_expert, experts)
+    if local_dir is None:
+        path = _download_checked(pinned, records, patterns, None, non_expert, verify=verify,
+                                 force_download=force_download, max_workers=max_workers)
+    else:
+        local = Path(local_dir)
+        with claim_local_dir(local, "`megamoe pull`"):
+            had_record = ranged.read_record(local, HubError, damaged_ok=True) is not None \
+                or os.path.lexists(ranged.record_path(local))
+            ranged.write_record(local, ranged.RangedRecord(pinned.commit))  # nothing served until it is done
+            path = pull_into(pinned, local, records, patterns, non_expert, verify=verify, drop_store=had_record,
+                             force_download=force_download, max_workers=max_workers)
+            ranged.record_path(local).unlink()  # every listed file whole and checked: a complete folder
+    skipped = [CARD_NAME] if any(r.path == CARD_NAME for r in pinned.manifest.files) else []
+    return PullResult(path, pinned.repo_id, pinned.commit, chosen_ranks, records, "checksum" if verify else "size",
+                      skipped)
 
 
 @contextmanager
-def _holding(local_dir: Path) -> Iterator[None]:
-    """``pull --local-dir`` writes like any other whole-directory writer: under OUT's lock."""
+def claim_local_dir(local_dir: Path, who: str) -> Iterator[None]:
+    """``pull --local-dir`` writes like every whole-directory writer: only into a new, empty or earlier
+    megamoe folder (never a foreign one, a checkpoint say), and under its lock."""
+    check_output_dir(local_dir)
+    with hold_whole_output(local_dir, timeout=0, who=who):
+        yield
+
+
+def pull_into(pinned: Pinned, local: Path, records: list[FileRecord], patterns: list[str], non_expert: bool, *,
+              verify: bool, drop_store: bool, force_download: bool = False, max_workers: int = 8) -> Path:
+    """Steps 2 and 3 of a pull into ``local`` (its lock held, its record marking it unfinished): the
+    files of the conversion it held before that this commit lists otherwise go first (``drop_store``:
+    the store files too, sparse ones of a ranged pull), then the commit's files come down and are
+    checked, then its manifest, last."""
+    _remove_older(local, pinned.manifest, drop_store)
+    own = [p for p in patterns if p != glob.escape(MANIFEST_NAME)]  # the manifest comes last, from the cache
+    path = _download_checked(pinned, records, own, local, non_expert, verify=verify, force_download=force_download,
+                             max_workers=max_workers)
+    link_into(pinned.snapshot, local, [MANIFEST_NAME])
+    return path
+
+
+def _remove_older(local: Path, manifest: Manifest, drop_store: bool) -> None:
+    """The older conversion's files that ``manifest`` does not list with the same bytes, and (``drop_store``)
+    its store files: removed the way clearing removes (only the tool's own, still as recorded), so none
+    is ever served under the new manifest; then the older manifest itself."""
     try:
-        with hold_whole_output(local_dir, timeout=0, who="`megamoe pull`"):
-            yield
-    except ConvertError as e:
-        raise HubError(str(e)) from None
+        older = read_manifest(local).files if (local / MANIFEST_NAME).is_file() else []
+    except ManifestError:
+        older = []
+    new = {r.path: r for r in manifest.files}
+    stale = [r for r in older if new.get(r.path) != r]
+    if drop_store:
+        stale += [r for r in (older or manifest.files) if r.path.startswith(f"{STORE_DIR}/") and r not in stale]
+    remove_owned(local, stale)
+    (local / MANIFEST_NAME).unlink(missing_ok=True)
 
 
-def _download_checked(repo_id: str, commit: str, where: str, manifest: Manifest, records: list[FileRecord],
-                      patterns: list[str], local_dir: Path | str | None, non_expert: bool, *, verify: bool,
-                      force_download: bool, max_workers: int) -> Path:
-    """Steps 2 and 3 of :func:`pull`: download at ``commit``, then check against ``manifest``."""
+def _download_checked(pinned: Pinned, records: list[FileRecord], patterns: list[str], local_dir: Path | None,
+                      non_expert: bool, *, verify: bool, force_download: bool, max_workers: int) -> Path:
+    """Download at the pinned commit, then check against its manifest."""
+    repo_id, commit, manifest = pinned.repo_id, pinned.commit, pinned.manifest
     from_cache = local_dir is not None and huggingface_hub.constants.HF_HUB_OFFLINE
     if local_dir is not None:  # huggingface_hub writes into local_dir itself: no link on the way, first
-        try:
-            check_no_links(Path(local_dir), sorted({(Path(local_dir) / r.path).parent for r in records}))
-        except OSError as e:
-            raise HubError(f"{e.filename}: {e.strerror}") from None
+        check_no_links(local_dir, sorted({(local_dir / r.path).parent for r in records}))
     path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
                      force_download=force_download, max_workers=max_workers)
-    # 3. Check what came down against the manifest (of the same commit).
-    try:
-        if read_manifest(path).to_json() != manifest.to_json():
-            raise HubError(f"{path / MANIFEST_NAME}: differs from {where}'s (the repo changed during the pull); rerun")
-    except ManifestError as e:
-        raise HubError(str(e)) from None
+    if local_dir is None or from_cache:  # the cache's manifest came down again: still the pinned one?
+        try:
+            if read_manifest(path).to_json() != manifest.to_json():
+                raise HubError(f"{path / MANIFEST_NAME}: differs from {pinned.where}'s (the repo changed during the "
+                               "pull); rerun")
+        except ManifestError as e:
+            raise HubError(str(e)) from None
     missing = ("not in the Hugging Face cache, and HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE
                else "missing after the download (an incomplete push?)")
     verify_files(path, records, verify, f"{MANIFEST_NAME} of {repo_id}@{commit[:12]}", max_workers, missing)
-    if from_cache:
+    if from_cache and local_dir is not None:
         index = [INDEX_NAME] if non_expert and (path / INDEX_NAME).is_file() else []
-        path = link_into(path, Path(local_dir), [MANIFEST_NAME, *index, *(r.path for r in records)])
+        path = link_into(path, local_dir, [*index, *(r.path for r in records)])
     return path
 
 
@@ -334,109 +385,6 @@ def resolve_converted(out_or_repo: Path | str, ranks: Iterable[int] | None = Non
 # Push
 # --------------------------------------------------------------------------------------
 
-def _source_label(source: dict[str, Any]) -> tuple[str, str | None]:
-    """A source path in the HF cache -> ``("owner/name@commit", "owner/name")``; else the path."""
-    path = str(source.get("path", ""))
-    m = _CACHE_SNAPSHOT.search(path)
-    if m is None:
-        return path, None
-    repo = f"{m['owner']}/{m['name']}"
-    return f"{repo}@{m['commit'][:12]}", repo
-
-
-def _ranges(values: Sequence[int]) -> str:
-    from megamoe_convert.source.checkpoint import _ranges as ranges
-    return ranges(list(values))
-
-
-def model_card(out: Path, manifest: Manifest, repo_id: str, revision: str | None = None) -> str:
-    """The hub's README.md: what this conversion is, for whom, and how to use it (the usage
-    lines name the branch pushed to and ranks this conversion holds, so they work as written)."""
-    placement = manifest.placement
-    label, base_model = _source_label(manifest.source)
-    metadata: dict[str, Any] = {}
-    original = ""
-    source_card = out / CARD_NAME
-    if source_card.is_file() and any(r.path == CARD_NAME for r in manifest.files):
-        card = huggingface_hub.ModelCard.load(source_card, ignore_metadata_errors=True)
-        metadata = card.data.to_dict()
-        original = card.text.strip()
-    metadata["tags"] = list(dict.fromkeys([*(metadata.get("tags") or []), *CARD_TAGS]))
-    if base_model:
-        metadata["base_model"] = base_model
-    data = huggingface_hub.ModelCardData(**metadata)
-    decoder = sum(1 for layer in manifest.layers if not layer.is_mtp)
-    mtp = len(manifest.layers) - decoder
-    by_rank: dict[str, int] = {}
-    for record in manifest.files:
-        top, _, rest = record.path.partition("/")
-        if rest:
-            by_rank[top] = by_rank.get(top, 0) + record.size
-    per_rank = max(by_rank.values(), default=0)
-    ranks = "all" if manifest.ranks == list(range(manifest.ep_size)) else _ranges(manifest.ranks)
-    kind = ("vLLM default: physical slot p holds logical expert p % n_routed" if placement.is_default()
-            else "custom (EPLB or --placement file)")
-    lines = [
-        f"# {repo_id}",
-        "",
-        f"{families.by_name(manifest.family).title} routed experts pre-laid-out for DeepGEMM's **MegaMoE** kernel, "
-        f"expert-parallel size "
-        f"**{manifest.ep_size}**: one file per (rank, MoE layer), so that every vLLM rank loads its experts with "
-        f"no transform. Made by megamoe-convert {__version__}.",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| source | `{label}` |",
-        f"| ep_size | {manifest.ep_size} (ranks: {ranks}) |",
-        f"| MoE layers | {decoder} decoder + {mtp} MTP |",
-        f"| experts | {placement.n_logical} logical + {placement.num_redundant} redundant = "
-        f"{placement.n_physical} slots, {placement.experts_per_rank} per rank |",
-        f"| placement | {kind} |",
-        f"| layout version | {manifest.layout_version} (DeepGEMM `transform_weights_for_mega_moe`) |",
-        f"| format version | {manifest.format_version} |",
-        f"| non-expert weights | {'not included (--experts-only)' if manifest.experts_only else 'included'} |",
-        f"| size | {sum(r.size for r in manifest.files) / 1e9:.2f} GB in {len(manifest.files)} files; "
-        f"{per_rank / 1e9:.2f} GB of experts per rank |",
-        "",
-        "## Placement",
-        "",
-        "| rank | physical slots | logical experts |",
-        "|---|---|---|",
-    ]
-    shown = manifest.ranks if len(manifest.ranks) <= 16 else manifest.ranks[:8]
-    for rank in shown:
-        start = placement.experts_start(rank)
-        ids = ", ".join(map(str, placement.rank_logical_ids(rank)))
-        ids = ids if len(ids) <= 120 else ids[:116] + " ..."
-        lines.append(f"| {rank} | {start}..{start + placement.experts_per_rank - 1} | {ids} |")
-    if len(shown) < len(manifest.ranks):
-        lines.append(f"| ... | | ({len(manifest.ranks) - len(shown)} more ranks: see manifest.json) |")
-    revision_flag = f" --revision {revision}" if revision else ""
-    repo_ref = f"{repo_id}@{revision}" if revision else repo_id
-    first_rank = manifest.ranks[0]
-    lines += [
-        "",
-        "## Use",
-        "",
-        "```bash",
-        "pip install /path/to/megamoe-convert   # a checkout of megamoe-convert (not on PyPI)",
-        f"megamoe pull {repo_id}{revision_flag} --ranks {_ranges(manifest.ranks)} --local-dir ./model"
-        "   # only what these ranks need",
-        "```",
-        "",
-        "```python",
-        "from megamoe_convert.loader import load_rank",
-        f'experts = load_rank("{repo_ref}", rank={first_rank}, device="cuda:0")'
-        f"  # pulls just rank {first_rank} into the HF cache",
-        "```",
-        "",
-        f"`{MANIFEST_NAME}` lists every file with its size and xxh3-128 checksum; `megamoe pull` checks them.",
-    ]
-    if original:
-        lines += ["", "## Original model card", "", original]
-    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"
-
-
 def upload_patterns(manifest: Manifest, out: Path) -> list[str]:
     """Allow-patterns for the data upload: the manifest's files (not the card) and the index."""
     dirs = sorted({r.path.partition("/")[0] for r in manifest.files if "/" in r.path})
@@ -457,6 +405,9 @@ def push(out: Path | str, repo_id: str, *, revision: str | None = None, private:
     """
     out = Path(out)
     manifest = read_manifest(out)  # only finished conversions are pushed
+    if os.path.lexists(ranged.record_path(out)):  # holes are never published as experts
+        raise HubError(f"not pushing {out}: it holds a ranged pull ({ranged.record_path(out)}): its store files "
+                       "have only the byte ranges some ranks read, not a complete store; push the store it came from")
     if parse_repo_ref(repo_id) is None or "@" in repo_id:
         raise HubError(f"{repo_id}: not a Hugging Face repo id (expected owner/name; use --revision for a branch)")
     where = f"{repo_id}@{revision or 'main'}"

@@ -18,22 +18,22 @@ pull records what it fetched in ``OUT/.megamoe/ranges.json``, and loading refuse
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
 
 import huggingface_hub
 
-from megamoe_convert.output.manifest import Manifest, read_manifest
-from megamoe_convert.output.naming import STATE_DIR
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output import ranged
+from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
-from megamoe_convert.output.writer import partial_path
-from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
+from megamoe_convert.output.writer import file_checksum
+from megamoe_convert.placement import Placement, parse_ranks
 from megamoe_convert.serve import store
-from megamoe_convert.serve.hub import HubError, _hub_errors, pull
-from megamoe_convert.source import families
+from megamoe_convert.serve.hub import HubError, Pinned, _hub_errors, claim_local_dir, pin, pull_into, select_files
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import encode_header
 
@@ -43,13 +43,9 @@ GAP_BUDGET = 0.05
 
 def layer_placements(manifest: Manifest, ep_size: int, num_redundant: int = 0, placement_file: Path | None = None,
                      engine: str = "vllm") -> dict[MoELayer, Placement]:
-    """Each layer's placement at ``ep_size`` under the engine's rule (as ``inspect``/``plan`` show it)."""
-    n = manifest.dims.n_routed_experts
-    placement = (Placement.from_file(placement_file, n, ep_size) if placement_file is not None
-                 else Placement.default(n, ep_size, num_redundant))
-    like_decoder = families.by_name(manifest.family).sglang_mtp_like_decoder
-    return {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer), like_decoder)
-            for layer in manifest.layers}
+    """Each layer's placement at ``ep_size`` under the engine's rule (as ``inspect``/``plan`` show it),
+    refused where the store's family and the engine cannot serve it."""
+    return store.store_placements(manifest, ep_size, num_redundant, placement_file, engine, "store", HubError)
 
 
 def header_bytes(manifest: Manifest, layer: MoELayer) -> bytes:
@@ -60,13 +56,13 @@ def header_bytes(manifest: Manifest, layer: MoELayer) -> bytes:
 
 def needed_ranges(manifest: Manifest, placements: dict[MoELayer, Placement], ranks: Sequence[int],
                   ) -> dict[str, list[tuple[int, int]]]:
-    """Per store file: the ``(offset, nbytes)`` ranges ``ranks`` read, their union, plus the header."""
+    """Per store file: the ``(offset, nbytes)`` ranges ``ranks`` read, their union, plus the header.
+    The union depends only on which logical experts the ranks hold, read once each."""
     needed = {}
     for layer, placement in placements.items():
-        reads = [read for rank in ranks
-                 for read in store.rank_read_plan(manifest, layer, placement.rank_logical_ids(rank))]
+        held = sorted({i for rank in ranks for i in placement.rank_logical_ids(rank)})
         head = store.Read("header", 0, 0, len(header_bytes(manifest, layer)))
-        needed[manifest.expert_file(layer)] = store.merged_ranges([head, *reads])
+        needed[manifest.expert_file(layer)] = store.merged_ranges([head, *store.rank_read_plan(manifest, layer, held)])
     return needed
 
 
@@ -103,75 +99,89 @@ def pull_ranges(repo_id: str, local_dir: Path | str, ep_size: int, ranks: str | 
                 revision: str | None = None, non_expert: bool = True, verify: bool = True,
                 max_workers: int = 8) -> dict[str, Any]:
     """Pull the manifest, small files (and non-expert shards) of a store on the hub, then just the
-    ranges of its expert files that ranks ``ranks`` of ``ep_size`` read, into ``local_dir``."""
+    ranges of its expert files that ranks ``ranks`` of ``ep_size`` read, into ``local_dir``.
+
+    One transaction bound to one commit, under the folder's lock (:mod:`megamoe_convert.output.ranged`):
+    every argument is checked against the commit's manifest before anything local changes; the record
+    is written unfinished first and finished last; ranges an earlier pull of the same commit left are
+    kept (fetched again where their file is not as that pull left it)."""
     local_dir = Path(local_dir)
-    base = pull(repo_id, None, local_dir, revision, non_expert=non_expert, verify=verify, experts=False,
-                max_workers=max_workers)
-    manifest = read_manifest(base.path)
-    where = f"{repo_id}@{base.commit[:12]}"
+    pinned = pin(repo_id, revision)
+    manifest, where = pinned.manifest, f"{pinned.repo_id}@{pinned.commit[:12]}"
     if not manifest.store:
         raise HubError(f"{where}: a per-rank conversion (ep_size={manifest.ep_size}); pull its ranks with --ranks "
                        "alone (--ep-size is for a store)")
-    try:
-        placements = layer_placements(manifest, ep_size, num_redundant, placement_file, engine)
-        chosen = parse_ranks(ranks, ep_size)
-    except PlacementError as e:
-        raise HubError(f"{where}: {e}") from None
+    placements = store.store_placements(manifest, ep_size, num_redundant, placement_file, engine, where, HubError)
+    chosen = parse_ranks(ranks, ep_size)
     needed = needed_ranges(manifest, placements, chosen)
+    records, patterns = select_files(manifest, manifest.ranks, non_expert, experts=False)
+    with claim_local_dir(local_dir, "`megamoe pull --ep-size`"):
+        kept = _kept_ranges(local_dir, pinned)
+        ranged.write_record(local_dir, ranged.RangedRecord(pinned.commit, files=kept))  # nothing served meanwhile
+        pull_into(pinned, local_dir, records, patterns, non_expert, verify=verify, drop_store=False,
+                  max_workers=max_workers)
+        files, fetched, requests = _fetch_ranges(pinned, local_dir, placements, needed, kept, max_workers)
+        ranged.write_record(local_dir, ranged.RangedRecord(pinned.commit, ranged.manifest_checksum(local_dir), True,
+                                                           files))  # last: the pull is done
     need = sum(n for ranges in needed.values() for _, n in ranges)
-    total_budget = int(need * GAP_BUDGET)
-    fetch = {rel: coalesce(ranges, total_budget * sum(n for _, n in ranges) // max(1, need))
-             for rel, ranges in needed.items()}
-    repo = repo_id.partition("@")[0]
+    return {"path": str(local_dir), "repo_id": pinned.repo_id, "commit": pinned.commit, "ep_size": ep_size,
+            "ranks": chosen, "needed_bytes": need, "fetched_bytes": fetched, "requests": requests,
+            "store_expert_bytes": sum(manifest.file(manifest.expert_file(l)).size for l in placements),
+            "other_files": len(records)}
+
+
+def _kept_ranges(local_dir: Path, pinned: Pinned) -> dict[str, ranged.Ranges]:
+    """The ranges a finished earlier pull of this very commit and manifest left (else none: a
+    damaged record, another commit, an unfinished pull start over)."""
+    old = ranged.read_record(local_dir, HubError, damaged_ok=True)
+    manifest = file_checksum(pinned.snapshot / MANIFEST_NAME)
+    if old is None or not old.complete or old.commit != pinned.commit or old.manifest != manifest \
+            or ranged.manifest_checksum(local_dir) != manifest:
+        return {}
+    return old.files
+
+
+def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Placement],
+                  needed: dict[str, list[tuple[int, int]]], kept: dict[str, ranged.Ranges], max_workers: int,
+                  ) -> tuple[dict[str, ranged.Ranges], int, int]:
+    """Each store file's ranges, fetched at the pinned commit and written at their offsets (a file
+    an earlier pull left as it left it gets them in place; any other is written anew, its kept
+    ranges fetched again). Returns every file's ranges now held, bytes fetched and requests made."""
+    manifest, where = pinned.manifest, f"{pinned.repo_id}@{pinned.commit[:12]}"
     fs = huggingface_hub.HfFileSystem()
-    record = _read_record(local_dir, base.commit)
-    fetched = 0
-    _write_record(local_dir, record)  # first: a load never reads a range this pull has not recorded
+    files: dict[str, ranged.Ranges] = {}
+    plans = {}
+    for layer in placements:
+        rel = manifest.expert_file(layer)
+        have = kept.get(rel, [])
+        in_place = bool(have) and _is_file_of(local_dir / rel, manifest.file(rel).size)
+        plans[layer] = (rel, in_place, needed[rel] if in_place else ranged.merge([*have, *needed[rel]]))
+    want = sum(n for _, _, ranges in plans.values() for _, n in ranges)
+    fetched = requests = 0
     with ThreadPoolExecutor(max_workers) as pool:
-        for layer in placements:
-            rel = manifest.expert_file(layer)
-            size = manifest.file(rel).size
-            url = f"{repo}@{base.commit}/{rel}"
-            jobs = [(start, n, pool.submit(_fetch, fs, url, start, n, f"{where}/{rel}")) for start, n in fetch[rel]]
-            dst = local_dir / rel
-            have = record["files"].get(rel) if dst.is_file() else None
-            tmp = dst if have else partial_path(dst)  # ranges added to an earlier pull's file in place
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | (0 if have else os.O_TRUNC), 0o644)
-            try:
-                os.ftruncate(fd, size)
+        for layer, (rel, in_place, ranges) in plans.items():
+            fetch = coalesce(ranges, int(want * GAP_BUDGET) * sum(n for _, n in ranges) // max(1, want))
+            url = f"{pinned.repo_id}@{pinned.commit}/{rel}"
+            jobs = [(start, n, pool.submit(_fetch, fs, url, start, n, f"{where}/{rel}")) for start, n in fetch]
+            head = header_bytes(manifest, layer)
+            with ranged.RangedFile(local_dir / rel, local_dir, manifest.file(rel).size, in_place) as out:
                 for start, n, job in jobs:
                     data = job.result()
-                    if start == 0 and data[:len(head := header_bytes(manifest, layer))] != head:
+                    if start == 0 and data[:len(head)] != head:
                         raise HubError(f"{where}/{rel}: header differs from the one manifest.json's dims give "
                                        "(a corrupted or foreign file)")
-                    os.pwrite(fd, data, start)
+                    out.write_at(data, start)
                     fetched += n
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, dst)
-            record["files"][rel] = [list(r) for r in store.merged_ranges(
-                [store.Read("", s, 0, n) for s, n in [*map(tuple, have or []), *fetch[rel]]])]
-    _write_record(local_dir, record)
-    return {"path": str(local_dir), "repo_id": repo, "commit": base.commit, "ep_size": ep_size, "ranks": chosen,
-            "needed_bytes": need, "fetched_bytes": fetched, "requests": sum(len(r) for r in fetch.values()),
-            "store_expert_bytes": sum(manifest.file(manifest.expert_file(l)).size for l in placements),
-            "other_files": len(base.files)}
+                out.commit()
+            requests += len(fetch)
+            files[rel] = ranged.merge([*(kept.get(rel, []) if in_place else []), *fetch])
+    return files, fetched, requests
 
 
-def _read_record(local_dir: Path, commit: str) -> dict[str, Any]:
-    path = local_dir / STATE_DIR / store.RANGES_NAME
+def _is_file_of(path: Path, size: int) -> bool:
+    """A regular file (not a link) of ``size`` bytes: as an earlier pull left it."""
     try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"commit": commit, "files": {}}
-    return record if isinstance(record, dict) and record.get("commit") == commit else {"commit": commit, "files": {}}
-
-
-def _write_record(local_dir: Path, record: dict[str, Any]) -> None:
-    path = local_dir / STATE_DIR / store.RANGES_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_path(path)
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size == size

@@ -28,6 +28,7 @@ from megamoe_convert.errors import ManifestError
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs
+from megamoe_convert.output import ranged
 from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.writer import FileRecord, file_problems
 from megamoe_convert.placement import Placement
@@ -333,9 +334,10 @@ def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer
             os.close(fd)
 
 
-def _kernel_form(d: Destinations) -> dict[str, torch.Tensor]:
-    """File tensors -> the kernel's views (scales MN-major)."""
-    return {key: layout.sf_from_storage(t) if key.endswith("_sf") else t for key, t in d.items()}
+def _kernel_form(d: Destinations, fmt: formats.WeightFormat) -> dict[str, torch.Tensor]:
+    """File tensors -> the kernel's views (scales MN-major; an SM90 format's routed scales as stored)."""
+    return {key: t if not key.endswith("_sf") else formats.sf_kernel_view(fmt, t) if key in formats.ROUTED_KEYS
+            else layout.sf_from_storage(t) for key, t in d.items()}
 
 
 # --------------------------------------------------------------------------------------
@@ -382,6 +384,7 @@ def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layer
                         f"convert again with --ep-size {ep_size}")
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
     records = check_rank_files(out, manifest, rank, chosen, verify)
+    served = ranged.served_ranges(out, LoadError)  # a ranged pull: only its ranges are data, never its holes
     headers: dict[MoELayer, dict[str, TensorEntry]] = {}
     for layer, record in records.items():
         try:
@@ -389,6 +392,9 @@ def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layer
         except SafetensorsError as e:
             raise LoadError(one_line(str(e))) from None
         headers[layer] = check_shard(header, manifest, layer, rank)
+        if served is not None:
+            ranged.check_covered(out, {record.path: [(e.begin, e.nbytes, key) for key, e in headers[layer].items()]},
+                                 LoadError, served)
         check_logical_ids(out / record.path, headers[layer]["logical_ids"],
                           manifest.placement_for(layer).rank_logical_ids(rank))
     if into is not None:
@@ -403,5 +409,6 @@ def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layer
     else:
         dests = {layer: _cpu_layer(out / rec.path, headers[layer]) for layer, rec in records.items()}
     placements = {layer: manifest.placement_for(layer) for layer in dests}
-    return {layer.prefix: ExpertLayer(layer.key, _kernel_form(d), placements[layer].rank_logical_ids(rank),
+    return {layer.prefix: ExpertLayer(layer.key, _kernel_form(d, manifest.dims.format),
+                                      placements[layer].rank_logical_ids(rank),
                                       placements[layer].experts_start(rank)) for layer, d in dests.items()}

@@ -23,17 +23,18 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megamoe_convert import jsonio
 from megamoe_convert.jsonio import one_line
+from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest
-from megamoe_convert.output.naming import STATE_DIR, store_file
+from megamoe_convert.output.naming import store_file
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_problems
-from megamoe_convert.placement import Placement
+from megamoe_convert.placement import Placement, layer_placement
 from megamoe_convert.serve import loader, staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
-from megamoe_convert.source import formats
+from megamoe_convert.source import families, formats
+from megamoe_convert.source.serving import serving_refusal
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     SafetensorsError,
@@ -46,8 +47,8 @@ from megamoe_convert.source.safetensors_io import (
 
 
 #: ``OUT/.megamoe/ranges.json``: a ranged hub pull's record of the store ranges it fetched
-#: (:mod:`.hub_ranges`); where it exists, a load reads nothing outside them.
-RANGES_NAME = "ranges.json"
+#: (:mod:`.hub_ranges`, :mod:`megamoe_convert.output.ranged`); where it exists, a load reads nothing outside them.
+RANGES_NAME = ranged.RANGES_NAME
 
 
 @dataclass(frozen=True)
@@ -171,21 +172,12 @@ def check_ids(where: str, ids: Sequence[int], n_logical: int) -> tuple[int, ...]
 # Filling
 # --------------------------------------------------------------------------------------
 
-def check_pulled(out: Path, reads: Mapping[str, Sequence[Read]]) -> None:
-    """A store pulled by ranges (``pull --ep-size``) holds only them: every read must lie inside one."""
-    path = out / STATE_DIR / RANGES_NAME
-    if not path.exists():
-        return
-    record = jsonio.read(path, LoadError, "ranged pull record")
-    files = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(files, dict):
-        raise LoadError(f"{path}: not a ranged pull record (expected {{\"files\": {{path: [[offset, nbytes], ...]}}}})")
-    for rel, file_reads in reads.items():
-        have = files.get(rel) or []
-        for read in file_reads:
-            if not any(start <= read.file_offset and read.file_offset + read.nbytes <= start + n for start, n in have):
-                raise LoadError(f"{out / rel}: bytes {read.file_offset}..{read.file_offset + read.nbytes} ({read.key}) "
-                                f"were not pulled (see {path}): pull these ranks with `megamoe pull --ep-size`")
+def check_pulled(out: Path, reads: Mapping[str, Sequence[Read]],
+                 served: Mapping[str, ranged.Ranges] | None = None) -> None:
+    """A store pulled by ranges (``pull --ep-size``) holds only them: every read must lie inside
+    one of a finished record of this very manifest (:func:`.ranged.served_ranges`)."""
+    ranged.check_covered(out, {rel: [(r.file_offset, r.nbytes, r.key) for r in file_reads]
+                               for rel, file_reads in reads.items()}, LoadError, served)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -234,6 +226,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
     if not manifest.store:
         raise LoadError(f"{out} is a per-rank conversion (ep_size={manifest.ep_size}), not a store; load it with "
                         "load_rank, or convert without --ep-size")
+    served = ranged.served_ranges(out, LoadError)  # a ranged pull: finished, of this manifest, or nothing
     known = {l.key: l for l in manifest.layers}
     records = {}
     for layer in slots:
@@ -257,9 +250,10 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
                             for key, spec in specs.items()}
     reads = {layer: plan_reads(entries[layer], manifest.dims.experts_of(layer), ids[layer], list(dests[layer]))
              for layer in slots}
-    check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()})
+    if served is not None:
+        check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()}, served)
     _fill({layer: out / records[layer].path for layer in slots}, reads, dests)
-    return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer]), ids[layer],
+    return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer], manifest.dims.format), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
 
 
@@ -279,15 +273,66 @@ def merged_ranges(reads: Sequence[Read]) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in ranges]
 
 
-def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], rank: int) -> dict[str, object]:
-    """What ``rank`` reads of a store under ``placements`` (each layer's): bytes read (redundant slots
-    re-read their expert's block), reads issued, and the distinct file ranges per store file."""
-    read_bytes, count, files = 0, 0, {}
+def store_placements(manifest: Manifest, ep_size: int, num_redundant: int = 0, placement_file: Path | None = None,
+                     engine: str = "vllm", where: object = "store", error: type[Exception] = LoadError,
+                     ) -> dict[MoELayer, Placement]:
+    """Each layer's placement at ``ep_size`` under the engine's rule (``inspect`` / ``plan`` / ``pull
+    --ep-size``), refused where the store's family and the engine cannot serve it, in the words a
+    checkpoint's ``plan`` uses (:func:`serving.serving_refusal`)."""
+    family = families.by_name(manifest.family)
+    n = manifest.dims.n_routed_experts
+    if problem := serving_refusal(family, engine, n, num_redundant=num_redundant, placement_file=placement_file):
+        raise error(f"{where}: {problem}")
+    placement = (Placement.from_file(placement_file, n, ep_size) if placement_file is not None
+                 else Placement.default(n, ep_size, num_redundant))
+    if problem := serving_refusal(family, engine, n, placement_file=placement_file, placement=placement):
+        raise error(f"{where}: {problem}")
+    return {layer: layer_placement(engine, placement, layer.is_mtp, manifest.dims.experts_of(layer),
+                                   family.sglang_mtp_like_decoder) for layer in manifest.layers}
+
+
+def placement_groups(manifest: Manifest, placements: Mapping[MoELayer, Placement],
+                     ) -> list[tuple[list[MoELayer], Placement]]:
+    """The layers that every rank reads alike (one expert count, one placement), each group once:
+    a store plan costs a few groups, not one pass per layer."""
+    default: dict[int, bool] = {}
+    groups: dict[tuple[object, ...], tuple[list[MoELayer], Placement]] = {}
     for layer, placement in placements.items():
-        reads = rank_read_plan(manifest, layer, placement.rank_logical_ids(rank))
-        read_bytes += sum(r.nbytes for r in reads)
-        count += len(reads)
-        files[store_file(layer)] = merged_ranges(reads)
-    return {"rank": rank, "read_bytes": read_bytes, "reads": count,
-            "range_bytes": sum(n for ranges in files.values() for _, n in ranges),
-            "ranges": sum(len(r) for r in files.values()), "files": files}
+        if id(placement) not in default:
+            default[id(placement)] = placement.is_default()
+        kind: object = (placement.n_physical, placement.ep_size) if default[id(placement)] else id(placement)
+        groups.setdefault((manifest.dims.experts_of(layer), kind), ([], placement))[0].append(layer)
+    return list(groups.values())
+
+
+def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ranks: Sequence[int],
+               ) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """What each of ``ranks`` reads of a store under ``placements`` (each layer's): bytes read
+    (redundant slots re-read their expert's block), reads issued, distinct file ranges and their
+    bytes, in all and per layer of each group of :func:`placement_groups` (returned beside)."""
+    groups = placement_groups(manifest, placements)
+    described, plans = [], []
+    for layers, placement in groups:
+        _, entries = written_header(manifest, layers[0], Path(store_file(layers[0])))
+        plans.append((entries, [k for k in entries if k != "logical_ids"], manifest.dims.experts_of(layers[0])))
+        described.append({"layers": [l.key for l in layers], "experts": manifest.dims.experts_of(layers[0]),
+                          "experts_per_rank": placement.experts_per_rank, "default": placement.is_default()})
+    seen: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {}
+    rows = []
+    for rank in ranks:
+        per_group = []
+        for g, (layers, placement) in enumerate(groups):
+            ids = placement.rank_logical_ids(rank)
+            if (g, ids) not in seen:
+                entries, keys, n = plans[g]
+                reads = plan_reads(entries, n, ids, keys)
+                ranges = merged_ranges(reads)
+                seen[(g, ids)] = {"read_bytes": sum(r.nbytes for r in reads), "reads": len(reads),
+                                  "ranges": len(ranges), "range_bytes": sum(n for _, n in ranges)}
+            per_group.append(seen[(g, ids)])
+        row: dict[str, object] = {"rank": rank}
+        for key in ("read_bytes", "reads", "ranges", "range_bytes"):
+            row[key] = sum(stats[key] * len(layers) for stats, (layers, _) in zip(per_group, groups))
+        row["per_layer"] = per_group
+        rows.append(row)
+    return rows, described
