@@ -2,77 +2,44 @@
 
 One module per command (``synth``, ``inspect``, ``plan``, ``convert``, ``verify``, ``push``, ``pull``,
 ``merge``, ``preload``), each a top-level function whose docstring carries its examples. :data:`COMMANDS`
-below lists them in the order ``megamoe --help`` shows them, the order a user runs them; the app is
+(``application``) lists them in the order ``megamoe --help`` shows them, the order a user runs them; the app is
 built from it. Shared pieces: ``options`` (option types several commands take), ``_run`` (the one error
 path, JSON output), ``conventions`` (``-h``, ``-q``, metavars, plain usage errors, JSON errors, SIGTERM),
 ``describe`` and ``store`` (what ``inspect`` and ``plan`` say); ``demo`` is ``make demo``'s last step.
+
+This module itself stays light: :func:`main` handles Ctrl-C and SIGTERM (``signals``) before it
+imports the app (``application``), so a stop during those seconds of imports ends like any other.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Any, Callable
-
-import typer
-
-from megamoe_convert import __version__
-from megamoe_convert.cli import (_run, conventions, convert, inspect, merge, plan, preload, pull, push, synth,
-                                 verify)
-
-#: Every command in display order: its name, its function (the namesake of its module), the line the
-#: command list shows (click would cut the docstring at 45 characters), and further ``app.command`` settings.
-COMMANDS: list[tuple[str, Callable[..., Any], str, dict[str, Any]]] = [
-    ("synth", synth.synth, "Write a random test checkpoint of a supported model family.", {}),
-    ("inspect", inspect.inspect, "Show what a checkpoint or a conversion holds, and how to serve it.", {}),
-    ("plan", plan.plan, "Show which logical experts every rank holds.", {}),
-    ("convert", convert.convert, "Convert a checkpoint into per-rank MegaMoE files and a manifest.", {}),
-    ("verify", verify.verify, "Check a conversion (checksums; bytes, numerics vs the source).", {}),
-    ("push", push.push, "Upload a conversion to the Hugging Face hub.", {}),
-    ("pull", pull.pull, "Download a pushed conversion, only the ranks you name.", {}),
-    ("merge", merge.merge, "Assemble the parts of a split conversion (convert --shard).", {}),
-    ("preload", preload.preload, "Start vLLM's weight-cache daemons from a conversion.", preload.SETTINGS),
-]
-
-app = typer.Typer(
-    name="megamoe", context_settings={"help_option_names": conventions.HELP_OPTIONS},
-    help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
-         "offline, "
-         "so that vLLM ranks load them with no transform work.",
-    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
-)
-
-
-def _print_version(requested: bool) -> None:
-    """Eager, so that ``megamoe --version`` answers without a command."""
-    if requested:
-        print(f"megamoe-convert {__version__}")
-        raise typer.Exit(0)
-
-
-@app.callback()
-def main_options(
-    ctx: typer.Context,
-    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
-) -> None:
-    _run.state["debug"] = debug
-    _run.state["command"] = ctx.invoked_subcommand
-
-
-for _name, _function, _summary, _settings in COMMANDS:
-    app.command(_name, short_help=_summary, **_settings)(_function)
-del _name, _function, _summary, _settings
+from typing import Any
 
 __all__ = ["app", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    """``app`` and ``COMMANDS`` (:mod:`.application`), imported on first use."""
+    if name in ("app", "COMMANDS"):
+        from megamoe_convert.cli import application
+        return getattr(application, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(args: list[str] | None = None) -> None:
     """The ``megamoe`` console script (also ``python -m megamoe_convert.cli``), with the conventions of
     :mod:`.conventions` applied to every command."""
+    from megamoe_convert.cli import signals
+
+    signals.install()  # first: the imports below take seconds, and a stop may land in them
+    sys.exit(signals.stoppable(lambda: _run(sys.argv[1:] if args is None else args)))
+
+
+def _run(args: list[str]) -> int:
     import typer.main
 
-    conventions.install_signal_handlers()
-    command = conventions.apply(typer.main.get_command(app))
-    sys.exit(conventions.run(command, sys.argv[1:] if args is None else args, "megamoe"))
+    from megamoe_convert.cli import conventions
+    from megamoe_convert.cli.application import app
+
+    return conventions.run(conventions.apply(typer.main.get_command(app)), args, "megamoe")

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import typer
 
-from megamoe_convert.cli import conventions
+from megamoe_convert.cli import conventions, signals
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.jsonio import one_line
 
@@ -39,7 +39,7 @@ def run_command(body: Callable[[], Any]) -> Any:
     try:
         return body()
     except KeyboardInterrupt as e:
-        _stopped(getattr(e, "exit_code", 130))
+        _stopped(signals.exit_code(e))
     except HANDLED_ERRORS as e:
         if state["debug"]:
             raise
@@ -47,7 +47,7 @@ def run_command(body: Callable[[], Any]) -> Any:
 
 
 def _stopped(code: int) -> None:
-    what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+    what = signals.what(code)
     hint = ("rerun the same command to resume" if state["command"] in RESUMABLE_COMMANDS else
             "nothing was changed" if state["command"] in ("inspect", "plan", "verify") else
             "rerun the same command")

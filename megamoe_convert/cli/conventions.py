@@ -13,14 +13,14 @@ from __future__ import annotations
 import copy
 import json
 import re
-import signal
 import sys
 from typing import Any
 
 import typer
 from typer._click import exceptions as click_exceptions
 
-from megamoe_convert import interrupts, ui
+from megamoe_convert import ui
+from megamoe_convert.cli import signals
 
 HELP_OPTIONS = ["-h", "--help"]
 
@@ -40,26 +40,9 @@ ARGUMENT_METAVARS = {"parts": "PART_DIR"}
 state: dict[str, Any] = {"json": False}
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so that every clean-up a Ctrl-C runs also runs."""
-
-    exit_code = 143
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    interrupts.request(Terminated)
-    raise Terminated()
-
-
-def _on_sigint(signum: int, frame: Any) -> None:
-    interrupts.request(KeyboardInterrupt)  # remembered too: a KeyboardInterrupt raised in a finalizer is dropped
-    raise KeyboardInterrupt
-
-
-def install_signal_handlers() -> None:
-    interrupts.clear()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGINT, _on_sigint)
+#: SIGTERM's exception and the handlers live in :mod:`.signals`, installed before anything else.
+Terminated = signals.Terminated
+install_signal_handlers = signals.install
 
 
 def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
@@ -151,14 +134,19 @@ def run(group: Any, args: list[str], prog_name: str) -> int:
         return e.exit_code
     except typer.Exit as e:
         return int(getattr(e, "exit_code", 0) or 0)
-    except typer.Abort:
-        return 130
-    except Terminated:
-        print("terminated", file=sys.stderr)
-        return Terminated.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except typer.Abort as e:  # the parser turns a stop (Ctrl-C, SIGTERM) into Abort: say which
+        return _stopped(e.__cause__ if isinstance(e.__cause__, KeyboardInterrupt) else KeyboardInterrupt())
+    except KeyboardInterrupt as e:
+        return _stopped(e)
     except click_exceptions.ClickException as e:
         e.show()
         return e.exit_code
+
+
+def _stopped(stop: KeyboardInterrupt) -> int:
+    """A stop no command body caught (while parsing, say): one line, and its exit code."""
+    code = signals.exit_code(stop)
+    print(f"{signals.what(code)}: rerun the same command", file=sys.stderr)
+    if state["json"]:
+        print_json_error(f"{signals.what(code)}: rerun the same command", code)
+    return code

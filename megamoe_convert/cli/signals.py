@@ -1,0 +1,64 @@
+"""Ctrl-C and SIGTERM, handled from a command's first instant: the first thing ``megamoe`` does,
+before its own imports (which take seconds), so a stop that lands anywhere (an import, the
+argument parser, a command's body) ends the same way: one line, exit 130 (Ctrl-C) or 143
+(SIGTERM: ``timeout``, Kubernetes), never a traceback. Imports nothing but the standard library
+and :mod:`megamoe_convert.interrupts`, so that installing it is itself immediate.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any, Callable
+
+from megamoe_convert import interrupts
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that every clean-up a Ctrl-C runs also runs."""
+
+    exit_code = 143
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    interrupts.request(Terminated)
+    raise Terminated()
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    interrupts.request(KeyboardInterrupt)  # remembered too: a KeyboardInterrupt raised in a finalizer is dropped
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """Handle Ctrl-C and SIGTERM from now on (a new command: any earlier stop forgotten)."""
+    interrupts.clear()
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
+def exit_code(stop: BaseException) -> int:
+    """130 for Ctrl-C, 143 for SIGTERM."""
+    return int(getattr(stop, "exit_code", 130))
+
+
+def what(code: int) -> str:
+    return "terminated (SIGTERM)" if code == 143 else "interrupted"
+
+
+def stoppable(run: Callable[[], int], hint: str = "rerun the same command") -> int:
+    """``run()``'s exit code; a stop that reaches here (one no command body caught: in an import,
+    say) is one line and its exit code. Further stops are only recorded from then on: the process
+    is ending."""
+    try:
+        return run()
+    except KeyboardInterrupt as stop:
+        code = exit_code(stop)
+        _record_only()
+        print(f"{what(code)}: {hint}", file=sys.stderr)
+        return code
+
+
+def _record_only() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: interrupts.request(Terminated))
+    signal.signal(signal.SIGINT, lambda *_: interrupts.request(KeyboardInterrupt))
