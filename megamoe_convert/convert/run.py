@@ -117,7 +117,7 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     with FileCache() as files:
         plan = build_plan(src, out, options, files, cancelled)
         watch = SourceWatch(plan.source_paths(), {n: h.file_size for n, h in plan.ckpt.headers.items()})
-        check_output_dir(out)
+        check_output_dir(out, source=plan.ckpt.root)
         state = make_state(plan)
         with state.locked():
             summary = _run_locked(plan, state, progress, cancelled, started, watch)

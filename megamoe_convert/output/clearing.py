@@ -9,9 +9,11 @@ else's and stays. Top-level result files (manifest, index, part manifests) go by
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable
 
+from megamoe_convert.output import ranged
 from megamoe_convert.output.journal import JOURNAL_NAME, REPLACED_JOURNAL, read_journals
 from megamoe_convert.output.naming import (
     MANIFEST_NAME,
@@ -87,3 +89,13 @@ def forget_replaced_conversion(out: Path, new_paths: set[str], has_index: bool) 
     if not has_index:
         remove_named(out, [INDEX_NAME])
     (out / STATE_DIR / REPLACED_JOURNAL).unlink(missing_ok=True)
+    forget_ranged_pull(out)
+
+
+def forget_ranged_pull(out: Path) -> None:
+    """For whatever rewrites OUT over a ranged pull (:mod:`.ranged`): its manifest goes first (nothing
+    is served meanwhile), then its record; the sparse store files are the writer's to replace, and
+    any it does not are no longer listed."""
+    if os.path.lexists(ranged.record_path(out)):
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        ranged.record_path(out).unlink()

@@ -9,7 +9,8 @@ and the checksum of the ``manifest.json`` they belong to) is written last. A sto
 outside its recorded ranges are holes, which no reader may take for experts, so every reader asks
 :func:`served_ranges` first: no record, a complete folder; an unfinished record, or one of another
 manifest, nothing is served; else only the recorded ranges. Whatever rewrites OUT (a whole pull,
-``convert``, ``merge``) removes the manifest, then the record (:func:`forget`).
+``convert``, ``merge``) removes the manifest, then the record
+(:func:`.clearing.forget_ranged_pull`).
 """
 
 from __future__ import annotations
@@ -180,14 +181,6 @@ def merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
         else:
             merged.append([start, end])
     return [(start, end - start) for start, end in merged]
-
-
-def forget(out: Path) -> None:
-    """For whatever rewrites OUT: the manifest goes first (nothing is served meanwhile), then the
-    record, whose sparse files the writer then replaces or leaves unlisted."""
-    if os.path.lexists(record_path(out)):
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        record_path(out).unlink()
 
 
 class RangedFile:

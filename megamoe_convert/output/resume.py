@@ -31,8 +31,12 @@ from megamoe_convert.output.naming import MERGED_PARTS_DIR, STATE_DIR, part_mani
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
 
 
-def check_output_dir(out: Path) -> None:
-    """OUT must be new, empty, or a previous megamoe output: never someone else's files."""
+def check_output_dir(out: Path, source: Path | None = None) -> None:
+    """OUT must be new, empty, or a previous megamoe output: never someone else's files, and never
+    the ``source`` being read (whatever ``.megamoe/`` folder it holds)."""
+    if source is not None and out.exists() and source.exists() and os.path.samefile(out, source):
+        raise ConvertError(f"{out}: is the source checkpoint being converted ({source}); megamoe never writes into "
+                           "what it reads: choose another output directory")
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out}: exists and is not a directory")
     if (out / STATE_DIR).is_symlink() or (out / STATE_DIR).exists() and not (out / STATE_DIR).is_dir():
@@ -87,6 +91,7 @@ class OutputState:
                 self.clear()
         elif overwrite:
             self.clear()
+        clearing.forget_ranged_pull(self.out)  # the files it pulled are rewritten whole from here on
         self.write_state(fingerprint, source)
 
     def write_state(self, fingerprint: dict[str, Any], source: dict[str, Any] | None) -> None:
