@@ -19,6 +19,7 @@ from megamoe_convert.output.writer import FileRecord
 from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, Placement, PlacementError, check_file_fields, layer_placement
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.serving import serving_refusal
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
 
@@ -71,14 +72,11 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
     expert count of its own, SGLang's MTP rule) and against what the engine can serve."""
     family = ckpt.family
     assert family is not None
-    if options.engine not in family.engines:
-        raise ConvertError(f"{ckpt.root}: {family.title} conversions are for {', '.join(family.engines)} only, "
-                           f"not {options.engine} ({family.engine_note}); drop --engine {options.engine}")
-    if not family.redundant_experts and (options.num_redundant_experts or options.placement_file is not None):
-        raise ConvertError(f"{ckpt.root}: vLLM builds {family.title}'s MegaMoE layers with its "
-                           f"{ckpt.dims.n_routed_experts} experts and no redundant or re-placed ones; "
-                           "drop --num-redundant-experts / --placement")
     n = ckpt.dims.n_routed_experts
+    # A store serves whichever engine serves its family: the engine is named when it is served.
+    if problem := serving_refusal(family, None if options.store else options.engine, n,
+                                  num_redundant=options.num_redundant_experts, placement_file=options.placement_file):
+        raise ConvertError(f"{ckpt.root}: {problem}")
     if options.store:  # every logical expert once; the engine's placement is read at install
         given = [flag for flag, on in (("--num-redundant-experts", options.num_redundant_experts),
                                        ("--placement", options.placement_file is not None),
@@ -98,11 +96,10 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
         check_file_fields(extra, placement, options.engine, options.placement_file,
                           [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers],
                           family.sglang_mtp_like_decoder)
-        if options.check_serving and options.engine == "vllm" and not placement.is_default():
-            raise ConvertError(f"--placement {options.placement_file}: vLLM serves MegaMoE experts only in its "
-                               f"default placement (slot p holds logical expert p % {n}) and refuses any other at "
-                               "load time; for vLLM use --num-redundant-experts R (EPLB re-balances while serving), "
-                               "or convert for SGLang with --engine sglang")
+        if options.check_serving and (problem := serving_refusal(family, options.engine, n,
+                                                                 placement_file=options.placement_file,
+                                                                 placement=placement)):
+            raise ConvertError(f"{ckpt.root}: {problem}")
     else:
         try:
             placement = Placement.default(n, options.ep_size, options.num_redundant_experts)

@@ -15,16 +15,17 @@ from megamoe_convert.placement import Placement
 from megamoe_convert.source.families import ModelFamily
 
 
-def serving_refusal(family: ModelFamily, engine: str, n_routed: int, *, num_redundant: int = 0,
+def serving_refusal(family: ModelFamily, engine: str | None, n_routed: int, *, num_redundant: int = 0,
                     placement_file: Path | None = None, placement: Placement | None = None) -> str | None:
     """Why ``engine`` cannot serve ``family``'s experts so placed, or ``None`` when it can.
 
+    ``engine=None``: whichever engine serves the family (a store's conversion, before any engine is named).
     ``placement_file``: an explicit placement was asked for (refused for a family built without
     re-placed experts before the file is read); ``placement``: that file's placement, once read.
     The answer names what to drop; callers put the checkpoint's or the store's path before it."""
     if not family.engines:
         return f"{family.title} checkpoints are read (inspect, plan) but not converted: {family.engine_note}"
-    if engine not in family.engines:
+    if engine is not None and engine not in family.engines:
         return (f"{family.title} conversions are for {', '.join(family.engines)} only, not {engine} "
                 f"({family.engine_note}); convert with --engine {family.engines[0]}")
     if not family.redundant_experts and (num_redundant or placement_file is not None):
