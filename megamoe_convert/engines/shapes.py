@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from megamoe_convert.source.serving import serving_refusal
+
 if TYPE_CHECKING:
     from megamoe_convert.source.families import ModelFamily
 
@@ -19,7 +21,7 @@ def shape_refusals(hidden: int, intermediate: int, family: "ModelFamily | None" 
     for engine, (h, i) in SHAPE_RULES.items():
         bad = [f"{name}={value} is not a multiple of {m}" for name, value, m in
                (("hidden_size", hidden, h), ("moe_intermediate_size", intermediate, i)) if value % m]
-        if family is not None and engine not in family.engines:
+        if family is not None and serving_refusal(family, engine, 0) is not None:  # the one family/engine check
             bad.insert(0, family.engine_note or f"no pre-baked {family.title} experts")
         refusals[engine] = ", ".join(bad) or None
     return refusals
