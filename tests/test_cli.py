@@ -123,3 +123,14 @@ def test_help_at_80_columns_shows_every_option_name_whole(command):
     text = run_cli(command, "--help", env={"COLUMNS": "80"}).stdout
     assert names and all(name in text for name in names), [n for n in names if n not in text]
     assert max(map(len, text.splitlines())) <= 80
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "preload"])
+def test_every_command_help_ends_with_its_examples(command):
+    """The docstring's examples show in ``--help`` (after the options), line for line, within 80 columns."""
+    text = run_cli(command, "--help", env={"COLUMNS": "80"}).stdout
+    options, examples = text.split("\n  Examples:\n")
+    assert "-h, --help" in options and "-h, --help" not in examples
+    lines = [line.strip() for line in examples.splitlines() if line.strip()]
+    assert any(line.startswith(f"megamoe {command} ") for line in lines), lines
+    assert max(map(len, text.splitlines())) <= 80

@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import re
 import sys
+import textwrap
 from typing import Any
 
 import typer
@@ -76,11 +78,24 @@ def _quiet_option(template: Any) -> Any:
     return quiet
 
 
+def examples_epilog(command: Any) -> None:
+    """A command docstring's examples (after click's ``\\f``) as the ``Examples:`` section its ``--help``
+    ends with, kept line for line (click's ``\\b``), before any epilog of its own."""
+    head, marker, tail = inspect.cleandoc(command.help or "").partition("\f")
+    if not marker:
+        return
+    body = textwrap.dedent(tail.strip().removeprefix("Examples::").removeprefix("Examples:").strip("\n"))
+    examples = "Examples:\n\n\b\n" + "\n".join(f"  {line}" for line in body.splitlines() if line.strip())
+    command.help = head.rstrip()
+    command.epilog = examples + (f"\n\n{command.epilog}" if command.epilog else "")
+
+
 def apply(group: Any) -> Any:
     """Apply the conventions to the whole command tree (once per process)."""
     template = next(p for p in group.params if p.name == "debug")
     for name, command in group.commands.items():
         command.context_settings = {**(command.context_settings or {}), "help_option_names": HELP_OPTIONS}
+        examples_epilog(command)
         for param in command.params:
             if param.name == "as_json":
                 param.callback = _track_json(param.callback)

@@ -56,10 +56,15 @@ def convert(
     \f
     Examples::
 
-        megamoe convert /models/DeepSeek-V4-Flash /models/V4-Flash-ep8 --ep-size 8
-        megamoe convert /models/DeepSeek-V4-Flash /models/V4-Flash-store   # a store: any EP size reads it
-        megamoe convert deepseek-ai/DeepSeek-V4.1-Flash /models/V4.1-ep16 --ep-size 16 --num-redundant-experts 32
-        megamoe convert /models/DeepSeek-V4-Pro /shared/V4-Pro-ep64 --ep-size 64 --shard 3/8  # then megamoe merge
+        # per-rank files for EP 8
+        megamoe convert V4-Flash V4-Flash-ep8 --ep-size 8
+        # no --ep-size: a store, which serves every EP size
+        megamoe convert V4-Flash V4-Flash-store
+        # from the hub, with redundant experts
+        megamoe convert deepseek-ai/DeepSeek-V4.1-Flash V4.1-ep16 \\
+            --ep-size 16 --num-redundant-experts 32
+        # part 3 of 8 of one conversion (then: megamoe merge)
+        megamoe convert V4-Pro /shared/V4-Pro-ep64 --ep-size 64 --shard 3/8
     """
     from megamoe_convert.convert.plan import ConvertOptions, parse_shard
     from megamoe_convert.convert.run import convert as run_convert

@@ -32,10 +32,13 @@ def inspect(
     \f
     Examples::
 
-        megamoe inspect /models/DeepSeek-V4-Flash                  # EP sizes that work, engines
-        megamoe inspect /models/DeepSeek-V4-Flash --ep-size 8      # bytes per rank, before converting
-        megamoe inspect /models/V4-Flash-ep8                       # what it is, the serve command
-        megamoe inspect /models/V4-Flash-store --ep-size 16 --json # what each rank reads of a store
+        # the EP sizes that work, and the engines that serve its shapes
+        megamoe inspect V4-Flash
+        # the bytes per rank and in all, before converting
+        megamoe inspect V4-Flash --ep-size 8
+        # a conversion or a store: what it is, and the command that serves it
+        megamoe inspect V4-Flash-ep8
+        megamoe inspect V4-Flash-store --ep-size 16 --json
     """
     from megamoe_convert.cli.describe import is_conversion
     from megamoe_convert.cli.store import print_store_reads

@@ -30,9 +30,10 @@ def merge(
     \f
     Examples::
 
-        megamoe merge /shared/V4-Pro-ep64                  # the parts were written into one shared OUT
-        megamoe merge /models/V4-Pro-ep64 /scratch/part-0 /scratch/part-1 /scratch/part-2
-        megamoe merge /models/V4-Pro-ep64 /scratch/part-* --no-verify --workers 4
+        # the parts were written into one shared OUT
+        megamoe merge /shared/V4-Pro-ep64
+        # the parts were written apart
+        megamoe merge V4-Pro-ep64 /scratch/part-0 /scratch/part-1
     """
     from megamoe_convert.convert.fleet import merge as run_merge
 

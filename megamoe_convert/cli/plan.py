@@ -32,10 +32,12 @@ def plan(
     \f
     Examples::
 
-        megamoe plan /models/DeepSeek-V4-Pro --ep-size 64
-        megamoe plan /models/DeepSeek-V4-Flash --ep-size 8 --num-redundant-experts 32 --engine sglang
-        megamoe plan /models/DeepSeek-V4-Flash --ep-size 8 --placement eplb.json --layers 0-3 --json
-        megamoe plan /models/V4-Flash-store --ep-size 16   # a store: what each rank reads of it
+        megamoe plan V4-Pro --ep-size 64
+        megamoe plan V4-Flash --ep-size 8 --num-redundant-experts 32 \\
+            --engine sglang
+        megamoe plan V4-Flash --ep-size 8 --placement eplb.json --json
+        # a store: what each rank of EP 16 reads of it
+        megamoe plan V4-Flash-store --ep-size 16
     """
     from megamoe_convert.cli.describe import engines_json
     from megamoe_convert.cli.store import print_store_reads

@@ -25,10 +25,11 @@ def preload(
     \f
     Examples::
 
-        megamoe preload --model /models/V4-Flash-ep8 \\
-            --data-parallel-size 8 --enable-expert-parallel --moe-backend deep_gemm_mega_moe
-        vllm serve /models/V4-Flash-ep8 --load-format ipc_cache \\
-            --data-parallel-size 8 --enable-expert-parallel --moe-backend deep_gemm_mega_moe
+        megamoe preload --model V4-Flash-ep8 --data-parallel-size 8 \\
+            --enable-expert-parallel --moe-backend deep_gemm_mega_moe
+        vllm serve V4-Flash-ep8 --load-format ipc_cache \\
+            --data-parallel-size 8 --enable-expert-parallel \\
+            --moe-backend deep_gemm_mega_moe
     """
     from megamoe_convert.engines.vllm.preload import run_preload
 

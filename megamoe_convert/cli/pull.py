@@ -40,9 +40,12 @@ def pull(
     \f
     Examples::
 
-        megamoe pull owner/V4-Flash-ep8 --ranks 0-3                       # prints the local path
-        megamoe pull owner/V4-Flash-ep8 --ranks 4-7 --local-dir /models/node1 --revision v2
-        megamoe pull owner/V4-Flash-store --ep-size 16 --ranks 0-7 --local-dir /models/node0
+        # ranks 0-3 into the hub's cache; prints the local path
+        megamoe pull owner/V4-Flash-ep8 --ranks 0-3
+        megamoe pull owner/V4-Flash-ep8 --ranks 4-7 --local-dir node1
+        # a store: only the byte ranges ranks 0-7 of EP 16 read
+        megamoe pull owner/V4-Flash-store --ep-size 16 --ranks 0-7 \\
+            --local-dir node0
     """
     from megamoe_convert.serve.hub import pull as hub_pull
 

@@ -28,9 +28,9 @@ def push(
     \f
     Examples::
 
-        megamoe push /models/V4-Flash-ep8 owner/V4-Flash-ep8
-        megamoe push /models/V4-Flash-store owner/V4-Flash-store --private --verify
-        megamoe push /models/V4-Flash-ep8 owner/V4-Flash-ep8 --revision ep8-redundant32 --json
+        megamoe push V4-Flash-ep8 owner/V4-Flash-ep8
+        megamoe push V4-Flash-store owner/V4-Flash-store --private --verify
+        megamoe push V4-Flash-ep8 owner/V4-Flash-ep8 --revision ep8-r32
     """
     from megamoe_convert.serve.hub import push as hub_push
 

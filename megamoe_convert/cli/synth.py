@@ -53,7 +53,9 @@ def synth(
     \f
     Examples::
 
-        megamoe synth demo/ckpt                                   # tiny DeepSeek-V4, seconds
+        # a tiny DeepSeek-V4 checkpoint, in seconds
+        megamoe synth demo/ckpt
+        # real DeepSeek-V4-Flash dims, cut to fit a laptop
         megamoe synth flash-cut --preset flash --layers 2 --experts 16
         megamoe synth kimi --preset kimi-k3-tiny --format nvfp4 --seed 1
     """

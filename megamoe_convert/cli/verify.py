@@ -34,10 +34,14 @@ def verify(
     \f
     Examples::
 
-        megamoe verify /models/V4-Flash-ep8                       # sizes and checksums
-        megamoe verify /models/V4-Flash-ep8 --ranks 0-3           # only what this node serves
-        megamoe verify /models/V4-Flash-ep8 --source /models/DeepSeek-V4-Flash --numerics
-        megamoe verify /models/V4-Flash-ep8 --source /models/DeepSeek-V4-Flash --sample 64 --json
+        # sizes and checksums
+        megamoe verify V4-Flash-ep8
+        # only what this node serves
+        megamoe verify V4-Flash-ep8 --ranks 0-3
+        # bytes and numerics against the source (numerics: --device cuda
+        # on a GPU; --ranks or --sample to shorten it on a CPU)
+        megamoe verify V4-Flash-ep8 --source V4-Flash --numerics
+        megamoe verify V4-Flash-ep8 --source V4-Flash --sample 64 --json
     """
     from megamoe_convert.verify import verify as run_verify
 
