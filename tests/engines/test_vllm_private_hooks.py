@@ -1,0 +1,81 @@
+"""The vLLM names megamoe-convert uses outside vLLM's public extension API
+(``engines/vllm/private_hooks.py``), against each release's real code: every one resolves, and
+each hook does what the loader, doors and weight cache rely on."""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+
+from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.engines.vllm.doors import DRAFTS, TARGETS
+from megamoe_convert.engines.vllm.weight_cache import with_conversion
+
+
+def resolve(dotted: str) -> object:
+    module, _, path = dotted.partition(":")
+    found: object = importlib.import_module(module)
+    for part in path.split("."):
+        found = getattr(found, part)
+    return found
+
+
+@pytest.mark.parametrize("dotted", private_hooks.PRIVATE_NAMES)
+def test_every_private_name_resolves_in_this_release(dotted):
+    resolve(dotted)
+
+
+def test_model_class_is_vllms_own_class_of_each_megamoe_architecture():
+    from vllm.model_executor.models import registry
+
+    archs = [arch for arch in TARGETS + DRAFTS if arch in registry._VLLM_MODELS]
+    assert "DeepseekV4ForCausalLM" in archs
+    for arch in archs:
+        cls = private_hooks.model_class(arch)  # vLLM's own class, never the doors' subclass registered over it
+        assert cls.__module__.startswith("vllm.") and cls.__name__ == registry._VLLM_MODELS[arch][1], arch
+
+
+def test_transformers_backend_architectures_are_vllms_transformers_classes():
+    archs = private_hooks.transformers_backend_architectures()
+    assert archs and all(arch.startswith("Transformers") for arch in archs)
+
+
+def test_deep_gemm_is_what_vllm_imports():
+    from vllm.utils import deep_gemm
+
+    assert private_hooks.deep_gemm() is deep_gemm._import_deep_gemm()
+
+
+def test_the_extended_cache_key_tells_a_conversion_from_its_source(engine_ckpt, engine_converted, monkeypatch):
+    protocol = private_hooks.weight_cache("protocol")
+    assert protocol is not None
+    plain = getattr(protocol.hash_checkpoint, "__wrapped__", protocol.hash_checkpoint)  # unextended by the plugin
+    monkeypatch.setattr(protocol, "hash_checkpoint", plain)  # as it was after the test
+    private_hooks.extend_checkpoint_hash(with_conversion)
+    extended = protocol.hash_checkpoint
+    assert extended is not plain and getattr(extended, "megamoe", False)
+    assert extended(str(engine_ckpt)) == plain(str(engine_ckpt))
+    assert extended(str(engine_converted)) != plain(str(engine_converted))
+
+
+def test_the_ipc_loader_refuses_before_asking_a_daemon():
+    mismatch = private_hooks.weight_cache("protocol").CacheConfigMismatchError
+    cls = private_hooks.ipc_loader_class(lambda model: f"{model}: refused", lambda model: None)
+    assert cls.__name__ == "MegaMoEIpcModelLoader" and issubclass(cls, resolve(
+        f"{private_hooks.WEIGHT_CACHE}.ipc_loader:IpcModelLoader"))
+    with pytest.raises(mismatch, match="OUT: refused"):
+        cls._fetch_entries(object.__new__(cls), types.SimpleNamespace(model="OUT"))
+
+
+def test_the_daemon_target_is_replaced_only_inside():
+    own = private_hooks.daemon_target()
+    assert own.__module__ == f"{private_hooks.WEIGHT_CACHE}.daemon"
+
+    def entry() -> None:
+        pass
+
+    with private_hooks.replaced_daemon_target(entry) as kept:
+        assert kept is own and private_hooks.daemon_target() is entry
+    assert private_hooks.daemon_target() is own
