@@ -3,7 +3,7 @@
 The pipeline, one stage per folder, imports pointing down only (``docs/architecture.md``):
 ``source/`` (checkpoints, families, formats) -> ``placement``, ``layout`` (pure functions) ->
 ``output/`` (writer, manifest, journal and locks) -> ``convert/`` -> ``serve/`` (loading, hub) ->
-``engines/`` (one module per engine contract) -> ``verify`` -> ``cli/``. Small helpers at the
+``engines/`` (one package per engine, one module per contract) -> ``verify`` -> ``cli/``. Small helpers at the
 bottom: ``jsonio``, ``progress``, ``ui``, ``faults``, ``devices``.
 """
 
