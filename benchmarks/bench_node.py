@@ -361,6 +361,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["setup"].append(info)
         prepared.append((shapes, args.rounds[args.layers.index(layers)]))
         print(json.dumps(info), flush=True)
+    start = time.perf_counter()
+    os.sync()  # the conversions' dirty pages on disk: a cold run can drop every page it will read
+    results["sync_s"] = time.perf_counter() - start
     save()
     for rnd in range(max(rounds for _, rounds in prepared)):  # round 0 of every size before any round 1
         for shape in [s for shapes, rounds in prepared if rounds > rnd for s in shapes]:

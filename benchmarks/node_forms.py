@@ -108,11 +108,21 @@ def _cuda_platform():
     import vllm.model_executor.model_loader.weight_utils as weight_utils
 
     real = weight_utils.current_platform
-    cuda = types.SimpleNamespace(is_cuda=lambda: True, is_cuda_alike=lambda: True,
-                                 current_device=torch.cuda.current_device)
-    proxy = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
-    proxy.__dict__.update(vars(cuda))
-    with mock.patch.object(weight_utils, "current_platform", proxy):
+
+    class Cuda:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def is_cuda(self) -> bool:
+            return True
+
+        def is_cuda_alike(self) -> bool:
+            return True
+
+        def current_device(self) -> int:
+            return torch.cuda.current_device()
+
+    with mock.patch.object(weight_utils, "current_platform", Cuda()):
         yield
 
 
