@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -10,15 +11,25 @@ from rich.console import Console
 from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
 
-#: Width of a console that is not a terminal (a pipe, a CI log): wide enough that rich never
-#: breaks a line; the reader's own viewer wraps.
+#: Width of a console that is not a terminal (a pipe, a CI log) and was told no ``COLUMNS``: wide
+#: enough that rich never breaks a line; the reader's own viewer wraps.
 PIPE_WIDTH = 1 << 14
+#: Below this terminal width a progress bar drops the file being worked on, the elapsed time and
+#: the speed, so that its line never wraps (an 80-column terminal's line garbles once it does).
+WIDE_PROGRESS = 120
+
+
+def pipe_width() -> int:
+    """``COLUMNS`` where the user set it (tables fit it), else :data:`PIPE_WIDTH`."""
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
 
 
 def make_console(stderr: bool) -> Console:
-    """A terminal gets rich's usual console; a pipe or file gets lines that are never soft-wrapped."""
+    """A terminal gets rich's usual console; a pipe or file gets lines that are never soft-wrapped
+    and tables as wide as ``COLUMNS`` says (unbounded without it)."""
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=PIPE_WIDTH, soft_wrap=True)
+    return console if console.is_terminal else Console(stderr=stderr, width=pipe_width(), soft_wrap=True)
 
 
 #: Status and progress go to stderr so that ``--json`` output on stdout stays clean.
@@ -69,6 +80,7 @@ class ByteProgress:
         self.unit, self.in_bytes = "files", True
         self._last_line = self._started = 0.0
         self._open = False
+        self._wide = True
         #: Every finished phase: description, unit, count, bytes and seconds.
         self.phases: list[dict[str, Any]] = []
 
@@ -98,10 +110,14 @@ class ByteProgress:
         if self.quiet:
             return
         if is_interactive():
-            amount = ((DownloadColumn(), TransferSpeedColumn(), TextColumn("{task.fields[files]}")) if in_bytes else
+            self._wide = err_console.width >= WIDE_PROGRESS
+            speed = (TransferSpeedColumn(),) if self._wide else ()
+            amount = ((DownloadColumn(), *speed, TextColumn("{task.fields[files]}")) if in_bytes else
                       (MofNCompleteColumn(), TextColumn(unit)))
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), *amount,
-                                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
+            elapsed = (TimeElapsedColumn(),) if self._wide else ()
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(bar_width=None if self._wide else 16),
+                                  TaskProgressColumn(), *amount, *elapsed, TimeRemainingColumn(), console=err_console,
+                                  transient=False)
             self._rich.__enter__()
             self._task = self._rich.add_task(self.name, total=total_bytes if in_bytes else total_files,
                                              files=self._files_text())
@@ -125,17 +141,14 @@ class ByteProgress:
         self.done_files += files
         if self._rich is not None:
             self._rich.update(self._task, advance=nbytes if self.in_bytes else files, files=self._files_text(),
-                              description=f"{self.name} [dim]{path}[/dim]")
+                              description=f"{self.name} [dim]{path}[/dim]" if self._wide else self.name)
         elif not self.quiet:
             now = time.monotonic()
             finished = files and self.done_files == self.total_files
             if now - self._last_line >= self.plain_interval_s or finished:
                 self._last_line = now
-                done, total = (self.done_bytes, self.total_bytes) if self.in_bytes else (self.done_files,
-                                                                                         self.total_files)
-                pct = 100.0 * done / total if total else 100.0
-                resumed = f" ({self.skipped} already done)" if self.skipped else ""
-                print(f"{self.name}: {self._files_text()}, {pct:5.1f}%{resumed}", file=sys.stderr, flush=True)
+                print(f"{self.name}: {self._plain_amount()}{self._eta()}"
+                      f"{f' ({self.skipped} already done)' if self.skipped else ''}", file=sys.stderr, flush=True)
 
     def finish(self) -> None:
         """End the current phase (``start`` and leaving the ``with`` block call it): one line with
@@ -161,6 +174,25 @@ class ByteProgress:
 
     def _files_text(self) -> str:
         return f"{self.done_files}/{self.total_files} {self.unit}"
+
+    def _plain_amount(self) -> str:
+        """Files finished and, where the phase moves bytes, the bytes done: the percentage says
+        whose it is (bytes move inside files long before the first file is finished)."""
+        if not self.in_bytes:
+            pct = 100.0 * self.done_files / self.total_files if self.total_files else 100.0
+            return f"{self._files_text()} ({pct:.1f}%)"
+        pct = 100.0 * self.done_bytes / self.total_bytes if self.total_bytes else 100.0
+        return (f"{self._files_text()} finished, {human_bytes(self.done_bytes)} of "
+                f"{human_bytes(self.total_bytes)} ({pct:.1f}% of the bytes)")
+
+    def _eta(self) -> str:
+        """``, about 3 min left``, from the pace so far (nothing before there is a pace)."""
+        done, total = ((self.done_bytes, self.total_bytes) if self.in_bytes else (self.done_files, self.total_files))
+        seconds = time.perf_counter() - self._started
+        if not done or done >= total or seconds <= 0:
+            return ""
+        left = seconds * (total - done) / done
+        return f", about {left:.0f} s left" if left < 120 else f", about {left / 60:.0f} min left"
 
 
 def human_bytes(n: float) -> str:

@@ -59,11 +59,13 @@ def test_plain_progress_counts_files_and_bytes(tmp_path):
     shards = len(list((tmp_path / "ckpt").glob("model-*.safetensors")))
     lines = [line for line in proc.stderr.splitlines() if line.startswith("synth tiny:")]
     assert lines[0].startswith(f"synth tiny: {shards} files, ")
-    assert lines[-2] == f"synth tiny: {shards}/{shards} files, 100.0%"
+    assert re.fullmatch(rf"synth tiny: {shards}/{shards} files finished, ([\d.]+ [KM]B) of \1 \(100.0% of the bytes\)",
+                        lines[-2])
     assert re.fullmatch(rf"synth tiny: finished {shards} files, [\d.]+ MB in [\d.]+ s, [\d.]+ [KMG]B/s", lines[-1])
     proc = run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--json")
     written = json.loads(proc.stdout)["files_written"]
-    assert f"convert: {written}/{written} files, 100.0%" in proc.stderr.splitlines()
+    assert any(re.fullmatch(rf"convert: {written}/{written} files finished, ([\d.]+ [KM]B) of \1 \(100.0% of the "
+                            r"bytes\)", line) for line in proc.stderr.splitlines())
     # verify: hashing (bytes), the comparison with the source (bytes) and numerics (layers: a
     # compute-bound phase) are phases of their own, each with its own unit and time
     proc = run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics")
@@ -71,7 +73,7 @@ def test_plain_progress_counts_files_and_bytes(tmp_path):
     assert [l.split(":")[1].strip() for l in err if ": finished " in l] == ["hash", "compare source", "numerics"]
     numerics = [l for l in err if l.startswith("verify: numerics:")]
     assert numerics[0] == "verify: numerics: 6 layers"  # 2 ranks x 3 MoE layers, no bytes
-    assert numerics[-2] == "verify: numerics: 6/6 layers, 100.0%"
+    assert numerics[-2] == "verify: numerics: 6/6 layers (100.0%)"
     assert re.fullmatch(r"verify: numerics: finished 6 layers in [\d.]+ s, [\d.]+ layers/s", numerics[-1])
     table = proc.stdout
     assert re.search(r"time: hashed\s+│ [\d.]+ MB in [\d.]+ s", table)
@@ -93,7 +95,8 @@ def test_convert_speed_counts_only_the_files_written_now(tmp_path, tiny_ckpt):
         victim.unlink()
     proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
     n = len(victims)
-    assert f"convert: {n}/{n} files, 100.0% (" in proc.stderr
+    assert re.search(rf"convert: {n}/{n} files finished, .* \(100.0% of the bytes\) \(\d+ already done\)",
+                     proc.stderr)
     finished = next(l for l in proc.stderr.splitlines() if l.startswith("convert: finished"))
     assert finished.startswith(f"convert: finished {n} files, ") and "already done" in finished
     done = next(l for l in proc.stderr.splitlines() if l.startswith("done:"))
@@ -111,6 +114,36 @@ def test_terminal_progress_shows_files_beside_bytes(monkeypatch):
             progress.advance(500_000, f"f{n}", skipped=False)
     text = console.file.getvalue()
     assert "3/3 files" in text and "3.0/3.0 MB" in text and "4/3" not in text
+
+
+def test_plain_progress_agrees_with_itself_inside_a_file(capsys):
+    """Bytes move inside a file long before it is finished: the line says whose percentage it shows."""
+    with ui.ByteProgress("convert", plain_interval_s=0) as progress:
+        progress.start(10_000_000, 12)
+        progress.advance(3_600_000, "rank-00000-of-00004/layers.0.safetensors", False, files=0)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "convert: 12 files, 0.010 GB"
+    assert re.fullmatch(r"convert: 0/12 files finished, 3.6 MB of 10.0 MB \(36.0% of the bytes\)"
+                        r"(, about \d+ (s|min) left)?", lines[1]), lines[1]
+
+
+def test_terminal_progress_fits_80_columns(monkeypatch):
+    """At 80 columns the bar drops what does not fit (the file's path, speed, elapsed): no line wraps."""
+    console = Console(file=io.StringIO(), force_terminal=True, width=80, color_system=None)
+    monkeypatch.setattr(ui, "err_console", console)
+    with ui.ByteProgress("convert") as progress:
+        progress.start(3_000_000_000, 120)
+        progress.advance(1_500_000_000, "rank-00012-of-00064/layers.42.safetensors", False, files=60)
+    text = console.file.getvalue()
+    assert "60/120 files" in text and "1.5/3.0 GB" in text and "layers.42" not in text
+    assert max(len(line) for line in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text))) <= 80
+
+
+def test_piped_tables_fit_columns_when_it_is_set(tiny_ckpt):
+    """Piped, a table is as wide as ``COLUMNS`` says (unbounded without it: the viewer wraps)."""
+    narrow = run_cli("inspect", tiny_ckpt, env={"COLUMNS": "60"}).stdout
+    wide = run_cli("inspect", tiny_ckpt).stdout
+    assert max(map(len, narrow.splitlines())) <= 60 < max(map(len, wide.splitlines()))
 
 
 @pytest.mark.parametrize("command", COMMANDS)
