@@ -27,7 +27,7 @@ from megamoe_convert.errors import ConvertError, JsonError
 from megamoe_convert.output import clearing
 from megamoe_convert.output.journal import JOURNAL_NAME, REPLACED_JOURNAL, JournalWriter, read_journal
 from megamoe_convert.output.locks import hold_part, hold_whole_output
-from megamoe_convert.output.naming import MERGED_PARTS_DIR, STATE_DIR, part_manifest_name, part_name
+from megamoe_convert.output.naming import MERGED_PARTS_DIR, STATE_DIR, format_ranges, part_manifest_name, part_name
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
 
 
@@ -57,6 +57,60 @@ def read_state_json(path: Path) -> dict[str, Any] | None:
 def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """The keys where two plan fingerprints disagree (for errors that say what differs)."""
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _redundant(placement: Any) -> int | None:
+    """Redundant slots of a fingerprint's placement (slots beyond the distinct logical experts)."""
+    return len(placement) - len(set(placement)) if isinstance(placement, list) else None
+
+
+def _ranks_text(ranks: Any, ep_size: Any) -> str:
+    if isinstance(ranks, list) and isinstance(ep_size, int) and ranks == list(range(ep_size)):
+        return "all"
+    whole = isinstance(ranks, list) and all(isinstance(r, int) for r in ranks)
+    return format_ranges(sorted(ranks)) if whole else repr(ranks)
+
+
+def _layers_text(layers: Any) -> str:
+    if not isinstance(layers, list):
+        return repr(layers)
+    return ",".join(map(str, layers)) if len(layers) <= 6 else f"{len(layers)} layers ({layers[0]} .. {layers[-1]})"
+
+
+def option_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two plan fingerprints, as the options a user passes, with old and new
+    values (``--num-redundant-experts 0 -> 4``); what follows from another option (the ranks and
+    slots of another EP size) is not named again."""
+    changed = set(differing_keys(old, new))
+    out: list[str] = []
+    if {"store", "ep_size"} & changed:
+        ep = lambda f: "none (a store)" if f.get("store") else f.get("ep_size")  # noqa: E731
+        out.append(f"--ep-size {ep(old)} -> {ep(new)}")
+    if "engine" in changed and not old.get("store") and not new.get("store"):
+        out.append(f"--engine {old.get('engine')} -> {new.get('engine')}")
+    if "placement" in changed:
+        before, after = _redundant(old.get("placement")), _redundant(new.get("placement"))
+        if before != after:
+            out.append(f"--num-redundant-experts {before} -> {after}")
+        elif not {"store", "ep_size"} & changed:
+            out.append("--placement: another expert placement")
+    ranks = [_ranks_text(f.get("ranks"), f.get("ep_size")) for f in (old, new)]
+    if "ranks" in changed and ranks[0] != ranks[1]:
+        out.append(f"--ranks {ranks[0]} -> {ranks[1]}")
+    if "layers" in changed:
+        out.append(f"--layers {_layers_text(old.get('layers'))} -> {_layers_text(new.get('layers'))}")
+    if "experts_only" in changed:
+        out.append(f"--experts-only {'on' if old.get('experts_only') else 'off'} -> "
+                   f"{'on' if new.get('experts_only') else 'off'}")
+    if any(key.startswith("source_") for key in changed):
+        out.append("the source checkpoint (another one, or it changed)")
+    if {"format_version", "layout_version"} & changed:
+        out.append("written by another megamoe-convert version")
+    known = {"store", "ep_size", "engine", "placement", "ranks", "layers", "experts_only", "format_version",
+             "layout_version"}
+    out.extend(f"{key} {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(changed - known)
+               if not key.startswith("source_"))
+    return out
 
 
 class OutputState:
@@ -105,8 +159,8 @@ class OutputState:
         previous = read_state_json(self.plan_path)
         if previous is None:
             return f"has an unreadable {self.plan_path.relative_to(self.out)} (not a JSON object)"
-        changed = differing_keys(previous, fingerprint)
-        return f"holds a conversion made with different options ({', '.join(changed)} differ)" if changed else None
+        changed = option_changes(previous, fingerprint)
+        return f"holds a conversion made with different options ({'; '.join(changed)})" if changed else None
 
     def _source_problem(self, source: dict[str, Any]) -> str | None:
         if not self.source_path.exists():
