@@ -214,6 +214,9 @@ def test_verify_checks_a_store_against_its_source_and_finds_a_flipped_byte(tiny_
 def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, command, extra, monkeypatch):
     data = json.loads(run_cli(command, tiny_store, "--ep-size", 4, "--num-redundant-experts", 4, *extra,
                               "--json").stdout)
+    if command == "inspect":  # what the store is (as for any output), and what each rank reads of it
+        assert data["kind"] == "store" and data["serve"]["vllm"]["servable"]
+        data = data["reads"]
     assert data["ep_size"] == 4 and data["num_redundant"] == 4 and len(data["ranks"]) == 4
     converted = open_converted(tiny_store)
     assert data["store_expert_bytes"] == sum(f.size for f in converted.manifest.files if f.path.startswith("experts/"))

@@ -76,6 +76,9 @@ def convert(
                              auto_merge=auto_merge, engine=engine.value)
 
     def body() -> None:
+        from megamoe_convert.cli.outputs import refuse_as_source
+
+        refuse_as_source(src, "convert")
         options.shard = parse_shard(shard) if shard is not None else None
         with ByteProgress("convert" if shard is None else f"convert part {shard}", quiet=False) as progress:
             summary = run_convert(resolve_source(src, revision), out, options, progress)
@@ -100,4 +103,6 @@ def done_line(out: Path, data: dict[str, Any], shard: str | None) -> str:
     coverage = data["coverage"]
     tail = (f"; [yellow]partial[/yellow]: {coverage['note']}" if coverage["partial"] else
             f"; serve it: megamoe inspect {out}")
-    return f"[green]done[/green]: {out} ({work}){tail}"
+    what = (" is a store (no --ep-size: every logical expert once, served at any EP size; --ep-size N writes "
+            "per-rank files instead)" if data.get("store") else "")
+    return f"[green]done[/green]: {out}{what} ({work}){tail}"

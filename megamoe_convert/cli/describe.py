@@ -91,10 +91,6 @@ def conversion_sizes(out: Path, manifest: Manifest) -> dict[str, Any]:
 def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
     """Per engine: whether it can serve this conversion, the exact command when it can, and why not
     when it cannot (engine the placement was built for, family, shapes, placement, partial)."""
-    from megamoe_convert.source.families import by_name
-
-    family = by_name(manifest.family, MANIFEST_NAME)
-    refusals = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family)
     coverage = manifest.coverage()
     n, placement = manifest.ep_size, manifest.placement
     path = shlex.quote(out)
@@ -103,33 +99,49 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
         why = []
         if manifest.engine != engine:
             why.append(f"converted for {manifest.engine}'s expert placement (convert with --engine {engine})")
-        elif refusals.get(engine):
-            why.append(str(refusals[engine]))
+        else:
+            why += engine_problems(engine, manifest)
         if engine == "vllm" and not placement.is_default():
             why.append("an explicit placement: vLLM serves only its default one")
-        if engine == "sglang" and manifest.dims.weight_format != "mxfp4":
-            why.append(f"SGLang's MegaMoE takes MXFP4 experts, these are {manifest.dims.weight_format}")
         if not coverage["servable"]:
             why.append(coverage["note"])
-        command, notes = "", []
-        if not why and engine == "vllm":
-            command = (f"vllm serve {path} --load-format megamoe --data-parallel-size {n} --enable-expert-parallel "
-                       "--moe-backend deep_gemm_mega_moe")
-            if placement.num_redundant:
-                command += (" --enable-eplb --eplb-config "
-                            + shlex.quote(json.dumps({"num_redundant_experts": placement.num_redundant})))
-            notes.append("vLLM 0.30-0.33; one process per GPU (EP over data parallel)")
-        elif not why:
-            command = (f"python -m sglang.launch_server --model-path {path} --load-format megamoe --tp-size {n} "
-                       f"--ep-size {n} --moe-a2a-backend megamoe")
-            if placement.num_redundant:
-                command += f" --ep-num-redundant-experts {placement.num_redundant}"
-            if not placement.is_default():
-                notes.append("add --init-expert-location with this placement (manifest.json: "
-                             "placement.physical_to_logical) for every layer")
-            notes.append("SGLang 0.5.23")
-        result[engine] = {"servable": not why, "command": command, "reason": "; ".join(why), "notes": notes}
+        command, notes = serve_command(engine, path, str(n), placement.num_redundant, placement.is_default())
+        result[engine] = {"servable": not why, "command": command if not why else "", "reason": "; ".join(why),
+                          "notes": notes if not why else []}
     return result
+
+
+def engine_problems(engine: str, manifest: Manifest) -> list[str]:
+    """Why ``engine`` cannot serve what the manifest holds, whatever its placement: the family's
+    engines, the shapes, the weight format (empty: it can)."""
+    from megamoe_convert.source.families import by_name
+
+    family = by_name(manifest.family, MANIFEST_NAME)
+    refusal = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family).get(engine)
+    why = [str(refusal)] if refusal else []
+    if engine == "sglang" and manifest.dims.weight_format != "mxfp4" and not why:
+        why.append(f"SGLang's MegaMoE takes MXFP4 experts, these are {manifest.dims.weight_format}")
+    return why
+
+
+def serve_command(engine: str, path: str, n: str, num_redundant: int, default_placement: bool,
+                  ) -> tuple[str, list[str]]:
+    """The command that serves ``path`` (shell-quoted) with ``engine`` at EP size ``n`` (a number, or
+    ``N`` for a store's any), and the notes that go with it."""
+    if engine == "vllm":
+        command = (f"vllm serve {path} --load-format megamoe --data-parallel-size {n} --enable-expert-parallel "
+                   "--moe-backend deep_gemm_mega_moe")
+        if num_redundant:
+            command += (" --enable-eplb --eplb-config "
+                        + shlex.quote(json.dumps({"num_redundant_experts": num_redundant})))
+        return command, ["vLLM 0.30-0.33; one process per GPU (EP over data parallel)"]
+    command = (f"python -m sglang.launch_server --model-path {path} --load-format megamoe --tp-size {n} "
+               f"--ep-size {n} --moe-a2a-backend megamoe")
+    if num_redundant:
+        command += f" --ep-num-redundant-experts {num_redundant}"
+    notes = [] if default_placement else ["add --init-expert-location with this placement (manifest.json: "
+                                          "placement.physical_to_logical) for every layer"]
+    return command, [*notes, "SGLang 0.5.23"]
 
 
 def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
@@ -151,8 +163,10 @@ def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
         "layout": manifest.layout,
         "partial": coverage["partial"], "servable": coverage["servable"], "coverage": coverage,
         "sizes": conversion_sizes(Path(out), manifest),
-        "serve": serve_commands(absolute, manifest),
+        "serve": (serve := serve_commands(absolute, manifest)),
         "source": {k: manifest.source.get(k) for k in ("path", "repo_id", "revision") if k in manifest.source},
+        "next": ("serve it (the command above)" if any(e["servable"] for e in serve.values()) else
+                 coverage["note"] if coverage["partial"] else "no engine serves it: see serve.*.reason"),
     }
 
 

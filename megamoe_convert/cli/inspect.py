@@ -41,13 +41,20 @@ def inspect(
         megamoe inspect V4-Flash-store --ep-size 16 --json
     """
     from megamoe_convert.cli.describe import is_conversion
-    from megamoe_convert.cli.store import print_store_reads
+    from megamoe_convert.cli.outputs import describe_unfinished
+    from megamoe_convert.cli.store import store_manifest
 
     def body() -> None:
-        if print_store_reads(src, as_json, ep_size or 1, num_redundant_experts, None, engine.value):
-            return  # a store (convert without --ep-size): what each rank reads of it
-        if is_conversion(Path(src)):
+        if (manifest := store_manifest(src)) is not None:
+            _inspect_store(src, manifest, ep_size, num_redundant_experts, engine.value, as_json)
+        elif is_conversion(Path(src)):
             _inspect_conversion(Path(src), as_json)
+        elif (unfinished := describe_unfinished(Path(src))) is not None:
+            if as_json:
+                print_json(unfinished)
+            else:
+                out_console.print(f"{src}: {unfinished['what']}\nnext: {unfinished['next']}", markup=False,
+                                  highlight=False)
         else:
             _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts, engine.value,
                                 experts_only, as_json)
@@ -68,6 +75,7 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     refusals = shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)
     working = {name: sizes for name, sizes in ep_sizes(ckpt, redundant).items() if refusals.get(name) is None}
     summary: dict[str, Any] = {
+        "next": "convert it: megamoe convert SRC OUT --ep-size N (or without --ep-size: a store, any EP size)",
         "kind": "checkpoint", "path": str(ckpt.root.resolve()), "model_type": ckpt.config.get("model_type"),
         "family": ckpt.family.name, "model_family": ckpt.family.title,
         "weight_format": d.weight_format, "shared_expert_prebaked": bool(d.shared_intermediate_size),
@@ -141,14 +149,55 @@ def _inspect_conversion(out: Path, as_json: bool) -> None:
     table.add_row("size", f"{human_bytes(sizes['expert_bytes_per_rank'])} per rank, "
                           f"{human_bytes(sizes['total_bytes'])} in all")
     out_console.print(table)
-    for engine, serve in info["serve"].items():
-        if serve["servable"]:
+    _print_serve(info["serve"])
+
+
+def _print_serve(serve: dict[str, dict[str, Any]]) -> None:
+    for engine, how in serve.items():
+        if how["servable"]:
             out_console.print(f"serve with {engine}:", markup=False, highlight=False)
-            out_console.print(f"  {serve['command']}", markup=False, highlight=False)
-            for note in serve["notes"]:
+            out_console.print(f"  {how['command']}", markup=False, highlight=False)
+            for note in how["notes"]:
                 out_console.print(f"  ({note})", markup=False, highlight=False)
         else:
-            out_console.print(f"not servable with {engine}: {serve['reason']}", markup=False, highlight=False)
+            out_console.print(f"not servable with {engine}: {how['reason']}", markup=False, highlight=False)
+
+
+def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int, engine: str, as_json: bool) -> None:
+    """A store: what it is, the EP sizes and the command each engine serves it with; with ``--ep-size``,
+    what each rank reads of it."""
+    from megamoe_convert.cli.outputs import describe_store
+    from megamoe_convert.cli.store import reads_table, store_reads
+
+    reads = store_reads(src, manifest, ep_size, redundant, None, engine) if ep_size is not None else None
+    info = describe_store(src, manifest, ep_size, redundant, reads)
+    if as_json:
+        print_json(info)
+        return
+    table = Table(title=f"{info['path']} (a megamoe store: every logical expert once, for any EP size)",
+                  show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("model family / weight format", f"{info['model_family']} / {info['weight_format']}")
+    table.add_row("MoE layers", ", ".join(info["layers"]) if len(info["layers"]) <= 8 else
+                  f"{len(info['layers'])} ({info['layers'][0]} .. {info['layers'][-1]})")
+    table.add_row("experts", f"{info['n_routed_experts']} routed, each once (slots, redundant experts and the "
+                             "placement are the server's choice)")
+    for name, how in info["serve"].items():
+        table.add_row(f"EP sizes for {name}" + (f" with {redundant} redundant" if redundant else ""),
+                      ", ".join(map(str, how["ep_sizes"])) or "none")
+    table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
+    table.add_row("layout identity", _describe_layout(info["layout"]))
+    table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
+    table.add_row("size", f"{human_bytes(info['sizes']['expert_bytes_total'])} of experts, "
+                          f"{human_bytes(info['sizes']['total_bytes'])} in all")
+    out_console.print(table)
+    _print_serve(info["serve"])
+    if reads is not None:
+        out_console.print(reads_table(reads))
+    else:
+        out_console.print(f"what each rank reads of it: megamoe inspect {src} --ep-size N", markup=False,
+                          highlight=False)
 
 
 def _describe_layout(record: dict[str, Any] | None) -> str:

@@ -40,6 +40,7 @@ def plan(
         megamoe plan V4-Flash-store --ep-size 16
     """
     from megamoe_convert.cli.describe import engines_json
+    from megamoe_convert.cli.outputs import refuse_as_source
     from megamoe_convert.cli.store import print_store_reads
     from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
     from megamoe_convert.engines import describe_engines, shape_refusals
@@ -49,6 +50,7 @@ def plan(
     def body() -> None:
         if print_store_reads(src, as_json, ep_size, num_redundant_experts, placement_file, engine.value):
             return
+        refuse_as_source(src, "plan", ep_size)  # a per-rank conversion's placement is fixed: inspect shows it
         ckpt = Checkpoint.open(resolve_source(src, revision))
         options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
                                  layers=layers)

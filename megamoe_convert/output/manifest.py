@@ -10,6 +10,7 @@ naming the file and the field.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,12 @@ from typing import Any
 
 from megamoe_convert import __version__, jsonio
 from megamoe_convert.errors import ManifestError
+from megamoe_convert.output import marker
 from megamoe_convert.output.layout_identity import identity_from_json, layout_identity
 from megamoe_convert.output.naming import (
     MANIFEST_NAME,
     PART_GLOB,
+    STATE_DIR,
     format_ranges,
     is_own_path,
     rank_file,
@@ -299,6 +302,18 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def is_tool_output(out: Path) -> bool:
+    """Whether ``out`` was written by megamoe-convert, finished or not: its state folder, a manifest, or
+    a ``config.json`` carrying the converted directory's marker section."""
+    if (out / STATE_DIR).is_dir() or (out / MANIFEST_NAME).is_file():
+        return True
+    try:
+        config = json.loads((out / "config.json").read_bytes()[:jsonio.MAX_MANIFEST_BYTES])
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and marker.section_of(config) is not None
+
+
 def read_manifest(out: Path) -> Manifest:
     """Read ``OUT/manifest.json``; a directory without one is an unfinished conversion."""
     path = Path(out) / MANIFEST_NAME
@@ -309,6 +324,11 @@ def read_manifest(out: Path) -> Manifest:
         if parts:
             raise ManifestError(f"{path}: missing; {out} holds {parts[0]}{' ...' if len(parts) > 1 else ''}, a part "
                                 "of a conversion split with --shard: run `megamoe merge` to assemble the parts")
-        raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion "
-                            "(rerun `megamoe convert` to complete it)")
+        if is_tool_output(Path(out)):
+            raise ManifestError(f"{path}: missing; {out} is not a finished megamoe conversion: a `megamoe convert` "
+                                "into it was interrupted (or is still running); rerun that command to finish it, it "
+                                "resumes where it stopped")
+        raise ManifestError(f"{path}: missing; {out} is not a megamoe conversion (a source checkpoint?): convert it "
+                            f"first, `megamoe convert {out} OUT --ep-size N` (or without --ep-size: a store every EP "
+                            "size reads)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))

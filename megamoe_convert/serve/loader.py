@@ -355,8 +355,9 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
     given, must be the one converted for (a serving job states what it expects). ``out`` may also
     be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
-    A store (``convert`` without ``--ep-size``) loads as its EP 1 view, rank 0: every logical
-    expert in order (:mod:`.store` reads any other rank's slots from it).
+    A store (``convert`` without ``--ep-size``) serves every EP size: ``ep_size`` names the one whose
+    rank to load (vLLM's default placement; :func:`.store.load_slots` takes any other); without it,
+    its EP 1 view, rank 0: every logical expert in order.
 
     ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,
     e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,
@@ -376,12 +377,36 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
         raise LoadError(one_line(f"{e.filename or converted.path}: cannot be read ({e.strerror or e})")) from None
 
 
+def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
+                     verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None,
+                     ) -> dict[str, ExpertLayer]:
+    """Rank ``rank`` of EP ``ep_size`` from a store, with vLLM's default placement (no redundant slots):
+    its slots' experts read out of the store (``serve.store.load_slots`` takes any other placement)."""
+    from megamoe_convert.serve import store
+
+    out, manifest = converted.path, converted.manifest
+    if ep_size is None:
+        raise LoadError(f"{out} is a store (every logical expert once, for any EP size): name the EP size whose "
+                        f"rank {rank} to load, load_rank({str(out)!r}, rank={rank}, ep_size=N)")
+    if not 0 <= rank < ep_size:
+        raise LoadError(f"rank {rank} is out of range for ep_size={ep_size} (ranks 0..{ep_size - 1})")
+    placements = store.store_placements(manifest, ep_size, where=out, error=LoadError)
+    chosen = resolve_layers(manifest, list(into) if into is not None else layers)
+    by_prefix = {layer.prefix: layer for layer in chosen}
+    return store.load_slots(converted, {l: placements[l].rank_logical_ids(rank) for l in chosen},
+                            starts={l: placements[l].experts_start(rank) for l in chosen},
+                            device=device, verify=verify,
+                            into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
+
+
 def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None, verify: bool,
                ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
     out, manifest = converted.path, converted.manifest
+    if manifest.store and (ep_size not in (None, 1) or rank != 0):
+        return _load_store_rank(converted, rank, device, layers, verify, ep_size, into)
     if ep_size is not None and ep_size != manifest.ep_size:
         raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
-                        f"convert again with --ep-size {ep_size}")
+                        f"convert again with --ep-size {ep_size} (or without --ep-size: a store serves every EP size)")
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
     records = check_rank_files(out, manifest, rank, chosen, verify)
     served = ranged.served_ranges(out, LoadError)  # a ranged pull: only its ranges are data, never its holes

@@ -293,6 +293,10 @@ def detect(config: Mapping[str, Any], where: object) -> ModelFamily:
     """The family of a checkpoint's ``config.json`` by its ``model_type`` (a config without one
     is DeepSeek-V4's flat layout, as every release so far); anything else is refused by name."""
     model_type = config.get("model_type")
+    section = config.get("megamoe")
+    if isinstance(section, dict) and section.get("converted_by") == "megamoe-convert":  # the marker of a conversion
+        raise FamilyError(f"{where}: a megamoe-convert output's config.json, not a source checkpoint's: "
+                          f"`megamoe inspect` of its folder says what it is and what to do with it")
     if model_type is None and "text_config" not in config:
         return DEEPSEEK_V4
     for family in FAMILIES:
