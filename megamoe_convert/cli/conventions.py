@@ -78,6 +78,21 @@ def _quiet_option(template: Any) -> Any:
     return quiet
 
 
+def _set_debug(ctx: Any, param: Any, value: bool) -> bool:
+    if value:
+        from megamoe_convert.cli import _run
+
+        _run.state["debug"] = True
+    return value
+
+
+def _debug_option(template: Any) -> Any:
+    """``--debug`` after the command too (``megamoe convert ... --debug``), as before it."""
+    debug = copy.copy(template)
+    debug.callback, debug.expose_value, debug.is_eager = _set_debug, False, True
+    return debug
+
+
 def examples_epilog(command: Any) -> None:
     """A command docstring's examples (after click's ``\\f``) as the ``Examples:`` section its ``--help``
     ends with, kept line for line (click's ``\\b``), before any epilog of its own."""
@@ -107,6 +122,8 @@ def apply(group: Any) -> Any:
                 param.metavar = COMMAND_METAVARS.get((name, param.name or ""), OPTION_METAVARS.get(
                     param.name or "", (param.name or "VALUE").upper()))
         command.params.append(_quiet_option(template))
+        if not any(p.name == "debug" for p in command.params):
+            command.params.append(_debug_option(template))
     return group
 
 

@@ -83,11 +83,25 @@ def convert(
         with ByteProgress("convert" if shard is None else f"convert part {shard}", quiet=False) as progress:
             summary = run_convert(resolve_source(src, revision), out, options, progress)
         data = summary.to_json()
+        data["engine_problems"] = _engine_problems(out, data)
         if as_json:
             print_json(data)
         else:
             status(done_line(out, data, shard))
     run_command(body)
+
+
+def _engine_problems(out: Path, data: dict[str, Any]) -> list[str]:
+    """Why the engine converted for cannot serve what was written (its shapes, its weight format):
+    said on the done line rather than "serve it"; empty for a store (any engine) or an unmerged part."""
+    from megamoe_convert.cli.describe import engine_problems
+    from megamoe_convert.output.manifest import read_manifest
+
+    if data.get("store") or not (out / "manifest.json").is_file():
+        return []
+    manifest = read_manifest(out)
+    data["engine"] = manifest.engine
+    return engine_problems(manifest.engine, manifest)
 
 
 def done_line(out: Path, data: dict[str, Any], shard: str | None) -> str:
@@ -102,6 +116,8 @@ def done_line(out: Path, data: dict[str, Any], shard: str | None) -> str:
             "run `megamoe merge` once every part is done"))
     coverage = data["coverage"]
     tail = (f"; [yellow]partial[/yellow]: {coverage['note']}" if coverage["partial"] else
+            f"; [yellow]{data['engine']} cannot serve it[/yellow]: {'; '.join(data['engine_problems'])} (the files "
+            "are right: verify and load_rank read them)" if data.get("engine_problems") else
             f"; serve it: megamoe inspect {out}")
     what = (" is a store (no --ep-size: every logical expert once, served at any EP size; --ep-size N writes "
             "per-rank files instead)" if data.get("store") else "")

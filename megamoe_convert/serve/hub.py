@@ -89,6 +89,11 @@ def _describe(repo_id: str, revision: str | None, e: BaseException) -> str:
             return f"{where}: not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set"
         return f"{where}: the Hugging Face hub cannot be reached and the files are not in the cache ({cache})"
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, errors.OfflineModeIsEnabled):
+        return f"{where}: the Hugging Face hub is not reachable while HF_HUB_OFFLINE is set (unset it to reach the hub)"
+    if isinstance(e, _network_errors()):
+        return (f"{where}: cannot reach the Hugging Face hub at {huggingface_hub.constants.ENDPOINT} ({first}): check "
+                "the network, a proxy or HF_ENDPOINT, then rerun")
     return f"{where}: {first}"
 
 
