@@ -189,10 +189,10 @@ class ByteProgress:
         """``, about 3 min left``, from the pace so far (nothing before there is a pace)."""
         done, total = ((self.done_bytes, self.total_bytes) if self.in_bytes else (self.done_files, self.total_files))
         seconds = time.perf_counter() - self._started
-        if not done or done >= total or seconds <= 0:
+        if not done or done >= total or seconds < 2:  # the first moments give no pace worth telling
             return ""
         left = seconds * (total - done) / done
-        return f", about {left:.0f} s left" if left < 120 else f", about {left / 60:.0f} min left"
+        return f", about {max(left, 1):.0f} s left" if left < 120 else f", about {left / 60:.0f} min left"
 
 
 def human_bytes(n: float) -> str:

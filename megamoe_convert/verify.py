@@ -322,12 +322,23 @@ def _shared_from_source(ckpt: Checkpoint, files: FileCache, layer: MoELayer) -> 
                  for p in ("w1", "w3", "w2"))
 
 
+def numerics_checks(ranks: Sequence[int], layers: Sequence[MoELayer], every_rank: bool = False,
+                    ) -> list[tuple[int, MoELayer]]:
+    """The (rank, layer) pairs ``--numerics`` runs. By default every MoE layer once, the ranks taking
+    turns (each rank at least once): the layout code is the same for every rank, and ``--source``
+    already compares every slot's bytes, so a check per rank and layer adds time, not coverage
+    (``every_rank``: all of them)."""
+    if every_rank or not ranks or not layers:
+        return [(rank, layer) for rank in ranks for layer in layers]
+    return [(ranks[i % len(ranks)], layers[i % len(layers)]) for i in range(max(len(ranks), len(layers)))]
+
+
 def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: VerifyReport,
-                   ranks: Sequence[int], device: str, seed: int, progress: Progress, tokens: int = 32,
-                   max_experts: int = NUMERICS_MAX_EXPERTS) -> None:
+                   checks: Sequence[tuple[int, MoELayer]], device: str, seed: int, progress: Progress,
+                   tokens: int = 32, max_experts: int = NUMERICS_MAX_EXPERTS) -> None:
     """Pre-baked layout and source checkpoint must give bit-identical MoE outputs.
 
-    Per rank and layer, tokens are routed top-k over up to ``max_experts`` random local slots
+    Per rank and layer of ``checks`` (:func:`numerics_checks`), tokens are routed top-k over up to ``max_experts`` random local slots
     (dequantised matrices are large: that bounds memory, not coverage of the layout code);
     the pre-baked shared expert, where there is one, runs on the same tokens.
     """
@@ -349,32 +360,31 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
             report.problem(where, f"{what} from the pre-baked layout differs from the source "
                                   f"(max abs err {float(diff.max()):.3g})")
 
-    for rank in ranks:
-        for layer in manifest.layers:
-            experts = min(max_experts, manifest.placement_for(layer).experts_per_rank)
-            progress.advance(experts * manifest.dims.bytes_per_expert(),
-                             f"numerics: rank {rank} {layer.key}", False)
-            loaded = load_layer(out, rank, layer, report)
-            if loaded is None:
-                continue
-            slots = sorted(torch.randperm(loaded.num_local_experts, generator=g)[:max_experts].tolist())
-            x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).float()
-            scores = torch.randn(tokens, len(slots), generator=g)
-            weights, ids = scores.softmax(-1).topk(min(top_k, len(slots)), dim=-1)
-            args = (x.to(device), ids.to(device), weights.to(device) * scale)
-            from_source = _source_experts(ckpt, files, layer, [loaded.logical_ids[s] for s in slots])
-            compare(f"rank {rank} {layer.key}", "MoE output",
-                    reference_moe(*args, moved(_layout_experts(manifest.dims.format, loaded, slots, hidden, inter)),
-                                  activation).cpu(),
-                    reference_moe(*args, moved(from_source), activation).cpu())
-            worst["layers"] += 1
-            if loaded.shared is not None:
-                shared = manifest.dims.shared_intermediate_size
-                ws_layout, ws_source = (moved([ws])[0] for ws in (_shared_from_layout(loaded, hidden, shared),
-                                                                  _shared_from_source(ckpt, files, layer)))
-                compare(f"rank {rank} {layer.key}", "shared expert output",
-                        gated_mlp(args[0], *ws_layout, activation).cpu(), gated_mlp(args[0], *ws_source, activation).cpu())
-                worst["shared_experts"] += 1
+    for rank, layer in checks:
+        experts = min(max_experts, manifest.placement_for(layer).experts_per_rank)
+        progress.advance(experts * manifest.dims.bytes_per_expert(),
+                         f"numerics: rank {rank} {layer.key}", False)
+        loaded = load_layer(out, rank, layer, report)
+        if loaded is None:
+            continue
+        slots = sorted(torch.randperm(loaded.num_local_experts, generator=g)[:max_experts].tolist())
+        x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).float()
+        scores = torch.randn(tokens, len(slots), generator=g)
+        weights, ids = scores.softmax(-1).topk(min(top_k, len(slots)), dim=-1)
+        args = (x.to(device), ids.to(device), weights.to(device) * scale)
+        from_source = _source_experts(ckpt, files, layer, [loaded.logical_ids[s] for s in slots])
+        compare(f"rank {rank} {layer.key}", "MoE output",
+                reference_moe(*args, moved(_layout_experts(manifest.dims.format, loaded, slots, hidden, inter)),
+                              activation).cpu(),
+                reference_moe(*args, moved(from_source), activation).cpu())
+        worst["layers"] += 1
+        if loaded.shared is not None:
+            shared = manifest.dims.shared_intermediate_size
+            ws_layout, ws_source = (moved([ws])[0] for ws in (_shared_from_layout(loaded, hidden, shared),
+                                                              _shared_from_source(ckpt, files, layer)))
+            compare(f"rank {rank} {layer.key}", "shared expert output",
+                    gated_mlp(args[0], *ws_layout, activation).cpu(), gated_mlp(args[0], *ws_source, activation).cpu())
+            worst["shared_experts"] += 1
     report.numerics = worst
     report.count("numerics layers", worst["layers"])
 
@@ -455,7 +465,7 @@ def refuse_source_checkpoint(out: Path) -> None:
 
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
-           progress: Progress | None = None) -> VerifyReport:
+           progress: Progress | None = None, numerics_every_rank: bool = False) -> VerifyReport:
     """Run the checks asked for; return a report (``report.ok`` when nothing is wrong).
 
     Raises :class:`ManifestError` when ``out`` is not a directory, :class:`DeviceError` (a
@@ -520,9 +530,9 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
                 if not manifest.experts_only:
                     compare_non_expert(out, ckpt, files, report, phases)
                 if numerics:
-                    phases.start(0, len(chosen) * len(manifest.layers), description="verify: numerics",
-                                 unit="layers", in_bytes=False)
-                    check_numerics(out, manifest, ckpt, files, report, chosen, device, seed, phases)
+                    checks = numerics_checks(chosen, manifest.layers, numerics_every_rank)
+                    phases.start(0, len(checks), description="verify: numerics", unit="layers", in_bytes=False)
+                    check_numerics(out, manifest, ckpt, files, report, checks, device, seed, phases)
                 if deep_gemm and deep_gemm_unavailable_reason() is None:
                     phases.start(0, len(slots), description="verify: deep gemm", unit="layers", in_bytes=False)
                 if deep_gemm:

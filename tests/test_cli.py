@@ -72,12 +72,12 @@ def test_plain_progress_counts_files_and_bytes(tmp_path):
     err = proc.stderr.splitlines()
     assert [l.split(":")[1].strip() for l in err if ": finished " in l] == ["hash", "compare source", "numerics"]
     numerics = [l for l in err if l.startswith("verify: numerics:")]
-    assert numerics[0] == "verify: numerics: 6 layers"  # 2 ranks x 3 MoE layers, no bytes
-    assert numerics[-2] == "verify: numerics: 6/6 layers (100.0%)"
-    assert re.fullmatch(r"verify: numerics: finished 6 layers in [\d.]+ s, [\d.]+ layers/s", numerics[-1])
+    assert numerics[0] == "verify: numerics: 3 layers"  # 3 MoE layers, the 2 ranks in turn, no bytes
+    assert numerics[-2] == "verify: numerics: 3/3 layers (100.0%)"
+    assert re.fullmatch(r"verify: numerics: finished 3 layers in [\d.]+ s, [\d.]+ layers/s", numerics[-1])
     table = proc.stdout
     assert re.search(r"time: hashed\s+│ [\d.]+ MB in [\d.]+ s", table)
-    assert re.search(r"time: numerics\s+│ 6 layers in [\d.]+ s", table)
+    assert re.search(r"time: numerics\s+│ 3 layers in [\d.]+ s", table)
     report = json.loads(run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics",
                                 "--json").stdout)
     assert set(report["phases"]) == {"hash", "compare_source", "numerics"}

@@ -50,7 +50,7 @@ def test_fresh_conversion_passes_every_level(tiny_ckpt, tiny_converted):
     assert report["checks"]["files"] == len(json.loads((tiny_converted / "manifest.json").read_text())["files"])
     assert report["checks"]["rank_shards"] == 12 and report["checks"]["expert_slots_vs_source"] == 36
     assert report["checks"]["non_expert_tensors_vs_source"] > 10
-    assert report["numerics"]["max_abs_err"] == 0.0 and report["numerics"]["layers"] == 12
+    assert report["numerics"]["max_abs_err"] == 0.0 and report["numerics"]["layers"] == 4  # 3 layers, 4 ranks in turn
     assert report["numerics"]["swiglu_limit"] == 10.0
     assert "deep_gemm" in report["skipped"]
     table = run_cli("verify", tiny_converted).stdout
@@ -175,6 +175,22 @@ def test_numerics_on_cuda_without_a_gpu_is_one_clear_line(tiny_converted, tiny_c
 
 
 def test_numerics_detect_a_wrong_scale(damaged, tiny_ckpt):
+def test_numerics_run_every_layer_once_and_every_rank_by_default():
+    """Each layer once, the ranks in turn, every rank at least once; every rank x layer when asked."""
+    layers = [MoELayer.parse(k) for k in ("layers.0", "layers.1", "layers.2", "mtp.0")]
+    for ranks in ([0], [0, 1, 2, 3, 4, 5, 6, 7], [3, 5]):
+        checks = verify_module.numerics_checks(ranks, layers)
+        assert {l for _, l in checks} == set(layers) and {r for r, _ in checks} == set(ranks)
+        assert len(checks) == len(set(checks)) == max(len(ranks), len(layers))
+    assert len(verify_module.numerics_checks([0, 1], layers, every_rank=True)) == 8
+
+
+def test_numerics_every_rank_checks_each_rank_and_layer(tiny_converted, tiny_ckpt):
+    proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--numerics", "--numerics-every-rank", "--json")
+    assert json.loads(proc.stdout)["numerics"]["layers"] == 12
+    assert "numerics: 12 checks (every rank x layer)" in proc.stderr
+
+
     """One UE8M0 scale byte changed (and the checksum forged): bytes and numerics both disagree."""
     rel = "rank-00000-of-00004/layers.0.safetensors"
     path = damaged / rel

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.devices import Device
-from megamoe_convert.ui import ByteProgress, human_bytes, out_console
+from megamoe_convert.ui import ByteProgress, human_bytes, out_console, status
 
 
 def verify(
@@ -21,7 +21,10 @@ def verify(
     sample: Annotated[Optional[int], typer.Option(min=1, help="With --source: compare K random expert slots "
                                                        "instead of all.")] = None,
     numerics: Annotated[bool, typer.Option(help="With --source: reference SwiGLU MoE from the pre-baked "
-                                                "layout must equal the one from the source, exactly.")] = False,
+                                                "layout must equal the one from the source, exactly (every MoE "
+                                                "layer once, the ranks in turn).")] = False,
+    numerics_every_rank: Annotated[bool, typer.Option(help="With --numerics: run it on every rank x layer (the "
+                                                           "layout code is the same for every rank).")] = False,
     deep_gemm: Annotated[bool, typer.Option(help="With --source: compare with DeepGEMM's own transform "
                                                  "(needs deep_gemm on an SM100 GPU; skipped otherwise).")] = False,
     device: Annotated[Device, typer.Option(help="Device for --numerics.")] = Device.cpu,
@@ -52,9 +55,12 @@ def verify(
                                          param_hint=flag)
 
     def body() -> Any:
+        if numerics and (cost := numerics_cost(out, ranks, numerics_every_rank, device.value)):
+            status(cost)
         with ByteProgress("verify") as progress:
             report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
-                                deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress)
+                                deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress,
+                                numerics_every_rank=numerics_every_rank)
         if as_json:
             print_json(report.to_json())
         else:
@@ -64,6 +70,31 @@ def verify(
     report = run_command(body)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def numerics_cost(out: Path, ranks: str | None, every_rank: bool, device: str) -> str | None:
+    """What ``--numerics`` will cost, said before it starts: its checks and the weights it dequantises
+    (``None`` where OUT is no finished conversion: verify then says so)."""
+    from megamoe_convert.errors import MegamoeError
+    from megamoe_convert.output.manifest import read_manifest
+    from megamoe_convert.placement import parse_ranks
+    from megamoe_convert.devices import usable_device
+    from megamoe_convert.verify import NUMERICS_MAX_EXPERTS, numerics_checks
+
+    try:
+        usable_device(device)  # an unusable device is refused by verify itself, before any cost is told
+        manifest = read_manifest(out)
+        chosen = manifest.ranks if ranks is None else parse_ranks(ranks, manifest.ep_size)
+    except MegamoeError:
+        return None
+    checks = numerics_checks(chosen, manifest.layers, every_rank)
+    d = manifest.dims
+    experts = sum(min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank) for _, layer in checks)
+    weights = 2 * experts * 3 * d.hidden_size * d.moe_intermediate_size * 4  # float32, layout and source
+    which = "every rank x layer" if every_rank else "every MoE layer once, the ranks in turn"
+    hint = "; --device cuda runs it on a GPU" if device == "cpu" else ""
+    return (f"numerics: {len(checks)} checks ({which}), {human_bytes(weights)} of weights dequantised and multiplied "
+            f"on {device}: the progress lines say the time left{hint}")
 
 
 def print_report(report: Any) -> None:
