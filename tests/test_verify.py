@@ -15,6 +15,7 @@ import xxhash
 from conftest import run_cli
 from megamoe_convert import layout, verify as verify_module
 from megamoe_convert.output.manifest import seal
+from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.verify import verify
 
@@ -174,7 +175,6 @@ def test_numerics_on_cuda_without_a_gpu_is_one_clear_line(tiny_converted, tiny_c
     assert proc.stderr.strip() == "error: device 'cuda': no CUDA GPU is available to this process"
 
 
-def test_numerics_detect_a_wrong_scale(damaged, tiny_ckpt):
 def test_numerics_run_every_layer_once_and_every_rank_by_default():
     """Each layer once, the ranks in turn, every rank at least once; every rank x layer when asked."""
     layers = [MoELayer.parse(k) for k in ("layers.0", "layers.1", "layers.2", "mtp.0")]
@@ -191,6 +191,7 @@ def test_numerics_every_rank_checks_each_rank_and_layer(tiny_converted, tiny_ckp
     assert "numerics: 12 checks (every rank x layer)" in proc.stderr
 
 
+def test_numerics_detect_a_wrong_scale(damaged, tiny_ckpt):
     """One UE8M0 scale byte changed (and the checksum forged): bytes and numerics both disagree."""
     rel = "rank-00000-of-00004/layers.0.safetensors"
     path = damaged / rel
