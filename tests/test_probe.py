@@ -228,3 +228,23 @@ def test_a_scratch_twin_runs_the_modules_own_loader_without_touching_the_module(
     assert float(twin.alpha[0]) == 5
     assert all(torch.equal(v, before[k]) for k, v in [*module.named_parameters(), *module.named_buffers()])
     assert float(module.seen.sum()) == 0 and module.pending == {}
+
+
+def test_an_install_into_modules_whose_code_cannot_run_the_probe_is_refused_unless_opted_out(tiny_converted, caplog):
+    """vLLM-shaped modules without vLLM's loading code (the plain suite's stand-ins): refused in one line
+    naming the opt-out, nothing changed; with ``probe=False`` installed, and the skip logged."""
+    from megamoe_convert.vllm_integration import install
+    from vllm_stand_in import STAND_INS, experts_of, stand_in_model
+
+    for cls in STAND_INS.values():
+        model = stand_in_model(cls, 3)
+        before = [t.clone() for m in experts_of(model) for t in m.parameters()]
+        with pytest.raises(InstallError) as e:
+            install(model, tiny_converted, rank=3)
+        message = str(e.value)
+        assert "\n" not in message and "cannot run the engine's own loading code" in message
+        assert "probe=False" in message and f"{probe.OPT_OUT_ENV}=0" in message
+        assert all(torch.equal(a, b) for a, b in zip(before, [t for m in experts_of(model) for t in m.parameters()]))
+        with caplog.at_level(logging.WARNING):
+            assert install(model, tiny_converted, rank=3, probe=False) == 3
+        assert "layout probe skipped" in caplog.text

@@ -22,6 +22,13 @@ from vllm_stand_in import STAND_INS, experts_of, kernel_tensors, stand_in_model
 KEYS = ["layers.0", "layers.1", "mtp.0"]
 
 
+@pytest.fixture(autouse=True)
+def stand_ins_have_no_loading_code_to_probe(monkeypatch):
+    """The layout probe runs an engine's own loading code, which a stand-in lacks (it would refuse):
+    these tests opt out explicitly. tests/engines probes the real code; test_probe.py the refusal."""
+    monkeypatch.setenv("MEGAMOE_LAYOUT_PROBE", "0")
+
+
 def test_layer_keys_map_vllm_prefixes_to_checkpoint_layers():
     assert layer_key("model.layers.7.ffn.experts", 43) == "layers.7"
     assert layer_key("model.layers.43.mtp_block.ffn.experts", 43) == "mtp.0"

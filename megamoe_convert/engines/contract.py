@@ -13,6 +13,9 @@ the steps :mod:`.driver` runs for every engine, in this order:
 - :meth:`Contract.shared_kinds`: which of the checkpoint's shared-expert tensors (``weight``,
   ``scale``) the install puts in place from the conversion's pre-baked fused shared expert, so
   the engine must not load them; empty: it loads them as usual.
+- :meth:`Contract.layout_probe`: the engine's own loading code, run on one synthetic expert
+  (:mod:`.probe`) after every check and before any module is changed: its bytes must be the
+  conversion's layout.
 - :meth:`Contract.destinations` + :meth:`Contract.finish`: where the file bytes go (the engine's
   own storage, so no second copy exists), and what the engine needs set afterwards.
 
@@ -25,9 +28,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
+from megamoe_convert.errors import InstallError
+
 if TYPE_CHECKING:
     from torch import nn
 
+    from megamoe_convert.engines.probe import LayoutProbe
     from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
     from megamoe_convert.source.layers import MoELayer
 
@@ -59,6 +65,12 @@ class Contract(ABC):
     @abstractmethod
     def shared_kinds(self, module: "nn.Module", converted: "ConvertedModel") -> tuple[str, ...]:
         """The shared-expert tensor kinds the install puts in place (the engine must skip them)."""
+
+    def layout_probe(self, module: "nn.Module", converted: "ConvertedModel") -> "LayoutProbe":
+        """The engine's own loading code on the layout probe's synthetic expert, for ``module``; a
+        contract without one cannot prove its byte layout, so it is refused unless the caller opts out."""
+        raise InstallError(f"{self.name}: megamoe-convert has no layout probe for this contract, so it cannot check "
+                           "the engine's byte layout; pass probe=False or set MEGAMOE_LAYOUT_PROBE=0 to serve unchecked")
 
     @abstractmethod
     def destinations(self, module: "nn.Module", converted: "ConvertedModel") -> "Destinations":

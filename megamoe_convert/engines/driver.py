@@ -1,5 +1,6 @@
-"""The install driver every engine shares: open the conversion once, check every module, then
-put each layer's bytes straight into its module's storage.
+"""The install driver every engine shares: open the conversion once, check every module, run the
+engine's own loading code on one synthetic expert (:mod:`.probe`: its bytes must be the conversion's
+layout), then put each layer's bytes straight into its module's storage.
 
 An :class:`Engine` says how to find its MegaMoE modules, which checkpoint layer each one is,
 what its own rank is and what it checks beyond the contract; the driver does the rest, so an
@@ -15,6 +16,7 @@ from typing import Protocol, Sequence
 
 from torch import nn
 
+from megamoe_convert.engines import probe as layout_probe
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.placement import Placement
@@ -74,10 +76,10 @@ class Installed:
 
 
 def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int | None, engine: Engine,
-                   *, verify: bool = False, serving: bool = False) -> Installed:
-    """Check every module, then put each layer's bytes straight into its module's storage.
-    ``serving``: the engine's ``--load-format megamoe`` loads the rest from the same directory,
-    so an ``--experts-only`` conversion is refused."""
+                   *, verify: bool = False, serving: bool = False, probe: bool | None = None) -> Installed:
+    """Check every module, probe the engine's own layout, then put each layer's bytes straight into its
+    module's storage. ``serving``: the engine's ``--load-format megamoe`` loads the rest from the same
+    directory, so an ``--experts-only`` conversion is refused. ``probe``: :func:`layout_probe.enabled`."""
     rank = engine.current_rank() if rank is None else rank
     converted = open_converted(out, [rank])
     if not converted.manifest.store:
@@ -97,6 +99,7 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         converted = replace(converted, placements=_engine_placements(engine, planned, converted, rank))
     for module, contract, layer in planned:
         engine.check(module, contract, layer, converted, rank)
+    layout_probe.probe_layouts(planned, converted, probe)  # the engine's own bytes, before any module changes
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
     skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned

@@ -27,6 +27,8 @@ from torch import nn
 
 from megamoe_convert import layout, layout_inverse
 from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.probe import LayoutProbe
+from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
 from megamoe_convert.engines.shapes import SHAPE_RULES
 from megamoe_convert.engines.sglang.experts import module_logical_ids
 from megamoe_convert.errors import InstallError
@@ -105,6 +107,10 @@ class MegaMoEContract(Contract):
     def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
         """None: a module with fused shared-expert slots is refused (``refusal``)."""
         return ()
+
+    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+        """SGLang's own ``build_mega_moe_experts_weights`` on a scratch twin holding the probe's expert."""
+        return mega_moe_probe(module, self.name)
 
     def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         """Weights into SGLang's own parameters; the UTCCP scales into new MN-major tensors on the

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.engines.vllm.layout_probe import finalize_probe
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_tensor, require
 from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
@@ -130,6 +132,11 @@ class FinalizeContract(Contract):
         """The shared weights when vLLM fuses a pre-baked shared expert (:meth:`shared_mlp`);
         the block scales still load into the FP8 linears."""
         return ("weight",) if self.shared_mlp(module, converted) is not None else ()
+
+    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+        """The module's own ``weight_loader`` and ``finalize_weights`` (and 0.32's shared-expert
+        transform, where the install pre-bakes the shared expert) on the probe's expert."""
+        return finalize_probe(module, self.shared_mlp(module, converted), LOADER_PARAMETERS, self.name)
 
     def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         h, i = module.hidden_size, module.intermediate_size

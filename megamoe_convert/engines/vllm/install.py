@@ -65,20 +65,23 @@ class VllmEngine:
 ENGINE = VllmEngine()
 
 
-def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
+def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False,
+            probe: bool | None = None) -> int:
     """Load rank ``rank``'s MegaMoE experts from ``out`` into every MegaMoE module of ``model``.
 
     ``out`` is a converted directory (or a hub repo id: only this rank is pulled). ``rank=None``
     takes vLLM's current EP rank. Returns the number of layers installed. Every module is
     checked (contract, EP numbers, format, dtypes, shapes, strides) before any is changed; a
     mismatch raises :class:`~megamoe_convert.errors.InstallError` naming the layer and both values.
+    Then vLLM's own loading code lays out one synthetic expert, which must be the conversion's bytes
+    (``probe=False`` or ``MEGAMOE_LAYOUT_PROBE=0`` skips it, logged as unchecked).
     """
-    return len(install_layers(model, out, rank, verify=verify).layers)
+    return len(install_layers(model, out, rank, verify=verify, probe=probe).layers)
 
 
 def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False,
-                   serving: bool = False) -> Installed:
+                   serving: bool = False, probe: bool | None = None) -> Installed:
     """:func:`install`, saying which layers (and which of their fused shared experts) were
     installed: ``--load-format megamoe`` must not load those shared experts again (``serving``:
     it also refuses an ``--experts-only`` conversion, which has nothing else to load)."""
-    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving)
+    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving, probe=probe)

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.probe import LayoutProbe
+from megamoe_convert.engines.vllm.layout_probe import kernel_layout_probe
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_kernel_tensors, require
 from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
@@ -72,6 +74,10 @@ class KernelLayoutContract(Contract):
             raise InstallError(f"{module.prefix}: weight_format is {fmt} in the model but {converted.weight_format} "
                                f"in {converted.path}")
         expect_kernel_tensors(module, {k: PARAMETERS[k] for k in self._keys(module, converted)}, layer, converted)
+
+    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+        """The module's own ``weight_loader`` (and shared-expert loader) on the probe's expert."""
+        return kernel_layout_probe(module, PARAMETERS, self.name)
 
     def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
         dests = {key: _storage(getattr(module, PARAMETERS[key]).data, key) for key in self._keys(module, converted)}

@@ -1,0 +1,116 @@
+"""The layout probe against SGLang's own MegaMoE build: SGLang 0.5.23's ``build_mega_moe_experts_weights``
+passes it; a release laying the same shapes out in another byte order is refused before any expert
+is installed; one that changed its code but not its bytes is served; without DeepGEMM the probe
+refuses unless the caller opts out, and the opt-out is logged."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+from megamoe_convert.engines import probe
+from megamoe_convert.engines.sglang import install
+from megamoe_convert.errors import InstallError
+from megamoe_convert.output import layout_identity as identity
+from megamoe_convert.source import formats
+from sglang.srt.layers.moe import mega_moe
+
+import sglang_harness as h
+
+EP_SIZE, REDUNDANT = 4, 4
+RELEASE = "SGLang 0.5.23"
+
+
+@pytest.fixture(autouse=True)
+def every_test_probes_afresh():
+    probe.forget()
+    yield
+    probe.forget()
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    """Every parameter of every experts module, cloned, and whether its MegaMoE weights are built."""
+    state = {}
+    for prefix, module in h.experts_of(model).items():
+        state.update({f"{prefix}.{k}": v.detach().clone() for k, v in module.named_parameters()})
+        state[f"{prefix}._mega_moe_weights_built"] = torch.tensor(bool(module._mega_moe_weights_built))
+    return state
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_install_probes_sglangs_own_build_once_per_process(sglang_ckpt, sglang_converted, caplog):
+    config = h.hf_config(sglang_ckpt)
+    with h.patched(1, EP_SIZE, REDUNDANT), caplog.at_level(logging.INFO):
+        main, nextn = h.build_main_model(config, 1, REDUNDANT), h.build_nextn_model(config)
+        install(main, sglang_converted, rank=1)
+        install(nextn, sglang_converted, rank=1)
+    passed = [r.getMessage() for r in caplog.records if "layout probe passed" in r.getMessage()]
+    assert len(passed) == 1 and passed[0].startswith(f"megamoe: layout probe passed: {RELEASE} (DeepGEMM ")
+    prints = identity.layout_fingerprints(formats.MXFP4, config.hidden_size, config.moe_intermediate_size)
+    assert prints["routed"] in passed[0]
+
+
+def _interleaved_by_16(l1_weights, mma_type):
+    """A build interleaving gate/up by 16 rows (as SGLang's MXFP4 x MXFP4 mode does): same shapes."""
+    return (mega_moe._interleave_mega_moe_gate_up(l1_weights[0], gran=16),
+            mega_moe._interleave_mega_moe_gate_up(l1_weights[1], gran=16))
+
+
+def test_a_release_laying_the_same_shapes_out_otherwise_is_refused_before_any_expert_is_installed(
+        sglang_ckpt, sglang_converted):
+    config = h.hf_config(sglang_ckpt)
+    with h.patched(2, EP_SIZE, REDUNDANT):
+        main = h.build_main_model(config, 2, REDUNDANT)
+        before = _state(main)
+        with mock.patch.object(mega_moe, "_interleave_mega_moe_l1_weights", _interleaved_by_16), \
+                pytest.raises(InstallError) as e:
+            install(main, sglang_converted, rank=2)
+        assert _same(_state(main), before)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{RELEASE} (DeepGEMM ")
+    assert f"model.layers.0.mlp.experts l1.weight (mxfp4, hidden {config.hidden_size}" in message
+    assert "do not serve this conversion with it" in message and "--load-format megamoe" in message
+
+
+def test_a_release_whose_code_changed_but_not_its_bytes_is_served(sglang_ckpt, sglang_converted):
+    """The UTCCP transpose computed another way (an index gather) with the same bytes."""
+
+    def gathered(sf):
+        e, mn, k = sf.shape
+        rows = torch.arange(mn).view(-1, 4, 32).transpose(1, 2).reshape(mn)
+        return torch.empty_like(sf).copy_(sf[:, rows])
+
+    config = h.hf_config(sglang_ckpt)
+    with h.patched(3, EP_SIZE, REDUNDANT), mock.patch.object(mega_moe, "_transpose_mega_moe_sf_for_utccp", gathered):
+        main = h.build_main_model(config, 3, REDUNDANT)
+        assert install(main, sglang_converted, rank=3) == config.num_hidden_layers
+        ref = h.build_main_model(config, 3, REDUNDANT)
+        h.sglang_load(ref, sglang_ckpt)
+    for prefix, module in h.experts_of(main).items():
+        for name, tensor in h.state(module).items():
+            h.assert_same_tensor(tensor, h.state(h.experts_of(ref)[prefix])[name], f"{prefix}.{name}")
+
+
+def test_without_deep_gemm_the_probe_refuses_unless_the_caller_opts_out(sglang_ckpt, sglang_converted, caplog,
+                                                                        monkeypatch):
+    config = h.hf_config(sglang_ckpt)
+    with h.patched(0, EP_SIZE, REDUNDANT), mock.patch.dict(sys.modules, {"deep_gemm": None}):
+        main = h.build_main_model(config, 0, REDUNDANT)
+        before = _state(main)
+        with pytest.raises(InstallError) as e:
+            install(main, sglang_converted, rank=0)
+        assert _same(_state(main), before)
+        message = str(e.value)
+        assert "\n" not in message and "cannot run the engine's own loading code" in message
+        assert "deep_gemm" in message and "MEGAMOE_LAYOUT_PROBE=0" in message
+        monkeypatch.setenv("MEGAMOE_LAYOUT_PROBE", "0")
+        with caplog.at_level(logging.WARNING):
+            assert install(main, sglang_converted, rank=0) == config.num_hidden_layers
+    assert any("layout probe skipped" in r.getMessage() and "unchecked" in r.getMessage() for r in caplog.records)
