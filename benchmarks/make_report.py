@@ -240,7 +240,7 @@ def load_section(main: dict, other: dict, sweep: dict) -> str:
 An earlier benchmark, kept for its limits and tuning: its baseline is the seed's emulated path, not
 vLLM's code, and it reports medians of repeated calls; the start-up section above supersedes it.
 
-`benchmarks/bench_load.py` on the lent {main['device']} ({m['cpus']} CPUs, torch {m['torch']}),
+`benchmarks/bench_load.py` on an {main['device']} ({m['cpus']} CPUs, torch {m['torch']}),
 one rank (rank {main['rank']} of EP {main['ep_size']}) of Flash-dims checkpoints with 1, 2 and 4 MoE
 layers of 256 experts. In one process: **baseline** reads every source shard the way vLLM's
 iterator does, keeps the rank's experts, stacks w1/w3, widens the scales and transforms on the
@@ -300,7 +300,7 @@ it is bounded by host memory bandwidth, not by PCIe or by Python. Routes around 
 ```
 
 - **GPUDirect Storage** (cuFile, fastsafetensors with GDS) reads from NVMe straight into GPU
-  memory, skipping host memory altogether; the lent machine has no GDS (fastsafetensors ran with
+  memory, skipping host memory altogether; that machine has no GDS (fastsafetensors ran with
   `nogds=True`, which goes through host memory and is slower than `load_rank`). Cold, all readers
   are disk-bound and equal (`load_rank` ~ `host_read` ~ safetensors ~ fastsafetensors): the win
   there is reading 1/{main['ep_size']} of the bytes, which the converted layout gives.

@@ -139,7 +139,7 @@ def section(png: str) -> str:
     lim = big["limits_rank"]
     return f"""## Start-up against the engines' real code (first call, fresh process)
 
-`benchmarks/bench_startup.py` on the lent NVIDIA H100 (16 CPUs, torch 2.11, driver 580), run by
+`benchmarks/bench_startup.py` on an NVIDIA H100 (16 CPUs, torch 2.11, driver 580), run by
 `benchmarks/device_startup.sh`. Every run is a new process that imports, builds vLLM's real MegaMoE
 expert modules on the GPU (vLLM's own classes through `tests/engines/vllm_harness.py`; only the SM100
 check and the process groups are patched) and loads them once; the figure is that first load. **ours**
@@ -189,13 +189,12 @@ round the same first call took 0.51 s warm and 2.10 s cold on the same machine t
 issue's measurement); the changes: all layers go through one pipelined read (the install driver
 called `load_rank` per layer, draining the pipeline each time), the pinned ring is pinned in the
 background while the engine builds the model and reused by every call, reader threads are shared,
-and a local directory no longer imports the hub client (0.2 s). The 30-minute device budget ran out
-before the loader's knobs (`MEGAMOE_READ_THREADS`, `MEGAMOE_RING_BUFFERS`, `MEGAMOE_RING_MB`,
-`MEGAMOE_WILLNEED`) were swept and before the remaining per-process cost was profiled.
+and a local directory no longer imports the hub client (0.2 s). This run did not sweep
+the loader's knobs (`MEGAMOE_READ_THREADS`, `MEGAMOE_RING_BUFFERS`, `MEGAMOE_RING_MB`,
+`MEGAMOE_WILLNEED`) nor profile the remaining per-process cost.
 
-**Whole node.** The lent kinds are single-GPU (the two-GPU kind was withheld all session), so no
-run with one process per GPU was possible, and the 8-ranks-on-one-GPU stress run did not fit in the
-device budget. The cold goal has a floor that no loader can beat, measured in the same run: the node's
+**Whole node.** This run had one GPU, so it has no run with one process per GPU, nor the
+8-ranks-on-one-GPU stress run (the node benchmark, `benchmarks/bench_node.py`, is the whole-node measure). The cold goal has a floor that no loader can beat, measured in the same run: the node's
 ranks together need all {node.get('rank_bytes', 0) / GB:.2f} GB of expert bytes from the one disk, at
 {node.get('disk_parallel_read_gbps', 0):.2f} GB/s parallel: {node_floor:.1f} s. vLLM's ranks share the page cache, so
 they too read the checkpoint from disk once ({cold['vllm033_all']['read_bytes'] / GB:.2f} GB, one rank alone taking

@@ -111,10 +111,10 @@ def section() -> str:
     sizes = "".join(f"\n- EP {ep}: the store holds {d['store_expert_bytes'] / 1e9:.2f} GB of experts, every rank "
                     f"of the per-rank form {d['per_rank_expert_bytes_all_ranks'] / 1e9:.2f} GB." for ep, d in disk.items())
     return head + """
-Measured on the lent H100 (Flash dims, 2 MoE layers, rank 0, first call in a fresh process; warm:
+Measured on H100s (Flash dims, 2 MoE layers, rank 0, first call in a fresh process; warm:
 median of 3, cold: page cache dropped, 2 runs; `r4/run2-interleaved`: 6 and 3; `r4/run3` and `r5`: 4 and 2;
-`r6`: 5-6 and 4). Each run is on whichever machine of the kind was
-lent: ceilings and the disk differ between runs by up to 20%, so compare within a run.
+`r6`: 5-6 and 4). Each run is on another machine of
+the kind: ceilings and the disk differ between runs by up to 20%, so compare within a run.
 
 - `store-h100/`: the loader before the staging work (the read ring pinned through `cudaHostAlloc`
   inside the first call, not started early).
