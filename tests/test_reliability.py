@@ -501,13 +501,13 @@ def test_a_ctrl_c_whose_keyboardinterrupt_python_dropped_still_stops_the_run():
     import types
 
     from megamoe_convert import interrupts
-    from megamoe_convert.cli import conventions
+    from megamoe_convert.cli import signals
     from megamoe_convert.convert import run as run_module
     from megamoe_convert.progress import NoProgress
 
     class RaisesInItsFinalizer:
         def __del__(self) -> None:
-            conventions._on_sigint(signal.SIGINT, None)  # as if the signal arrived here: Python drops it
+            signals._on_sigint(signal.SIGINT, None)  # as if the signal arrived here: Python drops it
 
     ran = []
 
