@@ -2,9 +2,12 @@
 #   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
 #   make test   run the whole test suite
 VENV ?= .venv
-# Extra pip arguments for torch, e.g. TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu'
-# on a machine without a local CPU wheel (PyPI's torch is a multi-GB CUDA build).
+# Extra pip arguments for torch. Left empty, it is chosen here: where no NVIDIA driver answers
+# (no nvidia-smi) and pip, as configured, finds no torch==2.13.0 without an index (a local wheel
+# folder, as CI machines have), torch's CPU build from PyTorch's own index, not PyPI's default
+# multi-GB CUDA build. Set it to choose yourself, e.g. TORCH_PIP_ARGS='--index-url URL'.
 TORCH_PIP_ARGS ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
@@ -12,7 +15,14 @@ STAMP := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
+	@args='$(TORCH_PIP_ARGS)'; \
+	if [ -z "$$args" ] && ! command -v nvidia-smi >/dev/null 2>&1 && \
+	   ! $(PY) -m pip install -q --dry-run --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then \
+	  args='--index-url $(TORCH_CPU_INDEX)'; \
+	fi; \
+	echo "installing torch==2.13.0 $$args into $(VENV) (the longest step of a first run)"; \
+	$(PY) -m pip install -q torch==2.13.0 $$args
+	@echo "installing megamoe-convert and its test dependencies into $(VENV)"
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

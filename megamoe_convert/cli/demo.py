@@ -1,7 +1,8 @@
 """``python -m megamoe_convert.cli.demo OUT``: load every rank of a conversion and check it.
 
-The last step of ``make demo``: shows what a serving rank receives (dtype, shape, strides)
-and proves, against the source checkpoint, that the bytes are exactly the MegaMoE layout.
+The last step of ``make demo``: shows what a serving rank receives (dtype, shape, strides),
+proves, against the source checkpoint, that the bytes are exactly the MegaMoE layout, and ends
+with the command that serves the conversion and the next step: the user's own checkpoint.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from megamoe_convert.output.manifest import read_manifest
+from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layers import MoELayer
@@ -34,7 +35,21 @@ def main(out: str) -> int:
             print(f"rank {rank}: {len(manifest.layers)} layers, slots hold logical experts {list(layer.logical_ids)}; "
                   f"l1 {tuple(layer.l1.weight.shape)} {layer.l1.weight.dtype}, l1_sf {tuple(layer.l1.sf.shape)} "
                   f"strides {layer.l1.sf.stride()}: identical to the MegaMoE layout of the source")
+    print_next(out, manifest)
     return 0
+
+
+def print_next(out: str, manifest: Manifest) -> None:
+    """How a GPU node would serve this conversion, and the same steps for the user's own checkpoint."""
+    from megamoe_convert.cli.describe import serve_commands
+
+    serve = serve_commands(str(Path(out).resolve()), manifest)
+    for engine, how in serve.items():
+        if how["servable"]:
+            print(f"serve it with {engine} (on Blackwell GPUs): {how['command']}")
+    print("next: your checkpoint: megamoe inspect /path/to/checkpoint (the EP sizes that work), then "
+          "megamoe convert /path/to/checkpoint OUT --ep-size N, megamoe verify OUT --source /path/to/checkpoint, "
+          "megamoe inspect OUT (its serve command)")
 
 
 if __name__ == "__main__":
