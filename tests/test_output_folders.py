@@ -74,3 +74,33 @@ def test_pulling_other_ranks_of_a_new_commit_keeps_none_of_the_older_commits_ran
         load_rank(local, 0)  # the older commit's rank 0 is not served under the new manifest
     for key, t in load_rank(local, 1)["layers.0.ffn.experts"].tensors.items():
         assert t.equal(load_rank(second, 1)["layers.0.ffn.experts"].tensors[key]), key
+
+
+def test_a_pull_from_the_cache_that_runs_out_of_disk_names_the_file_and_leaves_no_partial_file(fake, tiny_ckpt,
+                                                                                               tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import huggingface_hub
+
+    from megamoe_convert.serve import hub
+
+    out = tmp_path / "ep2"
+    convert(tiny_ckpt, out, ConvertOptions(ep_size=2, fsync=False))
+    push(out, "team/ep2")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # files linked in from the cache
+
+    def no_link(src, dst):
+        raise OSError(errno.EXDEV, "cross-device link")
+
+    def half_copy(src, dst):
+        Path(dst).write_bytes(Path(src).read_bytes()[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(hub.os, "link", no_link)
+    monkeypatch.setattr(hub.shutil, "copyfile", half_copy)
+    local = tmp_path / "local"
+    with pytest.raises(OSError) as raised:
+        pull("team/ep2", "0", local)
+    assert raised.value.errno == errno.ENOSPC and str(raised.value.filename).startswith(str(local))
+    assert not [p for p in local.rglob("*.partial")] and not (local / "manifest.json").exists()
+    assert not [name for _, _, names in os.walk(local) for name in names if name.endswith(".partial")]

@@ -359,10 +359,14 @@ def link_into(snapshot: Path, local_dir: Path, paths: Sequence[str]) -> Path:
         check_writable_name(tmp)
         tmp.unlink(missing_ok=True)
         try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        except OSError as e:  # a full disk, say: no temporary file is left, and the error names the file
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, e.strerror, str(dst)) from None
     return local_dir
 
 
