@@ -15,6 +15,7 @@ from megamoe_convert.layout import (
     SCALE_BLOCK_K,
     UTCCP_BLOCK_ROWS,
     as_bytes,
+    as_fp32,
     expert_dims,
     widen_ue8m0_to_fp32,
 )
@@ -70,6 +71,14 @@ def _int32_as_little_endian_bytes(w: torch.Tensor) -> torch.Tensor:
     shifts = torch.tensor([0, 8, 16, 24], dtype=torch.int32, device=w.device)
     quads = (w.unsqueeze(-1) >> shifts) & 0xFF
     return quads.to(torch.uint8).reshape(*w.shape[:-1], -1)
+
+
+def sm90_inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Undo :func:`layout.sm90_transform_experts`: ``(w13 uint8, w13_scale float32, w2 uint8, w2_scale float32)``."""
+    (l1_weight, l1_scale), (l2_weight, l2_scale) = l1, l2
+    w13 = deinterleave_gate_up(as_bytes(l1_weight, "l1 weight").contiguous())
+    return w13, as_fp32(l1_scale), as_bytes(l2_weight, "l2 weight").contiguous(), as_fp32(l2_scale)
 
 
 # Dequantisation (FP4 e2m1 x UE8M0 -> float), of both forms

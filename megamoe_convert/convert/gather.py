@@ -194,7 +194,9 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
     """
     dims = reader.ckpt.dims
     group = max(1, chunk_bytes // max(1, dims.bytes_per_expert()))
-    if direct_path_supported(dims, reader.device):
+    if dims.format.kernel == "sm90":
+        yield from _sm90_chunks(reader, layer, logical_ids, group, cancelled)
+    elif direct_path_supported(dims, reader.device):
         yield from direct_rank_shard_chunks(reader, layer, logical_ids, group, cancelled)
     else:
         yield from _routed_chunks(reader, layer, logical_ids, group, cancelled)
@@ -215,6 +217,20 @@ def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled")
             yield transform(reader.stacked(layer, experts, projs, kind))
+
+
+def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
+                 cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
+    """SGLang's SM90 FP8 layout (``layout.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
+    everything else (the L2 weight, both FP32 block scales) the checkpoint's bytes in w13 order."""
+    steps = [(("w1", "w3"), "weight", layout.sm90_l1_weight), (("w1", "w3"), "scale", None),
+             (("w2",), "weight", None), (("w2",), "scale", None)]
+    for projs, kind, transform in steps:
+        for experts in _groups(logical_ids, group):
+            if cancelled is not None and cancelled.is_set():
+                raise Cancelled("cancelled")
+            stacked = reader.stacked(layer, experts, projs, kind)
+            yield transform(stacked) if transform is not None else stacked
 
 
 #: The same for every rank of a layer (a plan of 65536 ranks asks 65536 times per layer).

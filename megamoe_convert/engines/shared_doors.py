@@ -28,8 +28,10 @@ LOAD_FORMAT = "megamoe"
 RANK_FILES_PATTERN = "rank-*-of-*/*"
 #: Nor a store's expert files (``install`` reads just this rank's slots of them itself).
 STORE_FILES_PATTERN = "experts/*"
-#: Checkpoint tensor names of routed experts (what the megamoe load format never reads).
-EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?w[123]")
+#: Checkpoint tensor names of routed experts (what the megamoe load format never reads), by every
+#: family's projection names (``experts.3.w1``, ``experts.3.gate_proj``; never ``shared_experts``).
+EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?(%s)" % "|".join(
+    sorted({re.escape(name) for family in families.FAMILIES for name in family.projections.values()})))
 #: Set on a model once its conversion's experts are installed (by the load format or by the
 #: model's own ``load_weights``), so that the other does not install them again.
 INSTALLED_ATTR = "megamoe_installed"

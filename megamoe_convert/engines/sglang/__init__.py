@@ -2,6 +2,7 @@
 every door to them.
 
 - :mod:`.mega_moe`: the MegaMoE build contract (``fp8.py`` / ``build_mega_moe_experts_weights``);
+- :mod:`.sm90_fp8`: Hopper's FP8 MegaMoE build contract (``build_sm90_mega_moe_experts_weights``);
 - :mod:`.experts`: module names, placement and logical experts of SGLang's experts modules;
 - :mod:`.install`: :func:`install` / :func:`install_layers` through the contract;
 - :mod:`.loader`: ``--load-format megamoe``;

@@ -56,7 +56,11 @@ GET_CONFIG = "sglang.srt.utils.hf_transformers.config.get_config"
 GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
 #: SGLang's model classes that hold MegaMoE experts, each defining its own ``load_weights``.
 LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weights",
-                "sglang.srt.models.deepseek_v4_nextn.DeepseekV4ForCausalLMNextN.load_weights")
+                "sglang.srt.models.deepseek_v4_nextn.DeepseekV4ForCausalLMNextN.load_weights",
+                # Hopper's FP8 MegaMoE (sm90_fp8.py): DeepSeek-V3/R1 and its NextN draft, Qwen3-MoE
+                "sglang.srt.models.deepseek_v2.DeepseekV3ForCausalLM.load_weights",
+                "sglang.srt.models.deepseek_nextn.DeepseekV3ForCausalLMNextN.load_weights",
+                "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.load_weights")
 #: The section's key recording the directory (or hub repo id) the config was read from.
 PATH_KEY = "path"
 

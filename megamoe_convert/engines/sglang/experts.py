@@ -3,7 +3,8 @@
 SGLang names a ``FusedMoE`` by its ``layer_name`` (``model.layers.7.mlp.experts``; the NextN draft
 model's one MTP layer is ``model.decoder.mlp.experts``) and places logical experts on slots by its
 expert-location table for layers that use one (``--init-expert-location``, EPLB's redundant
-slots); the NextN layer is built without one: slot ``p`` holds logical ``p``.
+slots); DeepSeek-V4's NextN layer is built without one: slot ``p`` holds logical ``p`` (DeepSeek-V3's
+uses the table, as a decoder layer does).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from torch import nn
 
 from megamoe_convert.engines import driver
 from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.sglang import sm90_fp8
 from megamoe_convert.engines.sglang.experts import SGLANG_PREFIX, layer_key, module_placement
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
 from megamoe_convert.errors import InstallError
@@ -15,8 +16,8 @@ from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source.layers import MoELayer
 
-#: SGLang's contracts, newest first.
-CONTRACTS: tuple[Contract, ...] = (CONTRACT,)
+#: SGLang's contracts, newest first; a module is the first's that detects it (FP8 weights: the SM90 build's).
+CONTRACTS: tuple[Contract, ...] = (sm90_fp8.CONTRACT, CONTRACT)
 
 
 class SglangEngine:
