@@ -49,6 +49,7 @@ from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
+from megamoe_convert.source import families
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ def make_config_parser(base: Any) -> type:
         def parse(self, model: Any, *args: Any, **kwargs: Any) -> tuple[dict, Any]:
             config_dict, config = super().parse(model, *args, **kwargs)
             if marker.restore(config) is not None:
+                refuse_family_vllm_cannot_serve(model, getattr(config, "model_type", None))
                 log.info("megamoe: %s is a megamoe-convert conversion of %s", model, config.architectures)
             elif may_be_conversion(getattr(config, "model_type", None)) and is_unmarked_conversion(
                     model, kwargs.get("revision", args[1] if len(args) > 1 else None)):
@@ -178,6 +180,16 @@ def make_config_parser(base: Any) -> type:
             return config_dict, config
 
     return MegaMoEConfigParser
+
+
+def refuse_family_vllm_cannot_serve(model: Any, model_type: Any) -> None:
+    """A conversion of a family whose MegaMoE vLLM does not run (SGLang's SM90 FP8 families) is
+    refused when its config is read: vLLM would build the family's own modules, which take none of
+    the pre-baked experts, and serve them empty."""
+    family = next((f for f in families.FAMILIES if model_type in f.model_types), None)
+    if family is not None and "vllm" not in family.engines:
+        raise InstallError(f"{model}: a megamoe-convert conversion of {family.title}, which vLLM cannot serve: "
+                           f"{family.engine_note}")
 
 
 def register_config_parser() -> None:
