@@ -66,9 +66,16 @@ class Shape:
     def node_files(self) -> list[Path]:
         return [f for r in range(self.n) for f in rank_files(self.per_rank, r)]
 
-    def node_bytes(self) -> int:
-        """What the node's GPUs hold once loaded: every form's figure is against these bytes."""
+    def file_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.node_files())
+
+    def expert_bytes(self) -> int:
+        """The routed experts' bytes the node's GPUs hold once loaded (the rank files also carry the
+        fused shared expert, which these modules do not hold, and the logical ids)."""
+        from megamoe_convert.source.safetensors_io import read_header
+
+        return sum(t.nbytes for f in self.node_files() for name, t in read_header(f).tensors.items()
+                   if ".shared_" not in name and not name.endswith("logical_ids"))
 
     def files_of(self, kind: str) -> list[Path]:
         """The files ``kind`` reads (the page cache is filled with them for a warm run)."""

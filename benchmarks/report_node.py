@@ -46,13 +46,32 @@ def why(rows: list[dict[str, Any]]) -> str:
     return "-"
 
 
+def expert_bytes(rows: dict[tuple[str, str], list[dict[str, Any]]]) -> float | None:
+    """The node's routed-expert bytes (what its GPUs hold): recorded by the run, or else what the
+    megamoe forms read cold (they read nothing else)."""
+    for got in rows.values():
+        for r in got:
+            if "expert_bytes" in r:
+                return r["expert_bytes"]
+    reads = [r["read_bytes"] for f in OURS for r in rows.get((f, "cold"), []) if "read_bytes" in r]
+    return statistics.median(reads) if reads else None
+
+
 def ceilings(rows: dict[tuple[str, str], list[dict[str, Any]]]) -> tuple[float | None, float | None]:
-    """Seconds the node's disk takes to read its bytes (cold), and its page cache -> pinned ->
-    device ceiling (warm: the slower of every rank reading into pinned memory and copying to its GPU)."""
-    disk = wall(rows.get(("disk_read", "cold"), []))
-    host, h2d = wall(rows.get(("host_read", "warm"), [])), wall(rows.get(("h2d", "warm"), []))
-    warm = max(host, h2d) if host is not None and h2d is not None else None
-    return disk, warm
+    """Seconds the node's disk takes for its expert bytes (cold), and its page cache -> pinned ->
+    device ceiling for them (warm: the slower of every rank reading into pinned memory and copying
+    to its GPU). The ceilings move the rank files whole: their times are scaled to the expert bytes."""
+    experts = expert_bytes(rows)
+
+    def scaled(kind: str, cache: str) -> float | None:
+        got = [r for r in rows.get((kind, cache), []) if "node_wall_s" in r]
+        if not got or not experts:
+            return None
+        return statistics.median(r["node_wall_s"] * experts / r.get("bytes_moved", r.get("node_bytes"))
+                                 for r in got)
+
+    disk, host, h2d = scaled("disk_read", "cold"), scaled("host_read", "warm"), scaled("h2d", "warm")
+    return disk, (max(host, h2d) if host is not None and h2d is not None else None)
 
 
 def shape_label(step: dict[str, Any]) -> str:
@@ -96,7 +115,8 @@ def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[s
                  f"{r['warm_vs_auto']:.2f}x" if "warm_vs_auto" in r else "-",
                  " / ".join(f"{s:.3f}" if s else "-" for s in slow)]
         lines.append(f"| {NAMES[form]} | " + " | ".join(cells) + " |")
-    lines.append(f"| ceiling: disk's parallel read of the node's bytes (cold) | {disk:.2f} | 1.00x | | | "
+    lines.append(f"| ceilings: the disk's parallel read (cold); page cache -> pinned -> device (warm) | {disk:.2f} "
+                 "| 1.00x | | | "
                  f"{ceiling:.3f} | 1.00x | | |" if disk and ceiling else "| ceilings | not measured | | | | | | | |")
     return "\n".join(lines), ratios
 
@@ -106,7 +126,8 @@ def growth(result: dict[str, Any], forms: list[str]) -> str:
     shapes = by_shape(result)
     layers = sorted({s["layers"] for s in result["steps"]})
     if len(layers) < 2:
-        return ""
+        return (f"How each form's time grows with the MoE layers: not measured in this run (only {layers[0]} "
+                f"layers ran before its time was up; `--layers 8,2` times both).")
     lines = ["| form | shape | cache | " + " | ".join(f"{n} layers s" for n in layers) + " | per added layer s |",
              "|---|---|---|" + "---:|" * (len(layers) + 1)]
     for form in forms:
@@ -137,10 +158,18 @@ cache. Node time: from the release to the last rank's end. Beside every row, in 
 the disk's parallel read of the node's bytes (cold) and the node's page cache -> pinned -> device
 ceiling with every rank at once (warm: the slower of the ranks reading their files into pinned
 memory together and copying their bytes to their GPUs together). Every ratio is against the
-node's expert bytes (what its GPUs hold). The forms are interleaved within a round, odd rounds in
-reverse order; each round's figures are in the JSON, the tables give medians.
-`--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`).
-"""
+node's routed-expert bytes (what its GPUs hold; the ceilings read the rank files whole, fused shared
+expert included, and their times are scaled to those bytes). The forms are interleaved within a
+round (vLLM's `auto` and megamoe first, the ceilings next, the other loaders last), odd rounds in
+reverse order; each round's figures are in the JSON (`benchmarks/results/node-*/`), the tables give
+medians. Every checkpoint is synthesised, converted and synced before any timing; on virtual machines
+the host may still cache what was written or read in the last minutes, whatever `drop_caches` does
+inside, which favours the form whose files were touched last: more rounds average that out.
+`fastsafetensors` falls back to its copier without GDS where the machine has no `/dev/nvidia-fs0`;
+it and `instanttensor` read the whole checkpoint in every rank process past the page cache (the GB
+read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on a GPU machine,
+{COMMAND}.
+""".replace("{COMMAND}", COMMAND)
     runs = load_all()
     if not runs:
         return head + f"\nNot measured yet: run {COMMAND} on a machine of several GPUs.\n"
@@ -157,15 +186,46 @@ reverse order; each round's figures are in the JSON, the tables give medians.
             seen.add(step["shape"])
             table, _ = shape_table(shapes[step["shape"]], result["forms"])
             rounds = sum(1 for s in result["steps"] if s["shape"] == step["shape"])
-            nbytes = next((r["node_bytes"] for r in step["rows"] if "node_bytes" in r), 0)
-            parts.append(f"\n#### {shape_label(step)}: {nbytes / 1e9:.2f} GB of experts for the node, "
-                         f"{rounds} round(s)\n\n{table}\n")
+            nbytes = expert_bytes(shapes[step["shape"]])
+            size = f"{nbytes / 1e9:.2f} GB of routed experts for the node" if nbytes else "no megamoe row"
+            parts.append(f"\n#### {shape_label(step)}: {size}, {rounds} round(s)\n\n{table}\n")
         table = growth(result, result["forms"])
-        if table:
-            parts.append(f"\nHow each form's node time grows with the MoE layers:\n\n{table}\n")
+        parts.append(f"\n{table}\n" if table.startswith("How") else
+                     f"\nHow each form's node time grows with the MoE layers:\n\n{table}\n")
+        parts.append(goal_lines(result))
         parts.append(f"\nIdentical kernel bytes across forms (per shape and rank): "
                      f"{all(result.get('identical', {}).values()) if result.get('identical') else 'not checked'}.\n")
     return "".join(parts)
+
+
+def goal_lines(result: dict[str, Any]) -> str:
+    """Whether the megamoe forms reach the node's limits, shape by shape (largest checkpoint)."""
+    lines = []
+    top = max(s["layers"] for s in result["steps"])
+    for shape, rows in by_shape(result).items():
+        if not shape.endswith(f"-l{top}"):
+            continue
+        disk, ceiling = ceilings(rows)
+        _, ratios = shape_table(rows, result["forms"])
+        got = {f: ratios.get(f, {}) for f in OURS}
+        if not disk or not any(got.values()):
+            lines.append(f"- `{shape}`: the megamoe forms and the ceilings did not run before the run's time was up: "
+                         "goals not measured for this shape.")
+            continue
+        fastest = min(wall(r) or float("inf") for (f, c), r in rows.items() if c == "cold" and f != "disk_read")
+        for form, r in got.items():
+            cold, warm = r.get("cold_vs_disk", float("nan")), r.get("warm_vs_ceiling", float("nan"))
+            lines.append(f"- `{shape}`, {NAMES[form]}: cold {cold:.2f}x of the disk's parallel read "
+                         f"(goal {COLD_GOAL}x: {'met' if cold >= COLD_GOAL else '**not met**'}), warm "
+                         f"{warm:.2f}x of the node's ceiling (goal {WARM_GOAL}x: "
+                         f"{'met' if warm >= WARM_GOAL else '**not met**'}).")
+        if fastest < disk:
+            lines.append(f"- `{shape}`: the ceiling's reader (one process, 64 threads x 4 MB) took {disk:.2f} s, "
+                         f"slower than the fastest cold form ({fastest:.2f} s): the disk reads the node's bytes at "
+                         f"least at {(expert_bytes(rows) or 0) / fastest / 1e9:.2f} "
+                         "GB/s with more reads in flight, so a cold ratio above 1 says the ceiling reader, not the "
+                         "disk, was the limit.")
+    return "\nAt node level, against the limits measured beside them (largest checkpoint):\n\n" + "\n".join(lines) + "\n"
 
 
 def goals() -> list[tuple[str, str, float, float]]:
@@ -196,18 +256,23 @@ def headline() -> str:
         if step["layers"] != top or step["round"] != 0:
             continue
         rows = by_shape(result)[step["shape"]]
-        disk, _ = ceilings(rows)
-        nbytes = next((r["node_bytes"] for r in step["rows"] if "node_bytes" in r), 0)
         t = {(f, c): wall(rows.get((f, c), [])) for f in ("auto", "megamoe_store", "megamoe_per_rank")
              for c in ("cold", "warm")}
-        if None in t.values() or not disk:
+        disk, ceiling = ceilings(rows)
+        nbytes = expert_bytes(rows)
+        if None in t.values() or not disk or not nbytes:
+            if t[("auto", "cold")] and t[("auto", "warm")]:
+                parts.append(f"{shape_label(step)}: vLLM's `auto` took {t[('auto', 'cold')]:.2f} s cold and "
+                             f"{t[('auto', 'warm')]:.2f} s warm; the megamoe forms did not run before the run's "
+                             "time was up")
             continue
         best = {c: min(t[("megamoe_store", c)], t[("megamoe_per_rank", c)]) for c in ("cold", "warm")}
         parts.append(f"{shape_label(step)} ({nbytes / 1e9:.1f} GB of experts for the node): cold "
-                     f"{best['cold']:.2f} s against {t[('auto', 'cold')]:.2f} s for vLLM's `auto` "
-                     f"({t[('auto', 'cold')] / best['cold']:.1f}x; the disk reads the node's bytes at "
-                     f"{nbytes / disk / 1e9:.2f} GB/s), warm {best['warm']:.3f} s against "
-                     f"{t[('auto', 'warm')]:.2f} s ({t[('auto', 'warm')] / best['warm']:.1f}x)")
+                     f"{best['cold']:.1f} s against {t[('auto', 'cold')]:.1f} s for vLLM's `auto` "
+                     f"({t[('auto', 'cold')] / best['cold']:.2f}x; megamoe's reads ran at {nbytes / best['cold'] / 1e9:.2f} "
+                     f"GB/s, the disk's parallel read measured beside it at {nbytes / disk / 1e9:.2f} GB/s), warm "
+                     f"{best['warm']:.2f} s against {t[('auto', 'warm')]:.2f} s ({t[('auto', 'warm')] / best['warm']:.1f}x; "
+                     f"{ceiling / best['warm']:.2f}x of the node's page cache -> pinned -> device ceiling)")
     if not parts:
         return ""
     return (f"A whole node's first load, every rank process at once ({len(m['gpus'])} x {m['gpus'][0]}, one "
