@@ -7,7 +7,7 @@
 # the committed tree, whatever the working tree holds). See docs/benchmarks.md.
 #
 #   benchmarks/device_node.sh setup            # unpack, install, what the machine is
-#   benchmarks/device_node.sh job SECONDS      # bench_node.py in the background, nothing new after SECONDS
+#   benchmarks/device_node.sh job SECONDS [FLAGS]  # bench_node.py [FLAGS] in the background, nothing new after SECONDS
 #   benchmarks/device_node.sh wait DEST [S]    # wait (at most S seconds) for the job, copy its results to DEST
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ setup() {
 }
 
 job() {
-    setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_node.py --work $WORK --budget-s $1 \
+    setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_node.py --work $WORK --budget-s $1 ${*:2} \
         --save $RESULTS/node.json > $RESULTS/node.log 2>&1; touch $RESULTS/done" > /dev/null 2>&1 < /dev/null &
 }
 
@@ -40,7 +40,7 @@ wait_for() {
 
 case "${1:-}" in
     setup) setup ;;
-    job) job "${2:-900}" ;;
+    job) shift; job "${1:-900}" "${@:2}" ;;
     wait) wait_for "$2" "${3:-560}" ;;
-    *) echo "usage: $0 setup|job SECONDS|wait DEST [SECONDS]" >&2; exit 2 ;;
+    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]" >&2; exit 2 ;;
 esac

@@ -111,9 +111,9 @@ def test_device_node_script_parses_and_runs_real_flags():
     text = (BENCH / "device_node.sh").read_text().replace("\\\n", " ")
     line = next(l for l in text.splitlines() if "bench_node.py" in l and not l.lstrip().startswith("#"))
     flags = shlex.split(line.split("bench_node.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
-                        .replace("$1", "60").replace("$RESULTS", "/tmp/r"))
+                        .replace("$1", "60").replace("${*:2}", "--shapes slice").replace("$RESULTS", "/tmp/r"))
     args = bench_node.parse_args(flags)  # exits (SystemExit) on an unknown flag
-    assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json"
+    assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json" and args.shapes == ["slice"]
 
 
 def test_bench_node_quick_in_vllm_033(tmp_path):
