@@ -92,8 +92,17 @@ class VerifyReport:
                 "hash_gb_per_s": round(self.bytes_hashed / hashing / 1e9, 3) if hashing > 0 else 0.0}
 
 
-#: Local expert slots per rank and layer that ``--numerics`` runs (dequantised matrices are large).
-NUMERICS_MAX_EXPERTS = 8
+#: Local expert slots per rank and layer that ``--numerics`` runs: dequantised matrices are large and
+#: every slot goes through the same layout code (``--source`` compares every slot's bytes), so the
+#: rank's first and last slot, its edges, stand for the rest.
+NUMERICS_MAX_EXPERTS = 2
+
+
+def numerics_slots(n_local: int, max_experts: int, generator: torch.Generator) -> list[int]:
+    """The local slots a numerics check runs: the first and the last, then random others up to ``max_experts``."""
+    edges = sorted({0, n_local - 1})[:max_experts]
+    others = [s for s in torch.randperm(n_local, generator=generator).tolist() if s not in edges]
+    return sorted(edges + others[:max(0, max_experts - len(edges))])
 
 
 # --------------------------------------------------------------------------------------
@@ -338,8 +347,8 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
                    tokens: int = 32, max_experts: int = NUMERICS_MAX_EXPERTS) -> None:
     """Pre-baked layout and source checkpoint must give bit-identical MoE outputs.
 
-    Per rank and layer of ``checks`` (:func:`numerics_checks`), tokens are routed top-k over up to ``max_experts`` random local slots
-    (dequantised matrices are large: that bounds memory, not coverage of the layout code);
+    Per rank and layer of ``checks`` (:func:`numerics_checks`), tokens are routed top-k over up to
+    ``max_experts`` local slots (:func:`numerics_slots`: dequantised matrices are large);
     the pre-baked shared expert, where there is one, runs on the same tokens.
     """
     activation, activation_report = expert_activation(ckpt)
@@ -367,7 +376,7 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
         loaded = load_layer(out, rank, layer, report)
         if loaded is None:
             continue
-        slots = sorted(torch.randperm(loaded.num_local_experts, generator=g)[:max_experts].tolist())
+        slots = numerics_slots(loaded.num_local_experts, max_experts, g)
         x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).float()
         scores = torch.randn(tokens, len(slots), generator=g)
         weights, ids = scores.softmax(-1).topk(min(top_k, len(slots)), dim=-1)

@@ -185,6 +185,14 @@ def test_numerics_run_every_layer_once_and_every_rank_by_default():
     assert len(verify_module.numerics_checks([0, 1], layers, every_rank=True)) == 8
 
 
+def test_numerics_run_a_ranks_edge_slots():
+    """The first and last local slot of a rank, then random ones up to the bound."""
+    g = torch.Generator().manual_seed(0)
+    assert verify_module.numerics_slots(3, 2, g) == [0, 2] and verify_module.numerics_slots(1, 2, g) == [0]
+    slots = verify_module.numerics_slots(10, 4, g)
+    assert len(slots) == 4 == len(set(slots)) and slots[0] == 0 and slots[-1] == 9
+
+
 def test_numerics_every_rank_checks_each_rank_and_layer(tiny_converted, tiny_ckpt):
     proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--numerics", "--numerics-every-rank", "--json")
     assert json.loads(proc.stdout)["numerics"]["layers"] == 12
