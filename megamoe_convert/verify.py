@@ -183,9 +183,9 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     scaled = ckpt.dims.format.scaled
     if ckpt.dims.format.kernel == "sm90":  # SGLang's FP8 layout: only the L1 weight's rows move
         return layout.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
-                                             reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
+                                             reader.fp32_scales(layer, logical_ids, ("w1", "w3")),
                                              reader.stacked(layer, logical_ids, ("w2",), "weight"),
-                                             reader.stacked(layer, logical_ids, ("w2",), "scale"))
+                                             reader.fp32_scales(layer, logical_ids, ("w2",)))
     if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
         return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
                                         reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
@@ -299,7 +299,9 @@ def _source_experts(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical
 
     def matrix(lid: int, proj: str) -> torch.Tensor:
         read = lambda kind: files.read(ckpt.expert_entry(layer, lid, proj, kind))  # noqa: E731
-        scale = read("scale") if fmt.scaled else None
+        entry = ckpt.expert_entry(layer, lid, proj, "scale") if fmt.scaled else None  # FP32 values: any float dtype
+        scale = (formats.fp32_block_scales(read("scale"), entry.dtype) if fmt.scale_encoding == "fp32" else
+                 read("scale")) if entry is not None else None
         global_scale = read(formats.WEIGHT_GLOBAL_SCALE).view(torch.float32).reshape(()) if fmt.global_scales else None
         return formats.dequantize(fmt, read("weight"), scale, global_scale)
 

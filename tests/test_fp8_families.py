@@ -142,7 +142,8 @@ def test_rank_files_hold_what_sglangs_sm90_build_leaves(ckpts, v3_converted):
 
 
 def test_verify_runs_the_fp8_moe_reference_and_catches_one_changed_byte(ckpts, v3_converted, tmp_path):
-    done = run_cli("verify", v3_converted, "--source", ckpts["deepseek-v3-tiny"], "--numerics", "--json")
+    done = run_cli("verify", v3_converted, "--source", ckpts["deepseek-v3-tiny"], "--numerics", "--numerics-every-rank",
+                   "--json")
     report = json.loads(done.stdout)
     assert report["ok"] and report["problems"] == []
     numerics = report["numerics"]
@@ -191,3 +192,23 @@ def test_fp8_block_dequantises_each_128x128_block_with_its_fp32_scale():
     scale = torch.arange(1, 7, dtype=torch.float32).reshape(2, 3)
     values = formats.dequantize(fmt, weight.view(torch.uint8), scale.view(torch.uint8))
     assert values[0, 0] == 2.0 and values[127, 383] == 6.0 and values[128, 0] == 8.0 and values[255, 383] == 12.0
+
+
+@pytest.mark.parametrize("scale_dtype,torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_block_scales_stored_in_16_bits_are_widened_to_fp32_as_sglang_loads_them(tmp_path, scale_dtype, torch_dtype):
+    """Some FP8 releases (Qwen3's among them) store ``weight_scale_inv`` in 16 bits; SGLang's weight_loader
+    copies them into its FP32 parameters, so the rank files hold the exact FP32 widening."""
+    from megamoe_convert.synth.write import synthesize
+
+    synthesize(tmp_path / "ckpt", "qwen3-moe-tiny", scale_dtype=scale_dtype, seed=5)
+    src = tensors(tmp_path / "ckpt")
+    assert src["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"].dtype == torch_dtype
+    run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--engine", "sglang")
+    layer = load_rank(tmp_path / "out", 0)[MoELayer.parse("layers.1").prefix]
+    p = "model.layers.1.mlp.experts.2"
+    assert torch.equal(layer.l1.sf[2], torch.cat([src[f"{p}.gate_proj.weight_scale_inv"],
+                                                  src[f"{p}.up_proj.weight_scale_inv"]]).float())
+    assert layer.l2.sf.dtype == torch.float32 and torch.equal(layer.l2.sf[2], src[f"{p}.down_proj.weight_scale_inv"].float())
+    report = json.loads(run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics",
+                                "--json").stdout)
+    assert report["ok"] and report["numerics"]["max_abs_err"] == 0.0

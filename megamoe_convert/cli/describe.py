@@ -96,11 +96,9 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
     path = shlex.quote(out)
     result: dict[str, dict[str, Any]] = {}
     for engine in ("vllm", "sglang"):
-        why = []
-        if manifest.engine != engine:
+        why = engine_problems(engine, manifest) if manifest.engine == engine else []
+        if manifest.engine != engine and not (why := family_refusal(engine, manifest)):
             why.append(f"converted for {manifest.engine}'s expert placement (convert with --engine {engine})")
-        else:
-            why += engine_problems(engine, manifest)
         if engine == "vllm" and not placement.is_default():
             why.append("an explicit placement: vLLM serves only its default one")
         if not coverage["servable"]:
@@ -111,6 +109,15 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
     return result
 
 
+def family_refusal(engine: str, manifest: Manifest) -> list[str]:
+    """Why ``engine`` serves no conversion of the manifest's family at all (empty: it may)."""
+    from megamoe_convert.source.families import by_name
+    from megamoe_convert.source.serving import serving_refusal
+
+    refusal = serving_refusal(by_name(manifest.family, MANIFEST_NAME), engine, manifest.dims.n_routed_experts)
+    return [by_name(manifest.family, MANIFEST_NAME).engine_note] if refusal else []
+
+
 def engine_problems(engine: str, manifest: Manifest) -> list[str]:
     """Why ``engine`` cannot serve what the manifest holds, whatever its placement: the family's
     engines, the shapes, the weight format (empty: it can)."""
@@ -119,8 +126,9 @@ def engine_problems(engine: str, manifest: Manifest) -> list[str]:
     family = by_name(manifest.family, MANIFEST_NAME)
     refusal = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family).get(engine)
     why = [str(refusal)] if refusal else []
-    if engine == "sglang" and manifest.dims.weight_format != "mxfp4" and not why:
-        why.append(f"SGLang's MegaMoE takes MXFP4 experts, these are {manifest.dims.weight_format}")
+    if engine == "sglang" and manifest.dims.weight_format not in ("mxfp4", "fp8_block") and not why:
+        why.append(f"SGLang's MegaMoE takes MXFP4 (Blackwell) or fp8_block (Hopper) experts, these are "
+                   f"{manifest.dims.weight_format}")
     return why
 
 

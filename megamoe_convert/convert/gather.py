@@ -20,6 +20,7 @@ from megamoe_convert.output.naming import rank_file, store_file
 from megamoe_convert.output.shards import rank_shard_metadata, rank_shard_specs, store_metadata
 from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
+from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, TensorSpec, encode_header, read_into,
@@ -50,6 +51,14 @@ class ExpertReader:
             for proj, (n, _) in zip(projs, shapes):
                 self.files.read(self.ckpt.expert_entry(layer, expert, proj, kind), out[i, start:start + n])
                 start += n
+        return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
+
+    def fp32_scales(self, layer: MoELayer, experts: Sequence[int], projs: Sequence[str]) -> torch.Tensor:
+        """``float32 [len(experts), block rows, blocks]``: FP32-encoded block scales in w13's row order,
+        each tensor widened from the dtype it is stored in (``formats.fp32_block_scales``)."""
+        out = torch.stack([torch.cat([formats.fp32_block_scales(self.files.read(entry), entry.dtype)
+                                      for entry in (self.ckpt.expert_entry(layer, e, p, "scale") for p in projs)])
+                           for e in experts])
         return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
 
 
@@ -223,14 +232,16 @@ def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[in
                  cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
     """SGLang's SM90 FP8 layout (``layout.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
     everything else (the L2 weight, both FP32 block scales) the checkpoint's bytes in w13 order."""
-    steps = [(("w1", "w3"), "weight", layout.sm90_l1_weight), (("w1", "w3"), "scale", None),
-             (("w2",), "weight", None), (("w2",), "scale", None)]
-    for projs, kind, transform in steps:
+    steps = [(("w1", "w3"), "weight"), (("w1", "w3"), "scale"), (("w2",), "weight"), (("w2",), "scale")]
+    for projs, kind in steps:
         for experts in _groups(logical_ids, group):
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled")
-            stacked = reader.stacked(layer, experts, projs, kind)
-            yield transform(stacked) if transform is not None else stacked
+            if kind == "scale":
+                yield reader.fp32_scales(layer, experts, projs)
+            else:
+                stacked = reader.stacked(layer, experts, projs, kind)
+                yield layout.sm90_l1_weight(stacked) if projs == ("w1", "w3") else stacked
 
 
 #: The same for every rank of a layer (a plan of 65536 ranks asks 65536 times per layer).

@@ -332,6 +332,8 @@ class Checkpoint:
         if entry.dtype not in allowed:
             raise CheckpointError(f"{entry.path}: {name} has dtype {entry.dtype}, expected one of {', '.join(allowed)} "
                                   f"({fmt.name} experts)")
+        if kind == "scale" and fmt.scale_encoding == "fp32":  # FP32 values stored as F32, BF16 or F16
+            byte_shape = (byte_shape[0], byte_shape[1] // fmt.scale_bytes * DTYPE_BITS[entry.dtype] // 8)
         if entry.byte_shape != byte_shape:
             bits = DTYPE_BITS[entry.dtype]
             logical = [*byte_shape[:-1], byte_shape[-1] * 8 // bits] if len(byte_shape) == 2 else "one value"

@@ -94,7 +94,7 @@ MXFP8 = WeightFormat("mxfp8", "F8_E4M3", ("F8_E4M3",), scale_group_k=32, scale_d
 NVFP4 = WeightFormat("nvfp4", "I8", ("U8", "I8", "F4"), values_per_element=2, scale_group_k=16,
                      scale_dtypes=("F8_E4M3",), global_scales=True, scale_encoding="e4m3")
 BF16 = WeightFormat("bf16", "BF16", ("BF16",), fuses_fp8_shared=False, element="bf16", scale_encoding=None)
-FP8_BLOCK = WeightFormat("fp8_block", "F8_E4M3", ("F8_E4M3",), scale_group_k=128, scale_dtypes=("F32",),
+FP8_BLOCK = WeightFormat("fp8_block", "F8_E4M3", ("F8_E4M3",), scale_group_k=128, scale_dtypes=("F32", "BF16", "F16"),
                          element="e4m3", scale_encoding="fp32", fuses_fp8_shared=False, scale_block_n=128,
                          kernel="sm90")
 
@@ -303,7 +303,8 @@ def manifest_fields(dims: dict[str, Any], fields: jsonio.Fields, max_dim: int) -
 
 
 #: torch dtype of each safetensors dtype a rank file holds.
-TORCH_DTYPES = {"I8": torch.int8, "I32": torch.int32, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
+TORCH_DTYPES = {"I8": torch.int8, "I32": torch.int32, "F32": torch.float32, "F16": torch.float16,
+                "F8_E4M3": torch.float8_e4m3fn,
                 "BF16": torch.bfloat16}
 
 
@@ -314,6 +315,13 @@ def torch_dtype(dtype: str) -> torch.dtype:
 # --------------------------------------------------------------------------------------
 # Values: what the bytes mean (``verify --numerics`` dequantises both forms with these)
 # --------------------------------------------------------------------------------------
+
+def fp32_block_scales(raw: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A checkpoint's FP32-encoded block scales ``[rows, bytes]`` stored as ``dtype`` (``F32``, or the
+    ``BF16`` / ``F16`` some FP8 releases ship) -> float32 ``[rows, blocks]``: widened exactly, as
+    SGLang's ``weight_loader`` copies them into its FP32 ``weight_scale_inv``."""
+    return raw.contiguous().view(torch.uint8).view(torch_dtype(dtype)).float()
+
 
 def decode_elements(fmt: WeightFormat, raw: torch.Tensor) -> torch.Tensor:
     """Weight bytes ``uint8 [..., N, row bytes]`` -> float32 values ``[..., N, K]``: FP4 e2m1

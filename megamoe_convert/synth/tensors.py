@@ -29,7 +29,7 @@ E4M3_SCALE_BYTE_RANGE = (0x28, 0x58)
 FP8_BLOCK = 128
 
 WEIGHT_DTYPES = {"int8": "I8", "uint8": "U8", "float4": "F4"}
-SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8"}
+SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8", "float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def load_preset(name: str) -> dict[str, Any]:
@@ -48,7 +48,7 @@ class SynthTensor:
     dtype: str
     shape: tuple[int, ...]
     #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "fp32_scale" (positive
-    #: FP32 block scales), "e4m3" (finite FP8 values), "bf16" (small finite values), "ones" (bf16 1.0),
+    #: block scales, in the tensor's float dtype), "e4m3" (finite FP8 values), "bf16" (small finite values), "ones" (bf16 1.0),
     #: or "value" (F32 ``value``).
     fill: str = "random"
     value: float = 0.0
@@ -66,7 +66,7 @@ class SynthTensor:
 
 #: How each checkpoint weight / scale dtype is filled.
 WEIGHT_FILLS = {"F8_E4M3": "e4m3", "BF16": "bf16"}
-SCALE_FILLS = {"F8_E4M3": "e4m3_scale", "F32": "fp32_scale"}
+SCALE_FILLS = {"F8_E4M3": "e4m3_scale", "F32": "fp32_scale", "BF16": "fp32_scale", "F16": "fp32_scale"}
 
 
 def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: int, inter: int, fmt: WeightFormat,
@@ -81,8 +81,8 @@ def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: in
             yield SynthTensor(names.expert(layer, e, proj, "weight"), weight_dtype, (n, cols),
                               WEIGHT_FILLS.get(weight_dtype, "random"))
             if fmt.scaled:
-                rows, blocks = fmt.scale_shape(n, k)
-                cols = blocks * fmt.scale_bytes * 8 // DTYPE_BITS[scale_dtype]
+                rows, blocks = fmt.scale_shape(n, k)  # FP32-encoded scales: one value per block, whatever its dtype
+                cols = blocks if fmt.scale_encoding == "fp32" else blocks * fmt.scale_bytes * 8 // DTYPE_BITS[scale_dtype]
                 yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (rows, cols),
                                   SCALE_FILLS.get(scale_dtype, "scale"))
             if fmt.global_scales:

@@ -27,6 +27,7 @@ from megamoe_convert.output.writer import write_json_atomic, write_safetensors
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CONFIG_NAME, INDEX_NAME, MAX_LAYERS
 from megamoe_convert.source.formats import WeightFormat
+from megamoe_convert.source.safetensors_io import DTYPE_BITS
 from megamoe_convert.synth import hf_moe
 from megamoe_convert.synth.kimi import kimi_k3_tensors
 from megamoe_convert.synth.tensors import (
@@ -63,8 +64,11 @@ def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
     if t.fill in ("scale", "e4m3_scale"):
         low, high = SCALE_BYTE_RANGE if t.fill == "scale" else E4M3_SCALE_BYTE_RANGE
         return rng.integers(low, high, size=t.nbytes, dtype=np.uint8).tobytes()
-    if t.fill == "fp32_scale":  # positive, finite: 2**-12 .. 2**-4 with random mantissas
-        return rng.uniform(2.0 ** -12, 2.0 ** -4, size=t.nbytes // 4).astype(np.float32).tobytes()
+    if t.fill == "fp32_scale":  # positive, finite: 2**-12 .. 2**-4 with random mantissas, in the tensor's dtype
+        values = rng.uniform(2.0 ** -12, 2.0 ** -4, size=t.nbytes * 8 // DTYPE_BITS[t.dtype]).astype(np.float32)
+        if t.dtype == "BF16":  # the high halves of the float32 values
+            return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        return values.astype(np.float16 if t.dtype == "F16" else np.float32).tobytes()
     if t.fill == "ones":
         return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
     if t.fill == "e4m3":  # every byte but the two NaNs (0x7F, 0xFF)
@@ -101,7 +105,8 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     the families that nest them).
 
     ``weight_format`` (``formats.FORMATS``) replaces the preset's routed-expert format;
-    ``weight_dtype`` / ``scale_dtype`` pick among the dtypes MXFP4 checkpoints may use.
+    ``weight_dtype`` / ``scale_dtype`` pick among the dtypes MXFP4 checkpoints may use (and ``float32`` /
+    ``bfloat16`` / ``float16`` the FP8 block scales of ``fp8_block`` releases).
 
     ``out`` must be new or empty (``overwrite``: it is replaced). The checkpoint is written
     into a hidden sibling folder and renamed into place when complete, so a crash never leaves
