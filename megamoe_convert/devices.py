@@ -20,21 +20,24 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
-def usable_device(spec: str | torch.device) -> torch.device:
-    """``spec`` as a ``torch.device`` of type ``cpu`` or ``cuda`` that exists here."""
+def usable_device(spec: str | torch.device, flag: str = "") -> torch.device:
+    """``spec`` as a ``torch.device`` of type ``cpu`` or ``cuda`` that exists here (``flag``: the
+    option it came from, named in the error)."""
     import torch
 
+    on = f"{flag}: " if flag else ""
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError):
-        raise DeviceError(f"device {spec!r} is not a device (use cpu, cuda or cuda:N)") from None
+        raise DeviceError(f"{on}device {spec!r} is not a device (use cpu, cuda or cuda:N)") from None
     if device.type == "cpu":
         return device
     if device.type != "cuda":
-        raise DeviceError(f"device {str(device)!r} is not supported (use cpu, cuda or cuda:N)")
+        raise DeviceError(f"{on}device {str(device)!r} is not supported (use cpu, cuda or cuda:N)")
     if not torch.cuda.is_available():
-        raise DeviceError(f"device {str(device)!r}: no CUDA GPU is available to this process")
+        raise DeviceError(f"{on}device {str(device)!r}: no CUDA GPU is available to this process")
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
-        raise DeviceError(f"device {str(device)!r}: this process sees {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+        raise DeviceError(f"{on}device {str(device)!r}: this process sees {count} CUDA GPU(s) "
+                          f"(cuda:0 to cuda:{count - 1})")
     return device

@@ -4,7 +4,8 @@ manifests, journals, state files, safetensors headers).
 Hostile or damaged input must fail as one line naming the file and what was expected, never
 as a traceback: so nesting depth, duplicate keys, non-finite and huge numbers and invalid
 UTF-8 are refused while parsing, and the typed accessors below check each field's type and
-range before any code uses it. Every error is raised as the caller's own error class.
+range before any code uses it. Every function takes the caller's error class and raises each
+problem once, as that class, naming the file (``JsonError`` where the caller has none of its own).
 """
 
 from __future__ import annotations
@@ -45,20 +46,23 @@ E = TypeVar("E", bound=Exception)
 T = TypeVar("T")
 
 
+# The parser's hooks raise plain ValueErrors: :func:`parse` turns each into the caller's error,
+# with the document's name (the hooks know neither).
+
 def _constant(name: str) -> Any:
-    raise JsonError(f"non-finite number {name}")
+    raise ValueError(f"non-finite number {name}")
 
 
 def _float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise JsonError(f"number {text[:20]} out of range")
+        raise ValueError(f"number {text[:20]} out of range")
     return value
 
 
 def _int(text: str) -> int:
     if len(text.lstrip("-")) > 19 or abs(value := int(text)) > MAX_INT:
-        raise JsonError(f"integer {text[:20]}{'...' if len(text) > 20 else ''} out of range")
+        raise ValueError(f"integer {text[:20]}{'...' if len(text) > 20 else ''} out of range")
     return value
 
 
@@ -67,7 +71,7 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(data) != len(pairs):
         seen: set[str] = set()
         duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise JsonError(f"duplicate key {duplicate!r}")
+        raise ValueError(f"duplicate key {duplicate!r}")
     return data
 
 
@@ -77,7 +81,7 @@ def _check_depth(data: Any) -> None:
     while stack:
         value, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise JsonError(f"nested deeper than {MAX_DEPTH} levels")
+            raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
         children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
         stack.extend((child, depth + 1) for child in children)
 
@@ -93,7 +97,7 @@ def parse(raw: bytes | str, where: object, error: type[E]) -> Any:
         raise error(f"{where}: invalid JSON (nested too deeply)") from None
     except UnicodeDecodeError as e:
         raise error(f"{where}: invalid JSON (not UTF-8 text: byte {e.start})") from None
-    except ValueError as e:  # JSONDecodeError and JsonError
+    except ValueError as e:  # JSONDecodeError and the hooks' refusals
         raise error(f"{where}: invalid JSON ({e})") from None
     return data
 

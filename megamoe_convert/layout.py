@@ -43,11 +43,13 @@ class KernelWeights(NamedTuple):
 # Checks
 # --------------------------------------------------------------------------------------
 
-def check_dims(hidden: int, intermediate: int) -> None:
-    """The spec's up-front requirement: ``H % 128 == 0`` and ``I % 128 == 0``."""
+def check_dims(hidden: int, intermediate: int, where: object = None) -> None:
+    """The spec's up-front requirement: ``H % 128 == 0`` and ``I % 128 == 0`` (``where``: the file
+    the sizes come from, named in the error)."""
+    prefix = "" if where is None else f"{where}: "
     for name, value in (("hidden_size", hidden), ("moe_intermediate_size", intermediate)):
         if value <= 0 or value % DIM_MULTIPLE:
-            raise LayoutError(f"{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
+            raise LayoutError(f"{prefix}{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
 
 
 def as_bytes(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:

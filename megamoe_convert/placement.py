@@ -243,33 +243,33 @@ def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:
                                  f"(at most {MAX_PHYSICAL_EXPERTS} physical experts, ep_size at most {MAX_EP_SIZE})")
 
 
-def parse_range(part: str, flag: str, example: str, limit: int) -> tuple[int, int]:
+def parse_range(part: str, flag: str, example: str, limit: int, error: type[Exception] = PlacementError,
+                context: str = "") -> tuple[int, int]:
     """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``, ``"x"``) is
-    an error, and so is any bound outside ``0..limit``: checked before anything is expanded."""
+    an error, and so is any bound outside ``0..limit``: checked before anything is expanded. A
+    problem is ``error`` (the caller's class), its message ending with ``context``."""
     lo, dash, hi = part.partition("-")
-    try:  # the one strict parser: ASCII digits only ('²' passes str.isdigit, '٣' passes int)
-        first = jsonio.parse_uint(lo, flag, PlacementError, 0, 10**9 - 1)
-        last = jsonio.parse_uint(hi, flag, PlacementError, 0, 10**9 - 1) if dash else first
-    except PlacementError:
-        raise PlacementError(f"{flag}: cannot parse {jsonio.one_line(repr(part))} (expected e.g. {example})") from None
+    bounds = (lo, hi) if dash else (lo,)
+    # the one strict parser's digits: ASCII only ('²' passes str.isdigit, '٣' passes int)
+    if not all(jsonio.is_uint(b) and int(b) < 10**9 for b in bounds):
+        raise error(f"{flag}: cannot parse {jsonio.one_line(repr(part))} (expected e.g. {example}){context}")
+    first, last = int(lo), int(bounds[-1])
     if first > last:
-        raise PlacementError(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first})")
+        raise error(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first}){context}")
     if last > limit:
-        raise PlacementError(f"{flag}: {part!r} is outside 0..{limit}")
+        raise error(f"{flag}: {part!r} is outside 0..{limit}{context}")
     return first, last
 
 
-def parse_ranks(spec: str | None, ep_size: int) -> list[int]:
-    """``"0,3-5"`` -> ``[0, 3, 4, 5]``; ``None`` -> every rank. Out-of-range ranks are errors."""
+def parse_ranks(spec: str | None, ep_size: int, where: str = "") -> list[int]:
+    """``"0,3-5"`` -> ``[0, 3, 4, 5]``; ``None`` -> every rank. Out-of-range ranks are errors
+    (naming ``where``, the conversion the ranks are of, when given)."""
     check_counts(1, ep_size)
     if spec is None or spec.strip() in ("", "all"):
         return list(range(ep_size))
     ranks: set[int] = set()
     for part in spec.split(","):
-        part = part.strip()
-        try:
-            first, last = parse_range(part, "--ranks", "0,3-5", ep_size - 1)
-        except PlacementError as e:
-            raise PlacementError(f"{e} for ep_size={ep_size}") from None
+        first, last = parse_range(part.strip(), "--ranks", "0,3-5", ep_size - 1,
+                                  context=f" for ep_size={ep_size}" + (f" ({where})" if where else ""))
         ranks.update(range(first, last + 1))
     return sorted(ranks)

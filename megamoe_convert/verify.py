@@ -32,7 +32,7 @@ from megamoe_convert import layout
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
 from megamoe_convert.layout import KernelWeights
-from megamoe_convert.errors import LoadError, ManifestError, UsageError
+from megamoe_convert.errors import LoadError, ManifestError, MegamoeError, UsageError
 from megamoe_convert.output import marker, ranged
 from megamoe_convert.output.compare import (check_family, compare_extras, compare_non_expert, copied_family_problem,
                                             numerics_config, same_values)
@@ -213,7 +213,7 @@ def load_layer(out: Path, rank: int, layer: MoELayer, report: VerifyReport) -> A
     """One rank's layer, or None (with the reason recorded) when it cannot be loaded."""
     try:
         return load_rank(out, rank, layers=[layer.key])[layer.prefix]
-    except LoadError as e:
+    except MegamoeError as e:
         report.problem(f"rank {rank} {layer.key}", f"cannot be loaded: {e}")
         return None
 

@@ -11,6 +11,7 @@ import pytest
 from safetensors import safe_open
 
 from conftest import run_cli
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.source import families
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
@@ -122,7 +123,7 @@ def test_an_unsupported_model_family_is_refused_naming_what_was_found(kimi_ckpt,
     for f in kimi_ckpt.iterdir():
         if f.name != "config.json":
             (tmp_path / f.name).symlink_to(f)
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(MegamoeError, match=message):
         Checkpoint.open(tmp_path)
     proc = run_cli("inspect", tmp_path, check=False)
     assert proc.returncode != 0 and "is no model family megamoe-convert converts" in proc.stderr

@@ -21,7 +21,7 @@ from megamoe_convert.errors import ConvertError
 from megamoe_convert.convert.plan import ConvertOptions, parse_shard
 from megamoe_convert.convert.run import build_plan, convert
 from megamoe_convert.convert.fleet import MergeError, merge
-from megamoe_convert.serve.errors import LoadError
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import FileCache
 
@@ -56,7 +56,7 @@ def test_parts_in_separate_directories_then_merge_equal_a_single_machine_convert
     written = [set(output_files(p)) for p in parts]
     for i, part in enumerate(parts):
         assert not (part / "manifest.json").exists() and (part / f"manifest.part-0000{i}-of-00003.json").exists()
-        with pytest.raises(LoadError, match="megamoe merge"):  # a part is never loadable on its own
+        with pytest.raises(MegamoeError, match="megamoe merge"):  # a part is never loadable on its own
             load_rank(part, 0)
     assert not (written[0] & written[1]) and not (written[1] & written[2])  # no file converted twice
 

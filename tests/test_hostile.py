@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from conftest import REPO, run_cli
 from typer.testing import CliRunner
 
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.cli import app
 from megamoe_convert.cli._run import HANDLED_ERRORS
 from megamoe_convert.serve.errors import LoadError
@@ -171,7 +172,7 @@ def test_a_manifest_that_contradicts_itself_is_refused_and_verify_lists_why(ep2,
     (out / "manifest.json").write_text(seal(manifest))
     proc = run_cli("verify", out, check=False)
     assert proc.returncode == 1 and all(e in proc.stdout + proc.stderr for e in expected), proc.stdout
-    with pytest.raises(LoadError, match=expected[0]):
+    with pytest.raises(MegamoeError, match=expected[0]):
         load_rank(out, 0)
 
 
@@ -179,7 +180,7 @@ def test_a_flipped_byte_in_the_manifest_is_caught_by_its_own_checksum(ep2, tmp_p
     out = copy_of(ep2, tmp_path)
     text = (out / "manifest.json").read_text()
     (out / "manifest.json").write_text(text.replace('"size": 1', '"size": 2', 1))
-    with pytest.raises(LoadError, match="manifest_checksum does not match its content"):
+    with pytest.raises(MegamoeError, match="manifest_checksum does not match its content"):
         load_rank(out, 0)
 
 
@@ -315,7 +316,7 @@ def test_fuzz_placement_files_only_raise_placement_errors(tmp_path_factory, doc)
     st.none() | st.integers(-3, 1 << 70) | st.text(max_size=4) | st.floats(),
     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
         st.sampled_from(["dtype", "shape", "data_offsets"]), kids, max_size=3), max_leaves=8), max_size=4))
-def test_fuzz_rank_shard_headers_are_a_load_error(ep2, tmp_path_factory, header):
+def test_fuzz_rank_shard_headers_are_one_line_errors(ep2, tmp_path_factory, header):
     out = tmp_path_factory.mktemp("fuzz-shard") / "out"
     shutil.copytree(ep2, out)
     rel = "rank-00000-of-00002/layers.0.safetensors"
@@ -325,7 +326,7 @@ def test_fuzz_rank_shard_headers_are_a_load_error(ep2, tmp_path_factory, header)
     (out / rel).write_bytes(raw + b"\0" * max(0, size - len(raw)))
     try:
         load_rank(out, 0)
-    except LoadError as e:
+    except MegamoeError as e:
         assert "\n" not in str(e)
         assert isinstance(e, HANDLED_ERRORS)
         return

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from conftest import REPO
 from hub_fake import FakeHub, cache_put
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
@@ -173,7 +174,7 @@ def test_pull_verifies_checksums_and_force_download_repairs(pushed, tiny_convert
 
 def test_pull_errors_name_the_problem(pushed, tiny_ckpt, tmp_path):
     fake = pushed
-    with pytest.raises(HubError, match="'7' is outside 0..3 for ep_size=4"):
+    with pytest.raises(MegamoeError, match="'7' is outside 0..3 for ep_size=4"):
         pull(REPO_ID, "7", revision="ep4")
     with pytest.raises(HubError, match="repository not found"):
         pull("team/nothing-here", "0")
@@ -211,7 +212,7 @@ def test_load_rank_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
     experts = load_rank(f"{REPO_ID}@ep4", 2)
     assert set(fake.downloaded) - {"manifest.json"} == SMALL | rank_files(2)  # no non-expert shards
     assert_same_rank(experts, load_rank(tiny_converted, 2))
-    with pytest.raises(LoadError, match="repository not found .*not a local directory either"):
+    with pytest.raises(HubError, match="repository not found .*not a local directory either"):
         load_rank("team/missing", 0)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_cli
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert import layout_inverse
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
@@ -122,7 +123,7 @@ def test_wrong_rank_is_refused(tiny_converted):
 
 def test_unknown_newer_layout_version_is_refused(tiny_converted, tmp_path):
     out = edited_copy(tiny_converted, tmp_path, lambda m, _: m.update(layout_version=2))
-    with pytest.raises(LoadError, match="layout_version 2 is newer than this megamoe-convert understands"):
+    with pytest.raises(MegamoeError, match="layout_version 2 is newer than this megamoe-convert understands"):
         load_rank(out, 0)
 
 
@@ -136,13 +137,13 @@ def test_missing_and_resized_files_are_refused(tiny_converted, tmp_path):
         load_rank(out, 2)
 
 
-def test_rank_file_missing_from_the_manifest_is_a_load_error_naming_it(tiny_converted, tmp_path):
+def test_rank_file_missing_from_the_manifest_is_refused_naming_it(tiny_converted, tmp_path):
     dropped = "rank-00001-of-00004/mtp.0.safetensors"
     out = edited_copy(tiny_converted, tmp_path,
                       lambda m, _: m.update(files=[f for f in m["files"] if f["path"] != dropped]))
     # The manifest no longer covers every rank x layer: it is refused whole, naming the file.
     for layers in (None, ["layers.0", "layers.1"]):
-        with pytest.raises(LoadError, match=rf"{out / 'manifest.json'}: {dropped}: rank 1 x mtp.0 is not listed") as info:
+        with pytest.raises(MegamoeError, match=rf"{out / 'manifest.json'}: {dropped}: rank 1 x mtp.0 is not listed") as info:
             load_rank(out, 1, layers=layers)
         assert "\n" not in str(info.value)
 
@@ -152,7 +153,7 @@ def test_manifest_of_another_ep_size_is_refused(tiny_converted, tmp_path):
         manifest["placement"]["ep_size"] = manifest["ep_size"] = 2
         manifest["placement"]["experts_per_rank"] = 6
     out = edited_copy(tiny_converted, tmp_path, other_ep)
-    with pytest.raises(LoadError, match=r"manifest.json: rank 2 out of range for ep_size=2"):
+    with pytest.raises(MegamoeError, match=r"manifest.json: rank 2 out of range for ep_size=2"):
         load_rank(out, 0)
 
     def consistent_other_ep(manifest, _):  # a whole EP-2 manifest over EP-4 files
@@ -161,16 +162,16 @@ def test_manifest_of_another_ep_size_is_refused(tiny_converted, tmp_path):
         for record in manifest["files"]:
             record["path"] = record["path"].replace("-of-00004/", "-of-00002/")
     out = edited_copy(tiny_converted, tmp_path / "consistent", consistent_other_ep)
-    with pytest.raises(LoadError, match=r"rank-00000-of-00002/layers.0.safetensors"):
+    with pytest.raises(MegamoeError, match=r"rank-00000-of-00002/layers.0.safetensors"):
         load_rank(out, 0)
 
 
 def test_unfinished_directory_is_refused(tiny_converted, tmp_path):
     out = edited_copy(tiny_converted, tmp_path, lambda m, _: m.update(complete=False))
-    with pytest.raises(LoadError, match="did not finish"):
+    with pytest.raises(MegamoeError, match="did not finish"):
         load_rank(out, 0)
     (out / "manifest.json").unlink()
-    with pytest.raises(LoadError, match="not a finished megamoe conversion"):
+    with pytest.raises(MegamoeError, match="not a finished megamoe conversion"):
         load_rank(out, 0)
 
 
@@ -313,11 +314,11 @@ def test_shard_whose_experts_disagree_with_the_manifest_placement_is_refused(tin
 
 @pytest.mark.parametrize("device, message", [("tpu", "is not a device"), ("meta", "is not supported"),
                                              ("cuda:7", "cuda:7")])
-def test_unusable_devices_are_a_load_error_before_any_file_is_read(tmp_path, device, message):
+def test_unusable_devices_are_refused_before_any_file_is_read(tmp_path, device, message):
     """Checked before the directory is even opened: the path here does not exist."""
     if device == "cuda:7" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has 8 GPUs")
-    with pytest.raises(LoadError, match=message):
+    with pytest.raises(MegamoeError, match=message):
         load_rank(tmp_path / "missing", 0, device=device)
 
 

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, output_files, run_cli
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.cli._run import run_command
 from megamoe_convert.errors import OutputBusy
 from megamoe_convert.output.naming import part_name
@@ -59,7 +60,7 @@ def cli_cmd(*args: object) -> list[str]:
 
 def assert_refused_as_unfinished(out: Path) -> None:
     assert not (out / "manifest.json").exists()
-    with pytest.raises(LoadError, match="not a finished megamoe conversion"):
+    with pytest.raises(MegamoeError, match="not a finished megamoe conversion"):
         load_rank(out, 0)
     report = verify(out)
     assert not report.ok and "not a finished megamoe conversion" in str(report.problems[0])
@@ -316,7 +317,7 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
             record["size"] = (out / rel).stat().st_size
     (out / "manifest.json").write_text(seal(manifest))
     # The forged record now contradicts the manifest's own dims: refused before the shard is opened.
-    with pytest.raises(LoadError, match=rf"{rel}: listed with size \d+, its dims and placement give \d+"):
+    with pytest.raises(MegamoeError, match=rf"{rel}: listed with size \d+, its dims and placement give \d+"):
         load_rank(out, 1)
 
 
@@ -468,7 +469,7 @@ def test_corrupted_manifest_text_is_refused(tiny_converted, tmp_path):
     (out / "manifest.json").write_text('{"format": "megamoe-convert", "format_version": 1,')
     with pytest.raises(ManifestError, match="manifest.json: invalid JSON"):
         read_manifest(out)
-    with pytest.raises(LoadError, match="manifest.json: invalid JSON"):
+    with pytest.raises(MegamoeError, match="manifest.json: invalid JSON"):
         load_rank(out, 0)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from conftest import run_cli
 
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source.safetensors_io import read_header
@@ -267,7 +268,7 @@ def test_n6_a_fifo_manifest_never_hangs(converted, tmp_path):
     out = copy(converted["mx"], tmp_path)
     _fifo(out / "manifest.json")
     result: list[BaseException] = []
-    thread = threading.Thread(target=lambda: result.append(pytest.raises(LoadError, load_rank, out, 0).value),
+    thread = threading.Thread(target=lambda: result.append(pytest.raises(MegamoeError, load_rank, out, 0).value),
                               daemon=True)
     thread.start()
     thread.join(30)

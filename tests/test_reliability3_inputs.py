@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, run_cli
 from test_reliability3 import EP2, RANK0, copy, one_line_refusal, problems
 
+from megamoe_convert.errors import MegamoeError
 from megamoe_convert.loader import LoadError, load_rank
 
 
@@ -160,7 +161,7 @@ def test_n10_an_oversized_placement_file_is_refused_before_it_is_parsed(src, tmp
 def test_n10_an_oversized_manifest_is_refused_by_its_size(ep2, tmp_path):
     out = copy(ep2, tmp_path)
     os.truncate(out / "manifest.json", 129 << 20)  # sparse: no 129 MB written
-    with pytest.raises(LoadError, match="more than one can hold"):
+    with pytest.raises(MegamoeError, match="more than one can hold"):
         load_rank(out, 0)
     assert any("more than one can hold" in p for p in problems(run_cli("verify", out, check=False)))
 

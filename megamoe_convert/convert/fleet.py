@@ -26,7 +26,6 @@ from megamoe_convert.errors import MergeError  # noqa: F401
 
 from megamoe_convert import jsonio
 from megamoe_convert.convert.plan import index_text, non_expert_index
-from megamoe_convert.errors import ManifestError
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, is_own_path
 from megamoe_convert.output.preflight import check_no_links
@@ -346,10 +345,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     write_json_atomic(state.journal_path, "".join(json.dumps(r.to_json()) + "\n" for _, r in files), fsync=fsync,
                       root=out)
     data = dict(first.manifest, complete=True, files=[r.to_json() for r in listed])
-    try:
-        manifest = Manifest.from_json(data, str(first.path), sealed=False)
-    except ManifestError as e:
-        raise MergeError(str(e)) from None
+    manifest = Manifest.from_json(data, str(first.path), sealed=False)
     write_json_atomic(out / MANIFEST_NAME, manifest.dumps(), fsync=fsync)
     make_dirs_inside(out, out / MERGED_PARTS_DIR)
     for part in chosen:  # consumed: OUT is now the whole conversion; kept out of sight for a re-merge

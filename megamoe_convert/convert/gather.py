@@ -21,7 +21,7 @@ from megamoe_convert.output.shards import rank_shard_metadata, rank_shard_specs,
 from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
 from megamoe_convert.source import formats
-from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint, CheckpointError
+from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, TensorSpec, encode_header, read_into,
                                                    readv_into)
@@ -323,10 +323,7 @@ def small_file_units(plan: Plan) -> list[Unit]:
     (``output/marker.py``), so that no engine without megamoe-convert serves the missing experts."""
     def unit(src: Path) -> Unit:
         if src.name == CONFIG_NAME:
-            try:
-                marked = marker.mark(src.read_bytes(), str(src))
-            except marker.MarkerError as e:
-                raise CheckpointError(str(e)) from None
+            marked = marker.mark(src.read_bytes(), str(src))
 
             def write_marked() -> FileRecord:
                 with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:

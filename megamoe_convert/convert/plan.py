@@ -17,7 +17,7 @@ from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.stamps import stamp_files
 from megamoe_convert.output.writer import FileRecord
 from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, Placement, PlacementError, check_file_fields, layer_placement
-from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError, parse_layer_spec
+from megamoe_convert.source.checkpoint import Checkpoint, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.serving import serving_refusal
 
@@ -61,10 +61,7 @@ class ConvertOptions:
 
 def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
     """``--layers``: ``"0-3,7,mtp"`` style (:func:`checkpoint.parse_layer_spec`)."""
-    try:
-        return parse_layer_spec(ckpt.layers, spec, ckpt.root)
-    except CheckpointError as e:
-        raise ConvertError(str(e)) from None
+    return parse_layer_spec(ckpt.layers, spec, ckpt.root, ConvertError)
 
 
 def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:

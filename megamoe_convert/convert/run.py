@@ -30,7 +30,7 @@ from megamoe_convert.convert.plan import (
     select_layers,
     shard_units,
 )
-from megamoe_convert.devices import DeviceError, usable_device
+from megamoe_convert.devices import usable_device
 from megamoe_convert.output import rank_extras
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
@@ -108,10 +108,7 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     """Run (or resume) a conversion. Raises on any problem; OUT then has no manifest."""
     src, out = Path(src), Path(out)
     progress = progress or NoProgress()
-    try:
-        usable_device(options.device)
-    except DeviceError as e:
-        raise ConvertError(f"--device: {e}") from None
+    usable_device(options.device, "--device")
     cancelled = threading.Event()
     started = time.perf_counter()
     with FileCache() as files:

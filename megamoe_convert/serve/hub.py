@@ -49,7 +49,7 @@ from megamoe_convert.output.locks import hold_whole_output
 from megamoe_convert.output.naming import owned_path
 from megamoe_convert.output.resume import check_output_dir
 from megamoe_convert.output.writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
-from megamoe_convert.placement import PlacementError, parse_ranks
+from megamoe_convert.placement import parse_ranks
 from megamoe_convert.serve.hub_card import CARD_NAME, model_card
 from megamoe_convert.source.checkpoint import INDEX_NAME
 
@@ -162,12 +162,9 @@ class PullResult:
 def _parse_pull_ranks(ranks: str | Iterable[int] | None, manifest: Manifest, where: str) -> list[int]:
     if ranks is None or manifest.store:  # a store's ranks are the engine's: whole (or `pull --ep-size`)
         return list(manifest.ranks)
-    try:
-        chosen = parse_ranks(ranks, manifest.ep_size) if isinstance(ranks, str) else sorted(set(ranks))
-        for rank in chosen:
-            manifest.placement.check_rank(rank)
-    except PlacementError as e:
-        raise HubError(f"{where}: {e}") from None
+    chosen = parse_ranks(ranks, manifest.ep_size, where) if isinstance(ranks, str) else sorted(set(ranks))
+    for rank in chosen:
+        manifest.placement.check_rank(rank)
     missing = [r for r in chosen if r not in manifest.ranks]
     if missing:
         raise HubError(f"{where}: rank {missing[0]} was not converted (this conversion has ranks {manifest.ranks} "
@@ -241,13 +238,9 @@ def pin(repo_id: str, revision: str | None = None, force_download: bool = False)
     revision = revision or rev
     first = _snapshot(repo_id, revision, allow_patterns=[MANIFEST_NAME], force_download=force_download)
     where = f"{repo_id}@{revision or 'main'}"
-    try:
-        manifest = read_manifest(first)
-    except ManifestError as e:
-        if not (first / MANIFEST_NAME).exists():
-            raise HubError(f"{where}: no {MANIFEST_NAME}: not a megamoe conversion, or its `megamoe push` did not "
-                           "finish") from None
-        raise HubError(f"{where}: {e}") from None
+    if not (first / MANIFEST_NAME).exists():
+        raise HubError(f"{where}: no {MANIFEST_NAME}: not a megamoe conversion, or its `megamoe push` did not finish")
+    manifest = read_manifest(first)
     commit = first.name if huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name) else (revision or "main")
     return Pinned(repo_id, commit, manifest, first, where)
 
@@ -331,12 +324,9 @@ def _download_checked(pinned: Pinned, records: list[FileRecord], patterns: list[
     path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
                      force_download=force_download, max_workers=max_workers)
     if local_dir is None or from_cache:  # the cache's manifest came down again: still the pinned one?
-        try:
-            if read_manifest(path).to_json() != manifest.to_json():
-                raise HubError(f"{path / MANIFEST_NAME}: differs from {pinned.where}'s (the repo changed during the "
-                               "pull); rerun")
-        except ManifestError as e:
-            raise HubError(str(e)) from None
+        if read_manifest(path).to_json() != manifest.to_json():
+            raise HubError(f"{path / MANIFEST_NAME}: differs from {pinned.where}'s (the repo changed during the "
+                           "pull); rerun")
     missing = ("not in the Hugging Face cache, and HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE
                else "missing after the download (an incomplete push?)")
     verify_files(path, records, verify, f"{MANIFEST_NAME} of {repo_id}@{commit[:12]}", max_workers, missing)
@@ -377,17 +367,17 @@ def resolve_converted(out_or_repo: Path | str, ranks: Iterable[int] | None = Non
     manifest, the small files and those ranks' shards (``non_expert=True`` adds the non-expert
     shards), sizes checked (``verify``: checksums too), and the snapshot directory returned.
 
-    Raises :class:`megamoe_convert.serve.errors.LoadError` on any hub problem.
+    A hub problem is a :class:`~megamoe_convert.errors.HubError` that also says the name is no local
+    directory; a conversion that came down but cannot be read raises its own class.
     """
     path = Path(out_or_repo)
     if path.exists() or parse_repo_ref(str(out_or_repo)) is None:
         return path
-    from megamoe_convert.serve.errors import LoadError
     try:
         return pull(str(out_or_repo), None if ranks is None else list(ranks), None, revision,
                     non_expert=non_expert, verify=verify).path
-    except HubError as e:
-        raise LoadError(f"{e} ({out_or_repo} is not a local directory either)") from None
+    except HubError as e:  # the same error, saying the name was tried as a local directory first
+        raise HubError(f"{e} ({out_or_repo} is not a local directory either)") from None
 
 
 # --------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def pull_ranges(repo_id: str, local_dir: Path | str, ep_size: int, ranks: str | 
         raise HubError(f"{where}: a per-rank conversion (ep_size={manifest.ep_size}); pull its ranks with --ranks "
                        "alone (--ep-size is for a store)")
     placements = store.store_placements(manifest, ep_size, num_redundant, placement_file, engine, where, HubError)
-    chosen = parse_ranks(ranks, ep_size)
+    chosen = parse_ranks(ranks, ep_size, where)
     needed = needed_ranges(manifest, placements, chosen)
     records, patterns = select_files(manifest, manifest.ranks, non_expert, experts=False)
     with claim_local_dir(local_dir, "`megamoe pull --ep-size`"):

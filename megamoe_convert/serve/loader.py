@@ -21,10 +21,9 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from megamoe_convert import jsonio, layout
-from megamoe_convert.devices import DeviceError, usable_device
+from megamoe_convert.devices import usable_device
 from megamoe_convert.jsonio import Fields, one_line
 from megamoe_convert.layout import KernelWeights
-from megamoe_convert.errors import ManifestError
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs
@@ -35,11 +34,10 @@ from megamoe_convert.placement import Placement
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import families, formats
-from megamoe_convert.source.checkpoint import CheckpointError, parse_layer_spec
-from megamoe_convert.source.families import FamilyError, ModelFamily, TensorNames
+from megamoe_convert.source.checkpoint import parse_layer_spec
+from megamoe_convert.source.families import ModelFamily, TensorNames
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
-    SafetensorsError,
     SafetensorsHeader,
     TensorEntry,
     read_header,
@@ -114,10 +112,7 @@ class ConvertedModel:
         """Decoder layers of the model, from the copied ``config.json`` (engines number MTP
         blocks after them)."""
         where = self.path / "config.json"
-        try:
-            text = self.family.text(jsonio.read(where, LoadError, "config.json", jsonio.MAX_CONFIG_BYTES))
-        except FamilyError as e:
-            raise LoadError(f"{where}: {e}") from None
+        text = self.family.text(jsonio.read(where, LoadError, "config.json", jsonio.MAX_CONFIG_BYTES), where)
         return Fields(where, LoadError).int(text, self.family.keys["layers"], 0, 1 << 20)
 
     @cached_property
@@ -136,10 +131,7 @@ def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | No
         from megamoe_convert.serve.hub import resolve_converted
 
         path = resolve_converted(out, None if ranks is None else list(ranks))
-    try:
-        converted = ConvertedModel(path, read_manifest(path))
-    except ManifestError as e:
-        raise LoadError(str(e)) from None
+    converted = ConvertedModel(path, read_manifest(path))
     if problem := copied_family_problem(path, converted.manifest):  # a relabelled family, even resealed
         raise LoadError(f"{path / MANIFEST_NAME}: {problem}")
     return converted
@@ -155,10 +147,7 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
     if layers is None:
         return list(manifest.layers)
     if isinstance(layers, str):
-        try:
-            return parse_layer_spec(manifest.layers, layers, "this conversion")
-        except CheckpointError as e:
-            raise LoadError(str(e)) from None
+        return parse_layer_spec(manifest.layers, layers, "this conversion", LoadError)
     try:  # any iterable, read once and only as far as a valid selection can reach
         names = list(itertools.islice(layers, 2 * len(manifest.layers) + 1))
     except TypeError:
@@ -182,14 +171,14 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
                         f"(ranks 0..{manifest.ep_size - 1})")
     if rank not in manifest.ranks:
         raise LoadError(f"rank {rank} was not converted into {out} (converted ranks: {manifest.ranks})")
+    listed = {record.path: record for record in manifest.files}
     chosen = {}
     for layer in layers:
         path = manifest.expert_file(layer, rank)
-        try:
-            chosen[layer] = manifest.file(path)
-        except ManifestError:
+        if path not in listed:
             raise LoadError(f"{out / path}: not listed in {out / MANIFEST_NAME} (the manifest is incomplete "
-                            "or was edited)") from None
+                            "or was edited)")
+        chosen[layer] = listed[path]
     records = list(chosen.values())
     for record, problem in zip(records, file_problems([(out / r.path, r) for r in records], "manifest.json", verify)):
         if problem:
@@ -366,10 +355,7 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     for name, value in (("rank", rank), ("ep_size", 0 if ep_size is None else ep_size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise LoadError(f"{name} must be an int, got {value!r}")
-    try:
-        device = usable_device(device)
-    except DeviceError as e:
-        raise LoadError(str(e)) from None
+    device = usable_device(device)
     converted = open_converted(out, [rank])
     try:  # a file or folder that cannot be read (permissions, I/O error) is a LoadError too
         return _load_rank(converted, rank, device, layers, verify, ep_size, into)
@@ -412,10 +398,7 @@ def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layer
     served = ranged.served_ranges(out, LoadError)  # a ranged pull: only its ranges are data, never its holes
     headers: dict[MoELayer, dict[str, TensorEntry]] = {}
     for layer, record in records.items():
-        try:
-            header = read_header(out / record.path)
-        except SafetensorsError as e:
-            raise LoadError(one_line(str(e))) from None
+        header = read_header(out / record.path)
         headers[layer] = check_shard(header, manifest, layer, rank)
         if served is not None:
             ranged.check_covered(out, {record.path: [(e.begin, e.nbytes, key) for key, e in headers[layer].items()]},

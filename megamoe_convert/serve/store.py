@@ -23,7 +23,6 @@ from typing import Mapping, Sequence
 
 import torch
 
-from megamoe_convert.jsonio import one_line
 from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import store_file
@@ -37,7 +36,6 @@ from megamoe_convert.source import families, formats
 from megamoe_convert.source.serving import serving_refusal
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
-    SafetensorsError,
     TensorEntry,
     TensorSpec,
     encode_header,
@@ -122,10 +120,7 @@ def check_store_file(path: Path, manifest: Manifest, layer: MoELayer) -> dict[st
     expected, entries = written_header(manifest, layer, path)
     if _starts_with(path, expected):
         return entries
-    try:
-        header = read_header(path)
-    except SafetensorsError as e:
-        raise LoadError(one_line(str(e))) from None
+    header = read_header(path)
     n = manifest.dims.experts_of(layer)
     entries = {}
     for key, spec in formats.spec_keys(rank_shard_specs(layer, n, manifest.dims), layer.prefix).items():

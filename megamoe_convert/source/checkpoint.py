@@ -21,18 +21,17 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
-from megamoe_convert.errors import CheckpointError  # noqa: F401
+from megamoe_convert.errors import CheckpointError, MegamoeError  # noqa: F401
 
 from megamoe_convert import jsonio
-from megamoe_convert.layout import LayoutError, check_dims
-from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, PlacementError, parse_range
+from megamoe_convert.layout import check_dims
+from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, parse_range
 from megamoe_convert.source import formats
-from megamoe_convert.source.families import FamilyError, ModelFamily, TensorNames, detect
-from megamoe_convert.source.formats import FormatError, WeightFormat
+from megamoe_convert.source.families import ModelFamily, TensorNames, detect
+from megamoe_convert.source.formats import WeightFormat
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     DTYPE_BITS,
-    SafetensorsError,
     SafetensorsHeader,
     TensorEntry,
     read_header,
@@ -135,11 +134,8 @@ class Checkpoint:
         config_path = root / CONFIG_NAME
         config = jsonio.Fields(config_path, CheckpointError).obj(
             jsonio.read(config_path, CheckpointError, "config.json", jsonio.MAX_CONFIG_BYTES), name="config.json")
-        try:
-            family = detect(config, config_path)
-            text = family.text(config)
-        except FamilyError as e:
-            raise CheckpointError(str(e)) from None
+        family = detect(config, config_path)
+        text = family.text(config, config_path)
         dims = cls._dims_from_config(family, config, config_path)
         names = family.names(_config_int(text, family.keys["layers"], config_path, 0, hi=MAX_LAYERS,
                                          name=family.where(family.keys["layers"])))
@@ -164,21 +160,15 @@ class Checkpoint:
 
     @staticmethod
     def _dims_from_config(family: ModelFamily, config: dict[str, Any], path: Path) -> ModelDims:
-        try:
-            formats.check_expert_dtype(family.expert_dtype(config), path)
-        except FormatError as e:
-            raise CheckpointError(str(e)) from None
-        text, keys = family.text(config), family.keys
+        formats.check_expert_dtype(family.expert_dtype(config), path)
+        text, keys = family.text(config, path), family.keys
         if keys["hidden"] != "hidden_size" and keys["hidden"] not in text:  # Kimi-K3's latent width
             raise CheckpointError(f"{path}: no {family.where(keys['hidden'])}: {family.title}'s MegaMoE experts run at "
                                   "that hidden size")
         sizes = [_config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
                  for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS))]
         dims = ModelDims(*sizes, mtp_n_routed_experts=_mtp_experts(family, text, path, sizes[2]))
-        try:
-            check_dims(dims.hidden_size, dims.moe_intermediate_size)
-        except LayoutError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+        check_dims(dims.hidden_size, dims.moe_intermediate_size, path)
         if dims.n_routed_experts <= 0:
             raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, got {dims.n_routed_experts}")
         return dims
@@ -218,10 +208,7 @@ class Checkpoint:
             path = root / filename
             if not path.is_file():
                 raise CheckpointError(f"{root / INDEX_NAME}: index points at missing file {filename}")
-            try:
-                headers[filename] = read_header(path)
-            except SafetensorsError as e:
-                raise CheckpointError(str(e)) from None
+            headers[filename] = read_header(path)
         return headers
 
     def _collect_tensors(self) -> dict[str, TensorEntry]:
@@ -261,11 +248,8 @@ class Checkpoint:
         if weight is None:
             raise CheckpointError(f"{self.root}: missing expert tensor {self.expert_name(first, 0, 'w1', 'weight')}")
         scale = self.tensors.get(self.expert_name(first, 0, "w1", "scale"))
-        try:
-            return formats.identify(weight.dtype, scale and scale.dtype,
-                                    f"{weight.path}: {self.names.block(first)}.experts.0.w1")
-        except FormatError as e:
-            raise CheckpointError(str(e)) from None
+        return formats.identify(weight.dtype, scale and scale.dtype,
+                                f"{weight.path}: {self.names.block(first)}.experts.0.w1")
 
     def _check_experts(self) -> None:
         self._check_no_stray_expert_tensors()
@@ -425,11 +409,13 @@ class Checkpoint:
         return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
-def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: object) -> list[MoELayer]:
+def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: object,
+                     error: type[MegamoeError] = CheckpointError) -> list[MoELayer]:
     """``"0-3,7,mtp"``-style layer selection (``--layers``, ``load_rank(layers=...)``): decoder
     indices and ranges, ``layers.K`` / ``mtp.K`` (also as ``....ffn.experts`` prefixes), ``mtp``
     for every MTP layer. ``None``, ``""`` or ``"all"``: every layer. Each layer must be one of
-    ``available`` (of ``where``), and the selection must not be empty."""
+    ``available`` (of ``where``), and the selection must not be empty; a problem is ``error``
+    (the caller's class: a conversion's option, a loader's argument)."""
     if spec is None or spec.strip() in ("", "all"):
         return list(available)
     # Ranges are bounded by the last decoder layer before they are expanded.
@@ -439,23 +425,23 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
         if part == "mtp":
             chosen.update(l for l in available if l.is_mtp)
             continue
-        try:
-            if part.startswith(("mtp.", "layers.")):
+        if part.startswith(("mtp.", "layers.")):
+            try:
                 picked = {MoELayer.parse(part.removesuffix(".ffn.experts"))}
-            else:
-                first, last = parse_range(part, "--layers", "0-3,7,mtp.0", last_decoder)
-                picked = {MoELayer(False, i) for i in range(first, last + 1)}
-        except PlacementError as e:
-            raise CheckpointError(f"{e} (MoE layers of {where}: {_ranges([l.index for l in available if not l.is_mtp])})") from None
-        except ValueError:
-            raise CheckpointError(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
+            except ValueError:
+                raise error(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
+        else:
+            decoders = _ranges([l.index for l in available if not l.is_mtp])
+            first, last = parse_range(part, "--layers", "0-3,7,mtp.0", last_decoder, error,
+                                      f" (MoE layers of {where}: {decoders})")
+            picked = {MoELayer(False, i) for i in range(first, last + 1)}
         missing = sorted(picked - set(available))
         if missing:
-            raise CheckpointError(f"--layers: {missing[0].key} is not an MoE layer of {where}")
+            raise error(f"--layers: {missing[0].key} is not an MoE layer of {where}")
         chosen |= picked
     if not chosen:
-        raise CheckpointError(f"--layers {spec}: selects no MoE layer of {where} "
-                              f"(it has {', '.join(l.key for l in available)})")
+        raise error(f"--layers {spec}: selects no MoE layer of {where} "
+                    f"(it has {', '.join(l.key for l in available)})")
     return sorted(chosen)
 
 

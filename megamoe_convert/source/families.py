@@ -94,13 +94,14 @@ class ModelFamily:
     sglang_mtp_like_decoder: bool = False
 
     # ---------------------------------------------------------------- config.json
-    def text(self, config: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The object holding the text model's fields (``text_config`` or config.json itself)."""
+    def text(self, config: Mapping[str, Any], where: object = "config.json") -> Mapping[str, Any]:
+        """The object holding the text model's fields (``text_config`` or config.json itself);
+        ``where`` names the file in the error."""
         if self.text_key is None:
             return config
         text = config.get(self.text_key)
         if not isinstance(text, Mapping):
-            raise FamilyError(f"{self.title} config.json has no {self.text_key!r} object")
+            raise FamilyError(f"{where}: {self.title} config.json has no {self.text_key!r} object")
         return text
 
     def where(self, key: str) -> str:
