@@ -196,6 +196,7 @@ def drop_page_cache() -> bool:
 def child_main(args: argparse.Namespace) -> None:
     """One size: warm up, then alternate copy and convert, in every write mode."""
     import torch  # noqa: F401  (imported before timing starts, and counted in the RSS baseline)
+
     from megamoe_convert import convert as _convert  # noqa: F401
 
     src, scratch = Path(args.src), Path(args.scratch)
