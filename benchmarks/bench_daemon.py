@@ -60,7 +60,6 @@ def tree(args: argparse.Namespace, on: Any = None):
     ``meta`` in the engine); its ``load_weights`` gets what vLLM's loader reads, routed experts only
     (the tree holds no attention or dense layers)."""
     import torch
-
     import vllm_harness as h
 
     with torch.device(on) if on is not None else contextlib.nullcontext():
@@ -114,7 +113,8 @@ def role_daemon(args: argparse.Namespace) -> None:
         prepare_daemon()  # what megamoe preload's daemon entry does first
     else:
         load_general_plugins()  # vllm preload's daemons do not; the same cost either way
-    from vllm.model_executor.model_loader.weight_cache import daemon as daemon_py, protocol
+    from vllm.model_executor.model_loader.weight_cache import daemon as daemon_py
+    from vllm.model_executor.model_loader.weight_cache import protocol
     imported = time.perf_counter()
     dev = device()
     if dev.type == "cuda":
