@@ -54,7 +54,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-
 from bench_convert import bench_config, drop_page_cache, emit_summary, ensure_checkpoint  # noqa: E402
 
 EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
@@ -108,8 +107,8 @@ def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> t
     from safetensors import safe_open
 
     from megamoe_convert import layout
-    from megamoe_convert.source.layers import MoELayer
     from megamoe_convert.placement import Placement
+    from megamoe_convert.source.layers import MoELayer
 
     index = json.loads((src / "model.safetensors.index.json").read_text())
     config = json.loads((src / "config.json").read_text())
