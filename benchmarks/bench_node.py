@@ -37,9 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
-import select
 import tempfile
 import time
 from pathlib import Path
@@ -50,8 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
     sys.path.insert(0, str(path))
 
-from node_forms import CEILINGS, FORMS, Shape, child_main, rank_files  # noqa: E402
-
+from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Processes: one per rank, released together
