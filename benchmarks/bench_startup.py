@@ -94,11 +94,10 @@ def fingerprint(tensors: list[Any]) -> str:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-
     import vllm_harness as h
-    from megamoe_convert.vllm_integration import install
 
     from megamoe_convert.serve.loader import prepare_gpu_staging
+    from megamoe_convert.vllm_integration import install
 
     _, code, ep_filter, with_redundant = METHODS[args.child]
     redundant = args.redundant if with_redundant else 0
@@ -220,7 +219,6 @@ def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace
 
 def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
     import torch
-
     from bench_convert import drop_page_cache
     from bench_load import H2D, HostRead
 
