@@ -55,7 +55,6 @@ sys.path.insert(0, str(REPO))
 
 from bench_convert import drop_page_cache  # noqa: E402  (the benchmarks' one way to go cold)
 
-
 # --------------------------------------------------------------------------------------
 # The child: one measurement, in a fresh process
 # --------------------------------------------------------------------------------------
