@@ -19,8 +19,8 @@ from typing import Any
 
 import report_daemon
 import report_node
-import report_store
 import report_startup
+import report_store
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
