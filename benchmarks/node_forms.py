@@ -153,11 +153,10 @@ def _tree(shape: Shape, rank: int, device: Any):
 def prepare_vllm(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
     """vLLM's own loader for the form's ``--load-format``, as the engine makes it."""
     import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-
     import vllm_harness as h
     from bench_daemon import vllm_config
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
 
     _, load_format, ep_filter = FORMS[kind]
     stack.enter_context(h.patched(rank, shape.ep_size))
@@ -178,8 +177,8 @@ def prepare_vllm(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack
 def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
     """``install`` from the per-rank form or the store, the staging started as the loader starts it."""
     import torch
-
     import vllm_harness as h
+
     from megamoe_convert.vllm_integration import install
 
     if torch.cuda.is_available():
@@ -195,12 +194,12 @@ def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
 def prepare_ipc(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
     """An engine restart: vLLM's ``IpcModelLoader`` (megamoe-convert's registration) mapping the
     experts the rank's daemon holds; the model built on ``meta`` as vLLM builds it there."""
+    import vllm_harness as h
+    from bench_daemon import vllm_config
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
 
-    import vllm_harness as h
-    from bench_daemon import vllm_config
     from megamoe_convert.vllm_integration import register
 
     load_general_plugins()
@@ -221,7 +220,6 @@ def prepare_ipc(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack)
 
 def prepare_ceiling(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
     import torch
-
     from bench_load import HostRead
 
     if kind == "disk_read":  # the node's files, one reader of 64 threads x 4 MB
@@ -241,7 +239,6 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's logger and every print: to the log, never into the protocol
     import torch
-
     from bench_startup import io_read_bytes
 
     imported = time.perf_counter() - start
