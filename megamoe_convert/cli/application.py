@@ -8,8 +8,7 @@ from typing import Annotated, Any, Callable
 import typer
 
 from megamoe_convert import __version__
-from megamoe_convert.cli import (_run, conventions, convert, inspect, merge, plan, preload, pull, push, synth,
-                                 verify)
+from megamoe_convert.cli import _run, conventions, convert, inspect, merge, plan, preload, pull, push, synth, verify
 
 #: Every command in display order: its name, its function (the namesake of its module), the line the
 #: command list shows (click would cut the docstring at 45 characters), and further ``app.command`` settings.
