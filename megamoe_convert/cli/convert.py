@@ -9,7 +9,14 @@ from typing import Annotated, Any, Optional
 import typer
 
 from megamoe_convert.cli._run import print_json, run_command
-from megamoe_convert.cli.options import Engine, EngineOption, JsonOption, PlacementOption, RevisionOption, resolve_source
+from megamoe_convert.cli.options import (
+    Engine,
+    EngineOption,
+    JsonOption,
+    PlacementOption,
+    RevisionOption,
+    resolve_source,
+)
 from megamoe_convert.devices import Device
 from megamoe_convert.ui import ByteProgress, human_bytes, status
 
