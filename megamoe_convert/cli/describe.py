@@ -9,14 +9,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.convert.plan import ConvertOptions, index_text, non_expert_index, working_ep_sizes
 from megamoe_convert.convert.run import build_plan
 from megamoe_convert.engines import shape_refusals
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, format_ranges, rank_dir_name
+from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache
-
 
 # --------------------------------------------------------------------------------------
 # Sizes, before converting
