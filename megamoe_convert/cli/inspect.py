@@ -63,10 +63,10 @@ def inspect(
 
 def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str, experts_only: bool,
                         as_json: bool) -> None:
-    from megamoe_convert.source.checkpoint import Checkpoint
-    from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.cli.describe import engines_json, ep_sizes, planned_sizes
+    from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.engines import describe_engines, shape_refusals
+    from megamoe_convert.source.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
     d = ckpt.dims
