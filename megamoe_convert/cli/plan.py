@@ -8,7 +8,14 @@ import typer
 from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
-from megamoe_convert.cli.options import Engine, EngineOption, PlacementOption, RedundantOption, RevisionOption, resolve_source
+from megamoe_convert.cli.options import (
+    Engine,
+    EngineOption,
+    PlacementOption,
+    RedundantOption,
+    RevisionOption,
+    resolve_source,
+)
 from megamoe_convert.ui import out_console
 
 if TYPE_CHECKING:
