@@ -8,10 +8,10 @@ from typing import Any
 
 from rich.table import Table
 
+from megamoe_convert.cli._run import print_json
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.serve import store
-from megamoe_convert.cli._run import print_json
 from megamoe_convert.ui import human_bytes, out_console
 
 
