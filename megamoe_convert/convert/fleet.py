@@ -22,17 +22,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
-from megamoe_convert.errors import MergeError  # noqa: F401
 
 from megamoe_convert import jsonio
 from megamoe_convert.convert.plan import index_text, non_expert_index
-from megamoe_convert.output.manifest import Manifest
-from megamoe_convert.output.naming import MANIFEST_NAME, is_own_path
-from megamoe_convert.output.preflight import check_no_links
-from megamoe_convert.errors import ConvertError, OutputBusy
+from megamoe_convert.errors import (
+    MergeError,  # noqa: F401
+    OutputBusy,
+)
 from megamoe_convert.output.clearing import forget_replaced_conversion, remove_named
 from megamoe_convert.output.locks import hold_whole_output
-from megamoe_convert.output.naming import MERGED_PARTS_DIR, PART_GLOB, part_manifest_name
+from megamoe_convert.output.manifest import Manifest
+from megamoe_convert.output.naming import MANIFEST_NAME, MERGED_PARTS_DIR, PART_GLOB, is_own_path, part_manifest_name
+from megamoe_convert.output.preflight import check_no_links
 from megamoe_convert.output.resume import OutputState, check_output_dir, differing_keys
 from megamoe_convert.output.stamps import sample_hash
 from megamoe_convert.output.writer import (
