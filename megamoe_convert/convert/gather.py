@@ -9,22 +9,29 @@ import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
-from megamoe_convert.errors import Cancelled  # noqa: F401
 
 import torch
 
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import Plan, Unit
+from megamoe_convert.errors import (
+    Cancelled,  # noqa: F401
+    )
 from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.naming import rank_file, store_file
 from megamoe_convert.output.shards import rank_shard_metadata, rank_shard_specs, store_metadata
-from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.writer import AtomicWriter, FileRecord, write_safetensors
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import CONFIG_NAME, Checkpoint
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.source.safetensors_io import (FileCache, TensorEntry, TensorSpec, encode_header, read_into,
-                                                   readv_into)
+from megamoe_convert.source.safetensors_io import (
+    FileCache,
+    TensorEntry,
+    TensorSpec,
+    encode_header,
+    read_into,
+    readv_into,
+)
 
 NON_EXPERT_SHARD_BYTES = 4 << 30
 NON_EXPERT_METADATA = {"format": "pt"}
