@@ -10,13 +10,19 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megamoe_convert import jsonio
+from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, Manifest
 from megamoe_convert.output.naming import format_ranges
 from megamoe_convert.output.shards import LAYOUT_VERSION
-from megamoe_convert.errors import ConvertError
 from megamoe_convert.output.stamps import stamp_files
 from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, Placement, PlacementError, check_file_fields, layer_placement
+from megamoe_convert.placement import (
+    MAX_PHYSICAL_EXPERTS,
+    Placement,
+    PlacementError,
+    check_file_fields,
+    layer_placement,
+)
 from megamoe_convert.source.checkpoint import Checkpoint, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.serving import serving_refusal
