@@ -32,12 +32,11 @@ from megamoe_convert.convert.plan import (
 )
 from megamoe_convert.devices import usable_device
 from megamoe_convert.output import rank_extras
+from megamoe_convert.output.clearing import remove_named
+from megamoe_convert.output.journal import is_done
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.preflight import check_before_converting
-from megamoe_convert.errors import ConvertError
-from megamoe_convert.output.clearing import remove_named
-from megamoe_convert.output.journal import is_done
 from megamoe_convert.output.resume import OutputState, PartState, check_output_dir
 from megamoe_convert.output.stamps import SourceWatch
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
