@@ -39,7 +39,7 @@ def config_base() -> type | None:
         from transformers import configuration_utils
     except ImportError:
         return None
-    return getattr(configuration_utils, "PreTrainedConfig", None) or getattr(configuration_utils, "PretrainedConfig")
+    return getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
 
 
 def register() -> bool:
