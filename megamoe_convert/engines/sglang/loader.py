@@ -20,8 +20,12 @@ from torch import nn
 
 from megamoe_convert.engines.sglang import private_hooks
 from megamoe_convert.engines.sglang.install import install_layers
-from megamoe_convert.engines.shared_doors import INSTALLED_ATTR, LOAD_FORMAT, as_safetensors_config, \
-    without_expert_tensors
+from megamoe_convert.engines.shared_doors import (
+    INSTALLED_ATTR,
+    LOAD_FORMAT,
+    as_safetensors_config,
+    without_expert_tensors,
+)
 from megamoe_convert.serve.loader import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
