@@ -28,9 +28,9 @@ from torch import nn
 from megamoe_convert import layout, layout_inverse
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.engines.probe import LayoutProbe
+from megamoe_convert.engines.sglang.experts import module_logical_ids
 from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
 from megamoe_convert.engines.shapes import SHAPE_RULES
-from megamoe_convert.engines.sglang.experts import module_logical_ids
 from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source.layers import MoELayer
