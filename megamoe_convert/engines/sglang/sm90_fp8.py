@@ -24,8 +24,8 @@ from torch import nn
 
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.engines.probe import LayoutProbe
-from megamoe_convert.engines.sglang.layout_probe import sm90_probe
 from megamoe_convert.engines.sglang.experts import module_logical_ids
+from megamoe_convert.engines.sglang.layout_probe import sm90_probe
 from megamoe_convert.engines.sglang.mega_moe import MARKERS, expect
 from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
