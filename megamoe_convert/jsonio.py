@@ -17,6 +17,7 @@ import re
 import stat
 from pathlib import Path
 from typing import Any, Callable, TypeVar
+
 from megamoe_convert.errors import JsonError  # noqa: F401
 
 #: Deeper documents are refused (ours nest 4 levels; the C parser recurses without limit).
