@@ -14,9 +14,10 @@ a byte (``[N, K/2]``); UE8M0 scales are one byte per 32 K values (``[N, K/32]``)
 from __future__ import annotations
 
 from typing import NamedTuple
-from megamoe_convert.errors import LayoutError
 
 import torch
+
+from megamoe_convert.errors import LayoutError
 
 #: Gate/up rows are interleaved in runs of this many rows (``_interleave_weights``).
 GATE_UP_GRANULARITY = 8
