@@ -28,8 +28,8 @@ from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.shards import rank_shard_specs
 from megamoe_convert.source import families, formats
-from megamoe_convert.source.families import FamilyError
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
+from megamoe_convert.source.families import FamilyError
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header, tensor_bytes
 
