@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
 from megamoe_convert.errors import MarkerError  # noqa: F401
 
 #: The ``config.json`` key of the section (also the attribute engines' config objects carry).
