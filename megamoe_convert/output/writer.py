@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
-from megamoe_convert.errors import LinkInOutput  # noqa: F401
 
 import torch
 import xxhash
 
 from megamoe_convert import faults
+from megamoe_convert.errors import LinkInOutput  # noqa: F401
 from megamoe_convert.source.safetensors_io import TensorSpec, encode_header, tensor_bytes
 
 CHECKSUM_ALGORITHM = "xxh3_128"
