@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
-from megamoe_convert.errors import PlacementError  # noqa: F401
 
 from megamoe_convert import jsonio
+from megamoe_convert.errors import PlacementError  # noqa: F401
 
 #: Bounds checked before anything is expanded (DeepSeek-V4: 256-384 experts, EP up to a few hundred).
 MAX_EP_SIZE = 1 << 16
