@@ -30,7 +30,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
-from megamoe_convert.errors import HubError  # noqa: F401
 
 import huggingface_hub
 import huggingface_hub.constants
@@ -39,14 +38,16 @@ import huggingface_hub.file_download
 import huggingface_hub.utils
 
 from megamoe_convert import __version__, jsonio
-from megamoe_convert.errors import ManifestError
-from megamoe_convert.output.manifest import Manifest, read_manifest
-from megamoe_convert.output.naming import MANIFEST_NAME, STORE_DIR, rank_dir_name
-from megamoe_convert.output.preflight import check_no_links
+from megamoe_convert.errors import (
+    HubError,  # noqa: F401
+    ManifestError,
+)
 from megamoe_convert.output import ranged
 from megamoe_convert.output.clearing import remove_owned
 from megamoe_convert.output.locks import hold_whole_output
-from megamoe_convert.output.naming import owned_path
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import MANIFEST_NAME, STORE_DIR, owned_path, rank_dir_name
+from megamoe_convert.output.preflight import check_no_links
 from megamoe_convert.output.resume import check_output_dir
 from megamoe_convert.output.writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
 from megamoe_convert.placement import parse_ranks
