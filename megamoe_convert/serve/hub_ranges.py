@@ -26,8 +26,8 @@ from typing import Any, Sequence
 
 import huggingface_hub
 
-from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output import ranged
+from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_checksum
