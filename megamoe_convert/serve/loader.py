@@ -24,11 +24,11 @@ from megamoe_convert import jsonio, layout
 from megamoe_convert.devices import usable_device
 from megamoe_convert.jsonio import Fields, one_line
 from megamoe_convert.layout import KernelWeights
+from megamoe_convert.output import ranged
+from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs
-from megamoe_convert.output import ranged
-from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.writer import FileRecord, file_problems
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import staging
@@ -43,7 +43,6 @@ from megamoe_convert.source.safetensors_io import (
     read_header,
     read_into,
 )
-
 
 #: The GPU path's knobs and staging live in :mod:`.staging`; these names stay importable from here.
 RING_BUFFERS, RING_BUFFER_BYTES, READ_THREADS = staging.RING_BUFFERS, staging.RING_BUFFER_BYTES, staging.READ_THREADS
