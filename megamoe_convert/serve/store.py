@@ -33,7 +33,6 @@ from megamoe_convert.serve import loader, staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import families, formats
-from megamoe_convert.source.serving import serving_refusal
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     TensorEntry,
@@ -42,7 +41,7 @@ from megamoe_convert.source.safetensors_io import (
     read_header,
     read_into,
 )
-
+from megamoe_convert.source.serving import serving_refusal
 
 #: ``OUT/.megamoe/ranges.json``: a ranged hub pull's record of the store ranges it fetched
 #: (:mod:`.hub_ranges`, :mod:`megamoe_convert.output.ranged`); where it exists, a load reads nothing outside them.
