@@ -36,9 +36,9 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
-from megamoe_convert.errors import FamilyError  # noqa: F401
 
 from megamoe_convert import jsonio
+from megamoe_convert.errors import FamilyError  # noqa: F401
 
 if TYPE_CHECKING:
     from megamoe_convert.source.layers import MoELayer
