@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterator
-from megamoe_convert.errors import FormatError  # noqa: F401
 
 import torch
 
 from megamoe_convert import jsonio, layout, layout_inverse
+from megamoe_convert.errors import FormatError  # noqa: F401
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
