@@ -17,11 +17,11 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
-from megamoe_convert.errors import SafetensorsError  # noqa: F401
 
 import torch
 
 from megamoe_convert import jsonio
+from megamoe_convert.errors import SafetensorsError  # noqa: F401
 
 #: Bytes per element of each safetensors dtype (F4 packs two elements per byte).
 DTYPE_BITS: dict[str, int] = {
