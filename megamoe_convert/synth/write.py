@@ -17,10 +17,10 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
-from megamoe_convert.errors import SynthError  # noqa: F401
 
 import numpy as np
 
+from megamoe_convert.errors import SynthError  # noqa: F401
 from megamoe_convert.layout import check_dims
 from megamoe_convert.output import preflight
 from megamoe_convert.output.writer import write_json_atomic, write_safetensors
