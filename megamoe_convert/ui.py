@@ -8,8 +8,17 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn, TransferSpeedColumn)
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 #: Width of a console that is not a terminal (a pipe, a CI log) and was told no ``COLUMNS``: wide
 #: enough that rich never breaks a line; the reader's own viewer wraps.
