@@ -31,11 +31,17 @@ import torch
 from megamoe_convert import layout
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.devices import usable_device
-from megamoe_convert.layout import KernelWeights
 from megamoe_convert.errors import LoadError, ManifestError, MegamoeError, UsageError
+from megamoe_convert.layout import KernelWeights
 from megamoe_convert.output import marker, ranged
-from megamoe_convert.output.compare import (check_family, compare_extras, compare_non_expert, copied_family_problem,
-                                            numerics_config, same_values)
+from megamoe_convert.output.compare import (
+    check_family,
+    compare_extras,
+    compare_non_expert,
+    copied_family_problem,
+    numerics_config,
+    same_values,
+)
 from megamoe_convert.output.layout_identity import NOT_RECORDED, identity_problems
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
