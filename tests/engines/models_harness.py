@@ -23,7 +23,6 @@ from typing import Iterator
 from unittest import mock
 
 from torch import nn
-
 from trees import bare
 from vllm_harness import checkpoint_weights, mega_py
 from vllm_harness import patched as v4_patched
