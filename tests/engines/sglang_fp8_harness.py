@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Iterator
 from unittest import mock
 
+import sglang.srt.layers.quantization.fp8 as fp8_py
 import sglang_harness as h  # noqa: F401  (the torchvision stand-in, installed before SGLang is imported)
 import torch
-from torch import nn
-
-import sglang.srt.layers.quantization.fp8 as fp8_py
 from sglang.srt.eplb import expert_location
 from sglang.srt.layers.moe.ep_moe.layer import get_moe_impl_class
 from sglang.srt.layers.moe.utils import initialize_moe_config
@@ -34,6 +32,7 @@ from sglang.srt.models.deepseek_v2 import DeepseekV3ForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 from sglang.srt.runtime_context import SpawnRanks, override_platform, publish, reset_context
 from sglang.srt.server_args import ServerArgs
+from torch import nn
 from trees import bare
 
 #: family -> (SGLang's model class, its NextN class or None, the config key of its expert count)
