@@ -59,11 +59,8 @@ TORCHVISION_STAND_IN = "\n".join(["import importlib.abc, importlib.machinery, sy
                                   inspect.getsource(_EmptyModule), inspect.getsource(_TorchvisionStandIn),
                                   "sys.meta_path.insert(0, _TorchvisionStandIn())", ""])
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 import sglang.srt.layers.quantization.fp8 as fp8_py  # noqa: E402
-from megamoe_convert import layout  # noqa: E402
+import torch  # noqa: E402
 from sglang.srt.eplb import expert_location  # noqa: E402
 from sglang.srt.layers.moe.ep_moe.layer import get_moe_impl_class  # noqa: E402
 from sglang.srt.layers.moe.utils import initialize_moe_config  # noqa: E402
@@ -72,7 +69,10 @@ from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from sglang.srt.models.deepseek_v4_nextn import DeepseekV4ForCausalLMNextN  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, override_platform, publish, reset_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from torch import nn  # noqa: E402
 from trees import bare as _bare  # noqa: E402
+
+from megamoe_convert import layout  # noqa: E402
 
 #: The tiny preset with hidden_size 512: SGLang's MegaMoE needs hidden % 512 == 0.
 CONFIG = {**json.loads((Path(__file__).resolve().parents[2] / "configs" / "tiny.json").read_text()),
