@@ -17,16 +17,15 @@ import types
 from contextlib import contextmanager
 from unittest import mock
 
+import bare_env
 import pytest
+import sglang_harness as h
 import torch
+from doors_common import hub_repos, old_conversion
 
-from megamoe_convert.output import marker
 from megamoe_convert.engines.sglang import doors as sglang_doors
 from megamoe_convert.errors import InstallError
-
-import bare_env
-from doors_common import hub_repos, old_conversion
-import sglang_harness as h
+from megamoe_convert.output import marker
 
 EP_SIZE, REDUNDANT = 4, 4
 
