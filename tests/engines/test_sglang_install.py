@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import pytest
+import sglang_harness as h
 import torch
 
-from megamoe_convert.errors import InstallError
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
-
-import sglang_harness as h
+from megamoe_convert.errors import InstallError
 
 EP_SIZE, REDUNDANT = 4, 4
 
