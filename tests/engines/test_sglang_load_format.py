@@ -5,11 +5,10 @@ from __future__ import annotations
 import types
 
 import pytest
+import sglang_harness as h
 import torch
 
 from megamoe_convert.errors import InstallError
-
-import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 
