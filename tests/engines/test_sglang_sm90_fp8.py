@@ -9,7 +9,10 @@ import json
 import types
 from unittest import mock
 
+import bare_env
 import pytest
+import sglang_fp8_harness as f
+import sglang_harness as h
 import torch
 
 from megamoe_convert.convert import ConvertOptions, convert
@@ -19,10 +22,6 @@ from megamoe_convert.engines.sglang.sm90_fp8 import CONTRACT
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.synth.write import synthesize
-
-import bare_env
-import sglang_fp8_harness as f
-import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 #: family -> (synth preset, SGLang's experts modules of a tiny conversion)
