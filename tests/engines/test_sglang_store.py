@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import sglang_harness as h
 import torch
 
-from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.engines.sglang import install
+from megamoe_convert.errors import PlacementError
 from megamoe_convert.serve import store as store_reader
-
-import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 #: An EPLB-style explicit table, one row per layer with redundant replicas: layer 0 reversed (no two
