@@ -16,16 +16,15 @@ import types
 from contextlib import contextmanager
 from unittest import mock
 
+import bare_env
 import pytest
 import torch
+import vllm_harness as h
+from doors_common import hub_repos, old_conversion
 
-from megamoe_convert.output import marker
 from megamoe_convert.engines.vllm import doors as vllm_doors
 from megamoe_convert.errors import InstallError
-
-import bare_env
-from doors_common import hub_repos, old_conversion
-import vllm_harness as h
+from megamoe_convert.output import marker
 
 if h.KERNEL_LAYOUT:  # Kimi-K3 and DeepSeek-V4.1 are proven from vLLM 0.33 on
     import models_harness as mh
@@ -132,7 +131,7 @@ def test_vllm_reads_the_original_architecture_and_builds_megamoes_subclass(engin
     assert config.hf_config.megamoe["architectures"] == ["DeepseekV4ForCausalLM"]
     cls, arch = ModelRegistry.resolve_model_cls(config.architectures, config)
     assert arch == "DeepseekV4ForCausalLM" and cls.__module__ == vllm_doors.__name__
-    vllms_own = getattr(__import__("vllm.models.deepseek_v4", fromlist=["x"]), "DeepseekV4ForCausalLM")
+    vllms_own = __import__("vllm.models.deepseek_v4", fromlist=["x"]).DeepseekV4ForCausalLM
     assert cls.__mro__[1] is vllms_own
     assert vllm_doors.conversion_of(config) == str(engine_converted)
     assert vllm_doors.conversion_of(types.SimpleNamespace(model=str(engine_ckpt), hf_config=parsed(engine_ckpt))) \
