@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm_harness as h
 from torch import nn
 
 from megamoe_convert import vllm_integration
 from megamoe_convert.errors import InstallError
 from megamoe_convert.vllm_integration import install
-
-import vllm_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 
