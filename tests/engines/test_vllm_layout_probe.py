@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
+import vllm_harness as h
 
 from megamoe_convert.engines import probe
 from megamoe_convert.engines.vllm import finalize, kernel_layout
@@ -17,8 +18,6 @@ from megamoe_convert.errors import InstallError
 from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.source import formats
 from megamoe_convert.vllm_integration import install
-
-import vllm_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 RELEASE = f"vLLM {h.vllm.__version__}"
