@@ -6,10 +6,9 @@ import types
 
 import pytest
 import torch
+import vllm_harness as h
 
 from megamoe_convert.errors import InstallError
-
-import vllm_harness as h
 
 
 def model_config(out) -> types.SimpleNamespace:
