@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm_harness as h
 
 from megamoe_convert.engines.shared_doors import without_expert_tensors
 from megamoe_convert.vllm_integration import install_layers
-
-import vllm_harness as h
 
 EP_SIZE, REDUNDANT, RANK = 4, 4, 1
 
