@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import vllm_harness as h
 
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.serve import store as store_reader
 from megamoe_convert.vllm_integration import install
-
-import vllm_harness as h
 
 
 def build(config, rank, ep_size, redundant):
