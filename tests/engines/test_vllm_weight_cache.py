@@ -22,7 +22,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 import vllm_harness as h
 
 pytestmark = pytest.mark.only_kernel_layout  # vLLM >= 0.33: the weight cache exists there only
