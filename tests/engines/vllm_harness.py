@@ -27,11 +27,11 @@ from typing import Iterator
 from unittest import mock
 
 import torch
-from torch import nn
-
 import vllm
-from megamoe_convert import layout
+from torch import nn
 from trees import bare as _bare
+
+from megamoe_convert import layout
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 #: vLLM >= 0.33 builds DeepGemmMegaMoEExperts (kernel layout); before, DeepseekV4MegaMoEExperts (finalize).
