@@ -8,12 +8,12 @@ import re
 import tomllib
 
 import pytest
+from conftest import REPO, run_cli
 from rich.console import Console
 
 import megamoe_convert
 import megamoe_convert.cli
 from megamoe_convert import ui
-from conftest import REPO, run_cli
 
 COMMANDS = ("synth", "inspect", "plan", "convert", "verify", "push", "pull", "merge")
 
