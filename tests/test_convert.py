@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
+from conftest import REPO, output_files, run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import REPO, output_files, run_cli
 from megamoe_convert import layout
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert as convert_library
 from megamoe_convert.output import marker
-from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.placement import Placement
+from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.synth.write import synthesize
 
@@ -218,9 +218,9 @@ def test_single_file_checkpoint_without_an_index_converts_to_the_same_experts(ti
     ("0-20000000", r"--layers: '0-20000000' is outside 0..1"),
 ])
 def test_layer_selections_that_select_nothing_or_too_much_are_refused(tiny_ckpt, spec, message):
-    from megamoe_convert.source.checkpoint import Checkpoint
-    from megamoe_convert.errors import ConvertError
     from megamoe_convert.convert.plan import select_layers
+    from megamoe_convert.errors import ConvertError
+    from megamoe_convert.source.checkpoint import Checkpoint
 
     with pytest.raises(ConvertError, match=message):
         select_layers(Checkpoint.open(tiny_ckpt), spec)
