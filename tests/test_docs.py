@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
