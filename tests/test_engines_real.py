@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from engine_envs import ENGINES, run_engine_tests
 
 #: Fewest tests each engine's run must pass (catches a collection that silently shrank).
