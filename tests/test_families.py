@@ -8,18 +8,18 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from safetensors import safe_open
 
-from conftest import run_cli
+from megamoe_convert.convert.plan import ConvertOptions
+from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import MegamoeError
+from megamoe_convert.placement import PlacementError
+from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.synth.tensors import load_preset
-from megamoe_convert.convert.plan import ConvertOptions
-from megamoe_convert.convert.run import convert
-from megamoe_convert.placement import PlacementError
 
 
 @pytest.fixture(scope="module")
