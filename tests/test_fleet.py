@@ -15,13 +15,12 @@ import sys
 import threading
 
 import pytest
-
 from conftest import REPO, output_files, run_cli
-from megamoe_convert.errors import ConvertError
+
+from megamoe_convert.convert.fleet import MergeError, merge
 from megamoe_convert.convert.plan import ConvertOptions, parse_shard
 from megamoe_convert.convert.run import build_plan, convert
-from megamoe_convert.convert.fleet import MergeError, merge
-from megamoe_convert.errors import MegamoeError
+from megamoe_convert.errors import ConvertError, MegamoeError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import FileCache
 
