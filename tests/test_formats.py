@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_cli
-from megamoe_convert.source import formats
+
 from megamoe_convert import layout_inverse
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.source.safetensors_io import FileCache, read_header
+from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.safetensors_io import FileCache, read_header
 
 H, I, E = 256, 128, 3
 
@@ -116,11 +116,12 @@ def test_a_checkpoint_of_fp8_block_experts_is_refused_in_one_line(tmp_path):
 def test_numerics_catch_a_changed_byte_of_each_format(tmp_path, weight_format, tensor, what):
     """One byte of a rank file changed and the manifest resealed: ``--numerics`` dequantises the
     format from both sides and reports the layer."""
+    from test_verify import rewrite_manifest_record
+
     from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.convert.run import convert
     from megamoe_convert.synth.write import synthesize
     from megamoe_convert.verify import verify
-    from test_verify import rewrite_manifest_record
 
     src, out = tmp_path / "src", tmp_path / "out"
     synthesize(src, "tiny", experts=4, layers=1, mtp_layers=0, seed=3, weight_format=weight_format)
