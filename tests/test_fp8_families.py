@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors import safe_open
 
-from conftest import run_cli
 from megamoe_convert import layout, layout_inverse
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families, formats
