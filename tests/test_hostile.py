@@ -16,22 +16,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import REPO, run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import REPO, run_cli
 from typer.testing import CliRunner
 
-from megamoe_convert.errors import MegamoeError
 from megamoe_convert.cli import app
 from megamoe_convert.cli._run import HANDLED_ERRORS
+from megamoe_convert.errors import ManifestError, MegamoeError
+from megamoe_convert.output.manifest import read_manifest
+from megamoe_convert.output.resume import OutputState
+from megamoe_convert.output.seal import seal
+from megamoe_convert.placement import Placement, PlacementError
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.errors import ManifestError
-from megamoe_convert.output.manifest import read_manifest
-from megamoe_convert.output.seal import seal
-from megamoe_convert.output.resume import OutputState
-from megamoe_convert.placement import Placement, PlacementError
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
 
