@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_fake import FakeHub
 from typer.testing import CliRunner
 
-from hub_fake import FakeHub
 from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
