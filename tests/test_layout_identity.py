@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+
 from megamoe_convert.errors import ManifestError
 from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.output.manifest import read_manifest
