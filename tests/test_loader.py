@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, run_cli
-from megamoe_convert.errors import MegamoeError
+from test_convert import assert_rank_matches_source
+
 from megamoe_convert import layout_inverse
+from megamoe_convert.errors import MegamoeError
+from megamoe_convert.output.manifest import read_manifest
+from megamoe_convert.output.seal import seal
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.output.manifest import read_manifest
-from megamoe_convert.output.seal import seal
 from megamoe_convert.synth.write import synthesize
-from test_convert import assert_rank_matches_source
 
 
 def test_every_rank_round_trips_with_exact_dtypes_shapes_strides(tiny_ckpt, tiny_converted):
