@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
+from conftest import run_cli
 
 from megamoe_convert.output import marker
-from conftest import run_cli
 
 
 def test_convert_writes_the_marker_and_nothing_else_changes(tiny_ckpt, tiny_converted):
