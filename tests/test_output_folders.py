@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from hub_fake import FakeHub
+
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import MegamoeError
