@@ -95,8 +95,9 @@ def test_sglang_builds_the_mtp_layer_without_redundant_experts():
 
 def test_convert_for_sglang_records_the_engine_and_writes_the_mtp_layer_its_own_way(tiny_ckpt, tmp_path):
     from conftest import run_cli
-    from megamoe_convert.serve.loader import load_rank
+
     from megamoe_convert.output.manifest import read_manifest
+    from megamoe_convert.serve.loader import load_rank
 
     out = tmp_path / "sglang"
     run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4, "--engine", "sglang",
