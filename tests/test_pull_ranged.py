@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hub_fake import FakeHub
+
 from megamoe_convert import faults
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
