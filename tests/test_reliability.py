@@ -20,27 +20,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 import typer
+from conftest import REPO, output_files, run_cli
+from filelock import FileLock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, output_files, run_cli
-from megamoe_convert.errors import MegamoeError
 from megamoe_convert.cli._run import run_command
-from megamoe_convert.errors import OutputBusy
-from megamoe_convert.output.naming import part_name
 from megamoe_convert.convert.fleet import auto_merge, merge
+from megamoe_convert.errors import ManifestError, MegamoeError, OutputBusy
+from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.naming import part_name
+from megamoe_convert.output.seal import seal
+from megamoe_convert.output.writer import AtomicWriter, partial_path
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.errors import ManifestError
-from megamoe_convert.output.manifest import Manifest, read_manifest
-from megamoe_convert.output.seal import seal
 from megamoe_convert.source.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
-from megamoe_convert.output.writer import AtomicWriter, partial_path
 
 CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
 
