@@ -14,16 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
 
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert.output.compare import same_values
 from megamoe_convert.output.seal import seal
+from megamoe_convert.output.writer import file_checksum
 from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.synth import synthesize
-from megamoe_convert.output.compare import same_values
-from megamoe_convert.output.writer import file_checksum
 
 EP2 = ("--ep-size", 2, "--no-fsync")
 RANK0 = "rank-00000-of-00002"
