@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
 from test_reliability3 import EP2, RANK0, copy, one_line_refusal, problems
 
