@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from megamoe_convert.errors import InstallError
 from megamoe_convert.engines.sglang.experts import layer_key
 from megamoe_convert.engines.sglang.plugin import register
+from megamoe_convert.errors import InstallError
 
 
 def test_layer_keys_map_sglang_prefixes_to_checkpoint_layers():
