@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO
 
 #: Seconds after the start: inside the interpreter's and the command line's imports, parsing the
