@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import output_files, run_cli
 from safetensors import safe_open
 
-from conftest import output_files, run_cli
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import store
 from megamoe_convert.serve.errors import LoadError
