@@ -161,7 +161,8 @@ class Placement:
         derived = placement.to_json()
         for key in ("num_redundant", "experts_per_rank", "default"):
             if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
-                raise f.fail(f"placement.{key} is {jsonio.short(data[key])}, its physical_to_logical gives {derived[key]}")
+                raise f.fail(f"placement.{key} is {jsonio.short(data[key])}, "
+                             f"its physical_to_logical gives {derived[key]}")
         return placement
 
 

@@ -119,14 +119,14 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
                 progress: Progress) -> None:
     """Every listed file (of the chosen ranks) present, with its size and checksum (files checked
     on several threads, reported in manifest order)."""
-    wanted_rank_files = {manifest.expert_file(l, r) for r in ranks for l in manifest.layers}
+    wanted_rank_files = {manifest.expert_file(layer, r) for r in ranks for layer in manifest.layers}
     listed = {f.path for f in manifest.files}
     for path in sorted(wanted_rank_files - listed):
         report.problem(path, "missing from manifest.json")
     records = [r for r in manifest.files if "/" not in r.path or r.path in wanted_rank_files]
     checks = [(out / record.path, record) for record in records]
     progress.start(sum(r.size for r in records), len(records), description="verify: hash", unit="files")
-    for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True)):
+    for record, problem in zip(records, file_problems(checks, "manifest.json", checksum=True), strict=True):
         report.count("files")
         if problem:
             report.problem(record.path, problem)
@@ -206,12 +206,12 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
 def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,
                  rng: random.Random) -> dict[tuple[int, MoELayer], list[int]]:
     """``(rank, layer) -> local slots`` to compare: all of them, or ``sample`` picked at random."""
-    every = [(r, l, s) for r in ranks for l in manifest.layers
-             for s in range(manifest.placement_for(l).experts_per_rank)]
+    every = [(r, layer, s) for r in ranks for layer in manifest.layers
+             for s in range(manifest.placement_for(layer).experts_per_rank)]
     chosen = every if sample is None or sample >= len(every) else rng.sample(every, sample)
     slots: dict[tuple[int, MoELayer], list[int]] = {}
-    for r, l, s in sorted(chosen, key=lambda x: (x[1], x[0], x[2])):
-        slots.setdefault((r, l), []).append(s)
+    for r, layer, s in sorted(chosen, key=lambda x: (x[1], x[0], x[2])):
+        slots.setdefault((r, layer), []).append(s)
     return slots
 
 
@@ -236,8 +236,9 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         want = expected_rank_layer(ckpt, files, layer, ids)
         got = (*loaded.l1, *loaded.l2)
         for i, slot in enumerate(local):
-            for name, g, w in zip(names, got, (*want[0], *want[1])):
-                if g is not None and not torch.equal(g[slot].reshape(-1).view(torch.uint8), w[i].reshape(-1).view(torch.uint8)):
+            for name, g, w in zip(names, got, (*want[0], *want[1]), strict=True):
+                if g is not None and not torch.equal(g[slot].reshape(-1).view(torch.uint8),
+                                                     w[i].reshape(-1).view(torch.uint8)):
                     report.problem(f"rank {rank} {layer.key} slot {slot}",
                                    f"{name} differs from logical expert {ids[i]} of the source")
         report.count("expert slots vs source", len(local))
@@ -458,7 +459,7 @@ def check_deep_gemm(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         if ours is None:
             continue
         for name, a, b in zip(("l1.weight", "l1.sf", "l2.weight", "l2.sf"), (*ours.l1, *ours.l2),
-                              (*theirs[0], *theirs[1])):
+                              (*theirs[0], *theirs[1]), strict=True):
             if a.shape != b.shape or a.stride() != b.stride() or not torch.equal(a, b.cpu()):
                 report.problem(f"rank {rank} {layer.key}", f"{name} differs from deep_gemm's own transform")
         report.count("layers vs deep_gemm")

@@ -32,7 +32,8 @@ OPTION_METAVARS = {
     "ranks": "RANKS", "layers": "LAYERS", "chunk_mb": "MB", "revision": "REV", "shard": "I/N",
     "shard_by": "layer|rank", "engine": "vllm|sglang", "source": "SRC", "sample": "K", "seed": "N",
     "preset": "NAME", "experts": "N", "mtp_layers": "N", "weight_format": "mxfp4|mxfp8|nvfp4|bf16",
-    "weight_dtype": "int8|uint8|float4", "scale_dtype": "e8m0|uint8", "shard_mb": "MB", "local_dir": "DIR", "model": "OUT",
+    "weight_dtype": "int8|uint8|float4", "scale_dtype": "e8m0|uint8", "shard_mb": "MB", "local_dir": "DIR",
+    "model": "OUT",
 }
 #: ``synth --layers`` is a count, ``convert --layers`` a selection.
 COMMAND_METAVARS = {("synth", "layers"): "N"}

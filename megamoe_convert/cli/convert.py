@@ -37,13 +37,15 @@ def convert(
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="Redundant experts (EPLB); n_routed + this must "
                                                             "divide by --ep-size.")] = 0,
     placement_file: PlacementOption = None,
-    device: Annotated[Device, typer.Option(help="Where the layout transform runs (same bytes either way).")] = Device.cpu,
+    device: Annotated[Device, typer.Option(
+        help="Where the layout transform runs (same bytes either way).")] = Device.cpu,
     workers: Annotated[int, typer.Option(min=0, help="Parallel files in flight (0: one per core, at most 8).")] = 0,
     ranks: Annotated[Optional[str], typer.Option(help="Only these ranks, e.g. 0,3-5 (default: all).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: all).")] = None,
     experts_only: Annotated[bool, typer.Option(help="Skip copying the non-expert tensors.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an OUT made with different options.")] = False,
-    chunk_mb: Annotated[int, typer.Option(min=1, help="Experts read and transformed per step, in MB (bounds memory).")] = 32,
+    chunk_mb: Annotated[int, typer.Option(
+        min=1, help="Experts read and transformed per step, in MB (bounds memory).")] = 32,
     no_fsync: Annotated[bool, typer.Option("--no-fsync", help="Skip fsync before renames (faster; not "
                                                               "crash-durable on power loss).")] = False,
     as_json: JsonOption = False,

@@ -28,7 +28,7 @@ def main(out: str) -> int:
             for prefix, layer in load_rank(out, rank).items():
                 l1, l2 = expected_rank_layer(ckpt, files, MoELayer.parse(layer.key), layer.logical_ids)
                 same = all(torch.equal(a, b) and a.stride() == b.stride()
-                           for a, b in zip((*layer.l1, *layer.l2), (*l1, *l2)))
+                           for a, b in zip((*layer.l1, *layer.l2), (*l1, *l2), strict=True))
                 if not same:
                     print(f"rank {rank} {prefix}: MISMATCH against the source checkpoint")
                     return 1

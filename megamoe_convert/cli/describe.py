@@ -39,7 +39,7 @@ def planned_sizes(src: Path, options: ConvertOptions) -> dict[str, Any]:
     index = non_expert_index(plan)
     index_bytes = len(index_text(index).encode()) if index is not None else 0
     rank_total = sum(per_rank.values())
-    return {"ep_size": plan.placement.ep_size, "ranks": plan.ranks, "layers": [l.key for l in plan.layers],
+    return {"ep_size": plan.placement.ep_size, "ranks": plan.ranks, "layers": [layer.key for layer in plan.layers],
             "rank_bytes": {str(r): b for r, b in per_rank.items()},
             "expert_bytes_per_rank": max(per_rank.values(), default=0),
             "expert_bytes_total": rank_total, "non_expert_bytes": kinds["non_expert"] + index_bytes,
@@ -162,7 +162,7 @@ def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
         "model_family": by_name(manifest.family, MANIFEST_NAME).title, "weight_format": manifest.dims.weight_format,
         "engine": manifest.engine, "ep_size": manifest.ep_size, "ranks": sorted(set(manifest.ranks)),
         "rank_dirs": [rank_dir_name(r, manifest.ep_size) for r in sorted(set(manifest.ranks))],
-        "layers": [l.key for l in manifest.layers], "experts_only": manifest.experts_only,
+        "layers": [layer.key for layer in manifest.layers], "experts_only": manifest.experts_only,
         "n_routed_experts": manifest.dims.n_routed_experts, "num_redundant_experts": placement.num_redundant,
         "experts_per_rank": placement.experts_per_rank,
         "placement": "default" if placement.is_default() else "explicit",

@@ -80,8 +80,8 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
         "family": ckpt.family.name, "model_family": ckpt.family.title,
         "weight_format": d.weight_format, "shared_expert_prebaked": bool(d.shared_intermediate_size),
         "shared_intermediate_size": d.shared_intermediate_size, "shared_expert_note": ckpt.shared_expert_note or "",
-        "dims": dict(d.__dict__), "moe_layers": [l.key for l in ckpt.layers],
-        "mtp_layers": [l.key for l in ckpt.layers if l.is_mtp], "expert_dtypes": dtypes,
+        "dims": dict(d.__dict__), "moe_layers": [layer.key for layer in ckpt.layers],
+        "mtp_layers": [layer.key for layer in ckpt.layers if layer.is_mtp], "expert_dtypes": dtypes,
         "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
         "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
         "num_redundant_experts": redundant, "working_ep_sizes": working,
@@ -102,7 +102,7 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     table.add_row("hidden / intermediate", f"{d.hidden_size} / {d.moe_intermediate_size}")
     table.add_row("routed experts", f"{d.n_routed_experts}" + (f" (MTP layers: {d.mtp_n_routed_experts})"
                                                                if d.mtp_n_routed_experts else ""))
-    decoder = [l for l in ckpt.layers if not l.is_mtp]
+    decoder = [layer for layer in ckpt.layers if not layer.is_mtp]
     table.add_row("MoE layers", f"{len(decoder)} decoder + {len(summary['mtp_layers'])} MTP")
     table.add_row("expert dtypes", ", ".join(f"{k}={v}" for k, v in dtypes.items()))
     table.add_row("shards / tensors", f"{summary['shards']} / {summary['tensors']}")

@@ -70,7 +70,7 @@ def describe_store(src: str, manifest: Manifest, ep_size: int | None, num_redund
         "kind": "store", "path": absolute, "family": manifest.family,
         "model_family": by_name(manifest.family, MANIFEST_NAME).title,
         "weight_format": manifest.dims.weight_format, "engine": manifest.engine, "ep_size": ep_size,
-        "layers": [l.key for l in manifest.layers], "experts_only": manifest.experts_only,
+        "layers": [layer.key for layer in manifest.layers], "experts_only": manifest.experts_only,
         "n_routed_experts": manifest.dims.n_routed_experts, "num_redundant_experts": num_redundant,
         "shared_expert_prebaked": bool(manifest.dims.shared_intermediate_size), "layout": manifest.layout,
         "partial": coverage["partial"], "servable": bool(servable), "coverage": coverage,
@@ -128,7 +128,7 @@ def refuse_as_source(src: str, command: str, ep_size: int | None = None) -> None
             f"a megamoe conversion of {manifest.family} for EP {manifest.ep_size} ({manifest.engine})")
     source = manifest.source.get("repo_id") or manifest.source.get("path") or "its source checkpoint"
     instead = {"plan": f"`megamoe inspect {src}` shows its placement and serve command; to plan another EP size, "
-                       f"plan its source: megamoe plan {source} --ep-size {ep_size or 'N'} (or convert without --ep-size: a "
-                       "store serves every EP size)",
+                       f"plan its source: megamoe plan {source} --ep-size {ep_size or 'N'} "
+                       "(or convert without --ep-size: a store serves every EP size)",
                "convert": f"convert its source instead: megamoe convert {source} OUT ..."}[command]
     raise UsageError(f"{src}: {what}, not a source checkpoint; {instead}")

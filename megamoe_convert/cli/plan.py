@@ -62,8 +62,8 @@ def plan(
         options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
                                  layers=layers)
         placement = make_placement(ckpt, options)
-        own = {l.key: p for l in select_layers(ckpt, layers)
-               if (p := layer_placement(engine.value, placement, l.is_mtp, ckpt.dims.experts_of(l),
+        own = {layer.key: p for layer in select_layers(ckpt, layers)
+               if (p := layer_placement(engine.value, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
                                         ckpt.family.sglang_mtp_like_decoder)) != placement}
         d = ckpt.dims
         if as_json:

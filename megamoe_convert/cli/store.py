@@ -34,7 +34,7 @@ def store_reads(src: str, manifest: Manifest, ep_size: int, num_redundant: int =
     ranks, groups = store.rank_reads(manifest, placements, range(ep_size))
     return {"store": src, "ep_size": ep_size, "num_redundant": next(iter(placements.values())).num_redundant,
             "engine": engine, "placement": "explicit" if placement_file is not None else "default",
-            "store_expert_bytes": expert_bytes, "layers": [l.key for l in manifest.layers],
+            "store_expert_bytes": expert_bytes, "layers": [layer.key for layer in manifest.layers],
             "layer_groups": groups, "ranks": ranks}
 
 

@@ -30,12 +30,14 @@ class ScaleDtype(str, Enum):
 
 def synth(
     out: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into.")],
-    preset: Annotated[Preset, typer.Option(help="Model family and dimensions: tiny (DeepSeek-V4, tests), flash/pro "
-                                                "(real DeepSeek-V4 dims), v4.1-flash (DeepSeek-V4.1), kimi-k3 (Kimi-K3), "
-                                                "*-tiny for tests; cut real ones down with --layers/--experts.")
+    preset: Annotated[Preset, typer.Option(help="Model family and dimensions: tiny (DeepSeek-V4, tests), "
+                                                "flash/pro (real DeepSeek-V4 dims), v4.1-flash (DeepSeek-V4.1), "
+                                                "kimi-k3 (Kimi-K3), *-tiny for tests; cut real ones down with "
+                                                "--layers/--experts.")
                       ] = Preset.tiny,  # type: ignore[attr-defined]
     layers: Annotated[Optional[int], typer.Option(min=1, help="Decoder layers (default: the preset's).")] = None,
-    experts: Annotated[Optional[int], typer.Option(min=1, help="Routed experts per layer (default: the preset's).")] = None,
+    experts: Annotated[Optional[int], typer.Option(
+        min=1, help="Routed experts per layer (default: the preset's).")] = None,
     mtp_layers: Annotated[Optional[int], typer.Option(min=0, help="MTP blocks (default: the preset's).")] = None,
     seed: Annotated[int, typer.Option(min=0, help="Random seed (same seed, same bytes).")] = 0,
     weight_format: Annotated[Optional[str], typer.Option(

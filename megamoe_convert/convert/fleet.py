@@ -71,7 +71,7 @@ def write_part_manifest(plan: "Plan", records: dict[str, FileRecord]) -> Path:
         source=plan.ckpt.source_record(), dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks,
         layers=plan.layers, experts_only=plan.options.experts_only, files=[], complete=False,
         engine=plan.engine, family=plan.family, store=plan.options.store,
-        source_layers=[l.key for l in plan.ckpt.layers])
+        source_layers=[layer.key for layer in plan.ckpt.layers])
     data = {
         "format": PART_FORMAT, "format_version": PART_FORMAT_VERSION,
         "shard": {"index": index, "count": count, "by": plan.options.shard_by},
@@ -331,7 +331,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     how: dict[str, int] = {}
     with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
         placed = pool.map(lambda item: place_file(item[0], item[1], out, verify, fsync), files)
-        for (_, record), kind in zip(files, placed):  # in order; the first failure is raised here
+        for (_, record), kind in zip(files, placed, strict=True):  # in order; the first failure is raised here
             how[kind] = how.get(kind, 0) + 1
             progress.advance(record.size, record.path, skipped=kind in ("in_place", "present"))
     first = chosen[0]

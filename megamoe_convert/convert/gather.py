@@ -5,6 +5,7 @@ copied. Each unit streams its one file in order, so memory is bounded by ``worke
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import threading
 from pathlib import Path
@@ -55,7 +56,7 @@ class ExpertReader:
         out = torch.empty((len(experts), rows, cols), dtype=torch.uint8)
         for i, expert in enumerate(experts):
             start = 0
-            for proj, (n, _) in zip(projs, shapes):
+            for proj, (n, _) in zip(projs, shapes, strict=True):
                 self.files.read(self.ckpt.expert_entry(layer, expert, proj, kind), out[i, start:start + n])
                 start += n
         return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
@@ -146,8 +147,8 @@ def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int]
             bounds = (0, *splits, rows)
             iovecs = cache[rows, cols, splits, gate_up, e] = [
                 [flat[base + o * cols:base + (o + n) * cols] for o, i, n in runs if lo <= i < hi]
-                for lo, hi in zip(bounds, bounds[1:])]
-        for proj, views in zip(projs, iovecs):
+                for lo, hi in itertools.pairwise(bounds)]
+        for proj, views in zip(projs, iovecs, strict=True):
             entry = reader.ckpt.expert_entry(layer, expert, proj, "weight")
             readv_into(reader.files.fd(entry.path), views, entry.begin, entry.path)
     return out.view(len(experts), rows, cols)
@@ -164,7 +165,7 @@ def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], pr
     flat = memoryview(staging.numpy())
     for e, expert in enumerate(experts):
         first = e * mn * blocks
-        for proj, height in zip(projs, heights):
+        for proj, height in zip(projs, heights, strict=True):
             entry = reader.ckpt.expert_entry(layer, expert, proj, "scale")
             readv_into(reader.files.fd(entry.path), [flat[first:first + height * blocks]], entry.begin,
                        entry.path)

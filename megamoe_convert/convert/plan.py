@@ -97,7 +97,7 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
         placement, extra = Placement.read_file(options.placement_file, n, options.ep_size)
         check_file_fields(extra, placement, options.engine, options.placement_file,
-                          [(l.key, l.is_mtp, ckpt.dims.experts_of(l)) for l in ckpt.layers],
+                          [(layer.key, layer.is_mtp, ckpt.dims.experts_of(layer)) for layer in ckpt.layers],
                           family.sglang_mtp_like_decoder)
         if options.check_serving and (problem := serving_refusal(family, options.engine, n,
                                                                  placement_file=options.placement_file,
@@ -114,8 +114,9 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                             family.sglang_mtp_like_decoder)
         except PlacementError as e:
             failing = _failing(ckpt, options.engine, placement, layers)
-            keep = [l for l in layers if l not in failing]
-            way_out = f"or leave {', '.join(l.key for l in failing)} out: --layers {layer_spec(keep)}" if keep else ""
+            keep = [layer for layer in layers if layer not in failing]
+            left_out = ", ".join(layer.key for layer in failing)
+            way_out = f"or leave {left_out} out: --layers {layer_spec(keep)}" if keep else ""
             raise PlacementError(f"{layer.key} ({ckpt.dims.experts_of(layer)} experts): {e}; "
                                  f"{_sizes_text(ckpt, options, layers)}{'; ' + way_out if way_out else ''}") from None
     return placement
@@ -154,15 +155,15 @@ def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: 
 def _sizes_text(ckpt: Checkpoint, options: ConvertOptions, layers: Sequence[MoELayer]) -> str:
     sizes = working_ep_sizes(ckpt, options.num_redundant_experts, options.engine, layers)
     redundant = f" with {options.num_redundant_experts} redundant experts" if options.num_redundant_experts else ""
-    what = "every selected MoE layer" if any(l.is_mtp for l in layers) else "these layers"
+    what = "every selected MoE layer" if any(layer.is_mtp for layer in layers) else "these layers"
     return (f"EP sizes that work for {what}{redundant}: {', '.join(map(str, sizes))}" if sizes else
             f"no EP size works for {what}{redundant}")
 
 
 def layer_spec(layers: Sequence[MoELayer]) -> str:
     """The shortest ``--layers`` value selecting exactly ``layers`` (``0-39``, ``0-3,mtp.1``)."""
-    decoder = format_ranges(sorted(l.index for l in layers if not l.is_mtp))
-    mtp = ",".join(l.key for l in layers if l.is_mtp)
+    decoder = format_ranges(sorted(layer.index for layer in layers if not layer.is_mtp))
+    mtp = ",".join(layer.key for layer in layers if layer.is_mtp)
     return ",".join(x for x in (decoder, mtp) if x)
 
 
@@ -202,7 +203,7 @@ class Plan:
                 "source_files": source["files"], "source_index_sha256": source["index_sha256"],
                 "source_tensors_sha256": source["tensors_sha256"], "source_revision": source["revision"],
                 "placement": list(self.placement.physical_to_logical), "ep_size": self.placement.ep_size,
-                "ranks": self.ranks, "layers": [l.key for l in self.layers],
+                "ranks": self.ranks, "layers": [layer.key for layer in self.layers],
                 "experts_only": self.options.experts_only, "engine": self.engine,
                 **({"store": True} if self.options.store else {})}
 
@@ -239,7 +240,7 @@ class Plan:
                         ranks=self.ranks, layers=self.layers, experts_only=self.options.experts_only,
                         files=[records[u.path] for u in self.units] + list(extra), engine=self.engine,
                         family=self.family, store=self.options.store,
-                        source_layers=[l.key for l in self.ckpt.layers])
+                        source_layers=[layer.key for layer in self.ckpt.layers])
 
     @property
     def family(self) -> str:
@@ -260,7 +261,8 @@ def parse_shard(spec: str) -> tuple[int, int]:
     try:
         i, n = (jsonio.parse_uint(text, "--shard", ConvertError, 0, 1 << 16) for text in (index, count))
     except ConvertError:
-        raise ConvertError(f"--shard: cannot parse {spec!r} (expected I/N, e.g. 0/8 for the first of 8 parts)") from None
+        raise ConvertError(f"--shard: cannot parse {spec!r} "
+                           "(expected I/N, e.g. 0/8 for the first of 8 parts)") from None
     if not sep or n < 1 or not 0 <= i < n:
         raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
     return i, n

@@ -162,9 +162,10 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
         write_part_manifest(plan, records)
     else:
         index = non_expert_index(plan)
-        extra = [] if index is None else [write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)]
+        extra = [] if index is None else [
+            write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)]
         write_json_atomic(out / MANIFEST_NAME, plan.manifest(records, extra).dumps(), fsync=plan.options.fsync)
-    return Summary(str(out), plan.placement.ep_size, plan.ranks, [l.key for l in plan.layers],
+    return Summary(str(out), plan.placement.ep_size, plan.ranks, [layer.key for layer in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),
                    seconds=time.perf_counter() - started, shard=f"{shard[0]}/{shard[1]}" if shard else None,
@@ -173,7 +174,7 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
 
 def _coverage(plan: Plan) -> dict[str, Any]:
     return Manifest(source={}, dims=plan.ckpt.dims, placement=plan.placement, ranks=plan.ranks, layers=plan.layers,
-                    experts_only=plan.options.experts_only, source_layers=[l.key for l in plan.ckpt.layers],
+                    experts_only=plan.options.experts_only, source_layers=[layer.key for layer in plan.ckpt.layers],
                     store=plan.options.store).coverage()
 
 

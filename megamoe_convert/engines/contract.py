@@ -70,7 +70,8 @@ class Contract(ABC):
         """The engine's own loading code on the layout probe's synthetic expert, for ``module``; a
         contract without one cannot prove its byte layout, so it is refused unless the caller opts out."""
         raise InstallError(f"{self.name}: megamoe-convert has no layout probe for this contract, so it cannot check "
-                           "the engine's byte layout; pass probe=False or set MEGAMOE_LAYOUT_PROBE=0 to serve unchecked")
+                           "the engine's byte layout; pass probe=False or set MEGAMOE_LAYOUT_PROBE=0 to serve "
+                           "unchecked")
 
     @abstractmethod
     def destinations(self, module: "nn.Module", converted: "ConvertedModel") -> "Destinations":

@@ -87,7 +87,7 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
     if serving and converted.manifest.experts_only:
         raise InstallError(f"{converted.path}: converted with --experts-only, so it holds no non-expert weights to "
                            "serve; convert without --experts-only for --load-format megamoe")
-    layers = {l.key: l for l in converted.manifest.layers}
+    layers = {layer.key: layer for layer in converted.manifest.layers}
     planned: list[tuple[nn.Module, Contract, MoELayer]] = []
     for module, contract in engine.classify(model):
         key = engine.layer_key(module, converted)

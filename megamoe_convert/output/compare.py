@@ -51,7 +51,7 @@ def expected_extras(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical
     chunks = list(rank_extras.extra_chunks(ckpt, files, layer, logical_ids))
     assert len(keys) == len(chunks), (keys, len(chunks))
     return {key: torch.frombuffer(bytearray(tensor_bytes(c)), dtype=torch.uint8)
-            for key, c in zip(keys, chunks) if key not in COMPARED_ELSEWHERE}
+            for key, c in zip(keys, chunks, strict=True) if key not in COMPARED_ELSEWHERE}
 
 
 def compare_extras(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileCache, report: Any,
@@ -119,7 +119,8 @@ def copied_family_problem(out: Path, manifest: Manifest) -> str | None:
     except (FamilyError, marker.MarkerError) as e:
         return str(e)
     if family.name != manifest.family:
-        return f"family is {manifest.family!r}, but {config} is {family.title}'s ({family.name!r}); the manifest was edited"
+        return (f"family is {manifest.family!r}, but {config} is {family.title}'s ({family.name!r}); "
+                "the manifest was edited")
     return None
 
 
@@ -161,7 +162,8 @@ def numerics_config(ckpt: Checkpoint) -> NumericsConfig:
     scale = _number(text, "routed_scaling_factor", where, 1.0, 0.0, MAX_ROUTED_SCALING_FACTOR, True)
     if ckpt.family.activation == "situ":
         return NumericsConfig(scale, "situ",
-                              situ_beta=_number(text, "activation_situ_beta", where, 1.0, 0.0, MAX_ACTIVATION_PARAM, True),
+                              situ_beta=_number(text, "activation_situ_beta", where, 1.0, 0.0, MAX_ACTIVATION_PARAM,
+                                                True),
                               situ_linear_beta=_number(text, "activation_situ_linear_beta", where, 0.0, 0.0,
                                                        MAX_ACTIVATION_PARAM, True))
     return NumericsConfig(scale, "swiglu",

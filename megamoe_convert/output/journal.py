@@ -48,7 +48,8 @@ def read_journal(path: Path) -> dict[str, FileRecord]:
     try:
         raw = jsonio.read_regular(path, ConvertError, "journal", jsonio.MAX_JOURNAL_BYTES)
     except ConvertError as e:  # the same error, with what to do about it
-        raise ConvertError(f"{e}; nothing was changed: fix or remove it (the files it listed are then redone)") from None
+        raise ConvertError(f"{e}; nothing was changed: fix or remove it "
+                           "(the files it listed are then redone)") from None
     records = (_journal_line(line) for line in raw.splitlines() if line.strip())
     return {r.path: r for r in records if r is not None}
 

@@ -94,7 +94,7 @@ class Manifest:
         as it is: every rank, every MoE layer and the non-expert weights (``--ranks``, ``--layers``
         and ``--experts-only`` make partial conversions)."""
         missing_ranks = sorted(set(range(self.ep_size)) - set(self.ranks))
-        held = {l.key for l in self.layers}
+        held = {layer.key for layer in self.layers}
         missing_layers = [k for k in self.source_layers or [] if k not in held]
         gaps = []
         if missing_ranks:
@@ -106,7 +106,7 @@ class Manifest:
         if self.experts_only:
             gaps.append("no non-expert weights (--experts-only): --load-format megamoe refuses it")
         return {"partial": bool(gaps), "servable": not gaps, "ranks": sorted(set(self.ranks)),
-                "missing_ranks": missing_ranks, "layers": [l.key for l in self.layers],
+                "missing_ranks": missing_ranks, "layers": [layer.key for layer in self.layers],
                 "missing_layers": missing_layers, "non_expert_weights": not self.experts_only,
                 "note": "; ".join(gaps) if gaps else f"every rank of EP {self.ep_size}, every MoE layer, "
                                                      "non-expert weights: servable"}
@@ -148,7 +148,7 @@ class Manifest:
             "family": self.family,
             **({"layout": self.layout_record()} if self.layout_record() is not None else {}),
             "placement": self.placement.to_json(),
-            "layers": [{"key": l.key, "prefix": l.prefix} for l in self.layers],
+            "layers": [{"key": layer.key, "prefix": layer.prefix} for layer in self.layers],
             "experts_only": self.experts_only,
             **({"source_layers": self.source_layers} if self.source_layers is not None else {}),
             "coverage": {k: v for k, v in self.coverage().items() if k in ("partial", "servable", "note")},
@@ -169,7 +169,8 @@ class Manifest:
         if data.get("format") != FORMAT_NAME:
             raise f.fail(f"not a megamoe-convert manifest (format={jsonio.short(data.get('format'))})")
         versions = [f.int(data, key, lo=1) for key in ("format_version", "layout_version")]
-        for key, value, known in zip(("format_version", "layout_version"), versions, (FORMAT_VERSION, LAYOUT_VERSION)):
+        for key, value, known in zip(("format_version", "layout_version"), versions, (FORMAT_VERSION, LAYOUT_VERSION),
+                                     strict=True):
             if value > known:
                 raise f.fail(f"{key} {value} is newer than this megamoe-convert understands ({known}); "
                              "upgrade megamoe-convert")
@@ -268,7 +269,7 @@ def manifest_problems(m: Manifest, data: dict[str, Any]) -> list[str]:
     exact size its dims and placement give, nothing else in rank folders, no rank, layer or file
     twice, logical experts = ``n_routed_experts``, no non-expert shard with ``experts_only``."""
     problems = [f"rank {r} listed twice" for r in _duplicates(m.ranks)]
-    problems += [f"layer {l.key} listed twice" for l in _duplicates(m.layers)]
+    problems += [f"layer {layer.key} listed twice" for layer in _duplicates(m.layers)]
     problems += [f"file {p} listed twice" for p in _duplicates([r.path for r in m.files])]
     problems += [f"rank {r} out of range for ep_size={m.ep_size}" for r in m.ranks if r >= m.ep_size]
     if not m.ranks:

@@ -176,6 +176,7 @@ def small_file_problems(out: Path, sources: Sequence[Path]) -> Iterator[tuple[st
         if not dst.is_file():
             yield src.name, "small file of the source is missing"
         elif dst.read_bytes() != want:
-            yield src.name, "differs from the source" + (" marked by megamoe-convert" if src.name == "config.json" else "")
+            marked = " marked by megamoe-convert" if src.name == "config.json" else ""
+            yield src.name, "differs from the source" + marked
         else:
             yield src.name, None

@@ -27,7 +27,8 @@ from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import FileCache
 
 
-def _scalar_bytes(ckpt: Checkpoint, files: FileCache, layer: MoELayer, expert: int, proj: str, kind: str) -> torch.Tensor:
+def _scalar_bytes(ckpt: Checkpoint, files: FileCache, layer: MoELayer, expert: int, proj: str,
+                  kind: str) -> torch.Tensor:
     """One NVFP4 global scale's FP32 bytes; a value the kernel cannot scale by (NaN, inf, zero or
     negative) is the source's problem, named as such."""
     raw = files.read(ckpt.expert_entry(layer, expert, proj, kind)).reshape(4)
@@ -60,8 +61,8 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
         if not torch.equal(w1, w3):
             values = [float(t.view(torch.float32)) for t in (w1, w3)]
             raise CheckpointError(f"{ckpt.file_of(ckpt.expert_name(layer, expert, 'w3', 'weight_scale_2'))}: "
-                                  f"{ckpt.expert_name(layer, expert, 'w3', 'weight_scale_2')} is {values[1]} but w1's is "
-                                  f"{values[0]}; the MegaMoE kernel takes one L1 scale per expert")
+                                  f"{ckpt.expert_name(layer, expert, 'w3', 'weight_scale_2')} is {values[1]} "
+                                  f"but w1's is {values[0]}; the MegaMoE kernel takes one L1 scale per expert")
         l1.append(w1)
     yield torch.cat(l1)
     yield torch.cat([_scalar_bytes(ckpt, files, layer, e, "w2", "weight_scale_2") for e in logical_ids])

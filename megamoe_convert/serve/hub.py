@@ -242,7 +242,8 @@ def pin(repo_id: str, revision: str | None = None, force_download: bool = False)
     if not (first / MANIFEST_NAME).exists():
         raise HubError(f"{where}: no {MANIFEST_NAME}: not a megamoe conversion, or its `megamoe push` did not finish")
     manifest = read_manifest(first)
-    commit = first.name if huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name) else (revision or "main")
+    is_commit = huggingface_hub.file_download.REGEX_COMMIT_HASH.fullmatch(first.name)
+    commit = first.name if is_commit else (revision or "main")
     return Pinned(repo_id, commit, manifest, first, where)
 
 

@@ -126,7 +126,7 @@ def pull_ranges(repo_id: str, local_dir: Path | str, ep_size: int, ranks: str | 
     need = sum(n for ranges in needed.values() for _, n in ranges)
     return {"path": str(local_dir), "repo_id": pinned.repo_id, "commit": pinned.commit, "ep_size": ep_size,
             "ranks": chosen, "needed_bytes": need, "fetched_bytes": fetched, "requests": requests,
-            "store_expert_bytes": sum(manifest.file(manifest.expert_file(l)).size for l in placements),
+            "store_expert_bytes": sum(manifest.file(manifest.expert_file(layer)).size for layer in placements),
             "other_files": len(records)}
 
 

@@ -151,14 +151,14 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
         names = list(itertools.islice(layers, 2 * len(manifest.layers) + 1))
     except TypeError:
         raise LoadError(f"layers must be a string or an iterable of layer names, got {type(layers).__name__}") from None
-    by_name = {l.key: l for l in manifest.layers} | {l.prefix: l for l in manifest.layers}
+    by_name = {layer.key: layer for layer in manifest.layers} | {layer.prefix: layer for layer in manifest.layers}
     missing = [name for name in names if not isinstance(name, str) or name not in by_name]
     if missing:
         raise LoadError(f"layer {missing[0]!r} is not in this conversion "
-                        f"(layers: {', '.join(l.key for l in manifest.layers)})")
+                        f"(layers: {', '.join(layer.key for layer in manifest.layers)})")
     if not names or len(names) > 2 * len(manifest.layers):
         raise LoadError(f"layers={'[]' if not names else 'more names than the conversion has'}: select at least one "
-                        f"of {', '.join(l.key for l in manifest.layers)} (or layers=None for all)")
+                        f"of {', '.join(layer.key for layer in manifest.layers)} (or layers=None for all)")
     return sorted({by_name[name] for name in names})
 
 
@@ -179,7 +179,8 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
                             "or was edited)")
         chosen[layer] = listed[path]
     records = list(chosen.values())
-    for record, problem in zip(records, file_problems([(out / r.path, r) for r in records], "manifest.json", verify)):
+    checks = [(out / r.path, r) for r in records]
+    for record, problem in zip(records, file_problems(checks, "manifest.json", verify), strict=True):
         if problem:
             raise LoadError(f"{out / record.path}: {problem}")
     return chosen
@@ -205,7 +206,8 @@ def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, 
     if manifest.store:  # every logical expert once: no rank, no EP size
         if meta.get("store") != "logical-experts" or meta.get("layout_version") != str(manifest.layout_version):
             raise LoadError(f"{header.path}: metadata (store={meta.get('store')}, layout_version="
-                            f"{meta.get('layout_version')}) is not a store file of layout_version {manifest.layout_version}")
+                            f"{meta.get('layout_version')}) is not a store file of layout_version "
+                            f"{manifest.layout_version}")
         return entries
     if meta.get("layout_version") != str(manifest.layout_version) or meta.get("rank") != str(rank) \
             or meta.get("ep_size") != str(manifest.ep_size):
@@ -243,7 +245,8 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
     with open(path, "rb") as f:
         # Private (copy-on-write) mapping: pages load lazily on first touch; writes never reach the file.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return {key: _mmap_tensor(mapped, entries[key], formats.torch_dtype(entries[key].dtype)) for key in _data_keys(entries)}
+    return {key: _mmap_tensor(mapped, entries[key], formats.torch_dtype(entries[key].dtype))
+            for key in _data_keys(entries)}
 
 
 # --------------------------------------------------------------------------------------
@@ -378,14 +381,14 @@ def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device,
     placements = store.store_placements(manifest, ep_size, where=out, error=LoadError)
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
     by_prefix = {layer.prefix: layer for layer in chosen}
-    return store.load_slots(converted, {l: placements[l].rank_logical_ids(rank) for l in chosen},
-                            starts={l: placements[l].experts_start(rank) for l in chosen},
+    return store.load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in chosen},
+                            starts={layer: placements[layer].experts_start(rank) for layer in chosen},
                             device=device, verify=verify,
                             into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
 
 
-def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None, verify: bool,
-               ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
+def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
+               verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
     out, manifest = converted.path, converted.manifest
     if manifest.store and (ep_size not in (None, 1) or rank != 0):
         return _load_store_rank(converted, rank, device, layers, verify, ep_size, into)

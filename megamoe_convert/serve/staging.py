@@ -71,9 +71,11 @@ RING_BUFFER_BYTES = 16 << 20
 #: bandwidth and the GIL and runs best with a lane per core; a cold one waits on the disk, which
 #: reads a store rank's gapped ranges faster with more, smaller reads in flight.
 COLD_READ_THREADS = 2 * READ_THREADS
-#: ``False`` (``MEGAMOE_CUDART=0``) issues the lanes' copies through ``torch`` instead of the CUDA runtime's entry points.
+#: ``False`` (``MEGAMOE_CUDART=0``) issues the lanes' copies through ``torch`` instead of the CUDA
+#: runtime's entry points.
 CUDART = bool(_setting("CUDART", 1, 0, 1))
-#: ``False`` (``MEGAMOE_FAST_PIN=0``) pins the ring with torch's allocator (``cudaHostAlloc``) instead of registering huge pages.
+#: ``False`` (``MEGAMOE_FAST_PIN=0``) pins the ring with torch's allocator (``cudaHostAlloc``)
+#: instead of registering huge pages.
 FAST_PIN = bool(_setting("FAST_PIN", 1, 0, 1))
 
 _HUGE_PAGE = 2 << 20
@@ -114,7 +116,7 @@ def _register(buffers: list[torch.Tensor]) -> bool:
         thread.join()
     if all(pinned):
         return True
-    for buffer, ok in zip(buffers, pinned):
+    for buffer, ok in zip(buffers, pinned, strict=True):
         if ok:
             cudart.cudaHostUnregister(buffer.data_ptr())
     return False
@@ -249,8 +251,8 @@ def _prepare(device: int) -> None:
 
 def prepare_gpu_staging() -> threading.Thread | None:
     """Pin the staging ring, start the reader threads, make the caller's device's events and
-    streams and find the CUDA runtime, in the background, now. Engines call this when their loader or model is made, so all
-    of it overlaps building the model instead of delaying the first load; a load that starts
+    streams and find the CUDA runtime, in the background, now. Engines call this when their loader
+    or model is made, so all of it overlaps building the model instead of delaying the first load; a load that starts
     before it is done waits for the ring. Does nothing without CUDA, or once started."""
     global _PINNING
     if not torch.cuda.is_available():

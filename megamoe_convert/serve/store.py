@@ -66,7 +66,7 @@ def slot_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
             runs[-1][2] += 1
         else:
             runs.append([slot, logical, 1])
-    return [(s, l, n) for s, l, n in runs]
+    return [(s, layer, n) for s, layer, n in runs]
 
 
 def plan_reads(entries: Mapping[str, TensorEntry], n_logical: int, ids: Sequence[int],
@@ -80,7 +80,8 @@ def plan_reads(entries: Mapping[str, TensorEntry], n_logical: int, ids: Sequence
             reads.append(Read(key, entry.begin, 0, entry.nbytes))
             continue
         block = entry.nbytes // n_logical
-        reads += [Read(key, entry.begin + logical * block, slot * block, count * block) for slot, logical, count in runs]
+        reads += [Read(key, entry.begin + logical * block, slot * block, count * block)
+                  for slot, logical, count in runs]
     return reads
 
 
@@ -187,7 +188,8 @@ def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
     staging.fill_device(ranges, device)
 
 
-def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]], dests: dict[MoELayer, Destinations]) -> None:
+def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]],
+          dests: dict[MoELayer, Destinations]) -> None:
     fds: dict[MoELayer, int] = {}
     try:
         cuda: dict[torch.device, list[tuple[int, list[Read], Destinations]]] = {}
@@ -195,8 +197,8 @@ def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]], dest
             fd = fds[layer] = os.open(path_of[layer], os.O_RDONLY)
             on_cpu = [r for r in layer_reads if dests[layer][r.key].device.type != "cuda"]
             for read in on_cpu:
-                read_into(fd, read.file_offset, _flat(dests[layer][read.key])[read.dest_offset:read.dest_offset + read.nbytes],
-                          path_of[layer])
+                dest = _flat(dests[layer][read.key])[read.dest_offset:read.dest_offset + read.nbytes]
+                read_into(fd, read.file_offset, dest, path_of[layer])
             for read in layer_reads:
                 if dests[layer][read.key].device.type == "cuda":
                     cuda.setdefault(dests[layer][read.key].device, []).append((fd, [read], dests[layer]))
@@ -221,14 +223,14 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
         raise LoadError(f"{out} is a per-rank conversion (ep_size={manifest.ep_size}), not a store; load it with "
                         "load_rank, or convert without --ep-size")
     served = ranged.served_ranges(out, LoadError)  # a ranged pull: finished, of this manifest, or nothing
-    known = {l.key: l for l in manifest.layers}
+    known = {layer.key: layer for layer in manifest.layers}
     records = {}
     for layer in slots:
         if layer.key not in known:
             raise LoadError(f"layer {layer.key} is not in {out} (layers: {', '.join(known)})")
         records[layer] = manifest.file(manifest.expert_file(layer))
     checks = [(out / r.path, r) for r in records.values()]
-    for (path, _), problem in zip(checks, file_problems(checks, "manifest.json", verify)):
+    for (path, _), problem in zip(checks, file_problems(checks, "manifest.json", verify), strict=True):
         if problem:
             raise LoadError(f"{path}: {problem}")
     ids = {layer: check_ids(f"{out}: {layer.key}", s, manifest.dims.experts_of(layer)) for layer, s in slots.items()}
@@ -309,13 +311,13 @@ def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ran
     for layers, placement in groups:
         _, entries = written_header(manifest, layers[0], Path(store_file(layers[0])))
         plans.append((entries, [k for k in entries if k != "logical_ids"], manifest.dims.experts_of(layers[0])))
-        described.append({"layers": [l.key for l in layers], "experts": manifest.dims.experts_of(layers[0]),
+        described.append({"layers": [layer.key for layer in layers], "experts": manifest.dims.experts_of(layers[0]),
                           "experts_per_rank": placement.experts_per_rank, "default": placement.is_default()})
     seen: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {}
     rows = []
     for rank in ranks:
         per_group = []
-        for g, (layers, placement) in enumerate(groups):
+        for g, (_, placement) in enumerate(groups):
             ids = placement.rank_logical_ids(rank)
             if (g, ids) not in seen:
                 entries, keys, n = plans[g]
@@ -326,7 +328,7 @@ def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ran
             per_group.append(seen[(g, ids)])
         row: dict[str, object] = {"rank": rank}
         for key in ("read_bytes", "reads", "ranges", "range_bytes"):
-            row[key] = sum(stats[key] * len(layers) for stats, (layers, _) in zip(per_group, groups))
+            row[key] = sum(stats[key] * len(layers) for stats, (layers, _) in zip(per_group, groups, strict=True))
         row["per_layer"] = per_group
         rows.append(row)
     return rows, described

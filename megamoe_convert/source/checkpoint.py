@@ -170,7 +170,8 @@ class Checkpoint:
         dims = ModelDims(*sizes, mtp_n_routed_experts=_mtp_experts(family, text, path, sizes[2]))
         check_dims(dims.hidden_size, dims.moe_intermediate_size, path)
         if dims.n_routed_experts <= 0:
-            raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, got {dims.n_routed_experts}")
+            raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, "
+                                  f"got {dims.n_routed_experts}")
         return dims
 
     @property
@@ -285,8 +286,8 @@ class Checkpoint:
         """The layers with experts must be exactly the family's MoE layers for config.json's counts."""
         assert self.family is not None and self.names is not None
         config_path, family, text = self.root / CONFIG_NAME, self.family, self.text_config
-        found_decoder = sorted(l.index for l in self.layers if not l.is_mtp)
-        found_mtp = sorted(l.index for l in self.layers if l.is_mtp)
+        found_decoder = sorted(layer.index for layer in self.layers if not layer.is_mtp)
+        found_mtp = sorted(layer.index for layer in self.layers if layer.is_mtp)
         n_layers = _config_int(text, family.keys["layers"], config_path, len(found_decoder), hi=MAX_LAYERS,
                                name=family.where(family.keys["layers"]))
         dense_rule = [_config_int(text, key, config_path, default, hi=MAX_LAYERS, name=family.where(key))
@@ -299,10 +300,10 @@ class Checkpoint:
             raise self._no_experts()
         if found_decoder != want_decoder:
             rule = "".join(f", {family.where(k)}={v}" for k, v in zip((family.first_dense_key, family.freq_key),
-                                                                      dense_rule) if k)
+                                                                      dense_rule, strict=True) if k)
             gives = f" (MoE layers {_ranges(want_decoder) or 'none'})" if rule else ""
-            raise CheckpointError(f"{config_path}: {family.where(family.keys['layers'])}={n_layers}{rule}{gives} but the "
-                                  f"checkpoint has experts for decoder layers {_ranges(found_decoder)}")
+            raise CheckpointError(f"{config_path}: {family.where(family.keys['layers'])}={n_layers}{rule}{gives} "
+                                  f"but the checkpoint has experts for decoder layers {_ranges(found_decoder)}")
         if found_mtp != want_mtp:
             raise CheckpointError(f"{config_path}: {family.where(mtp_key)}={len(want_mtp)} but the checkpoint has "
                                   f"experts for MTP layers {_ranges(found_mtp) or 'none'}")
@@ -419,11 +420,11 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
     if spec is None or spec.strip() in ("", "all"):
         return list(available)
     # Ranges are bounded by the last decoder layer before they are expanded.
-    last_decoder = max((l.index for l in available if not l.is_mtp), default=0)
+    last_decoder = max((layer.index for layer in available if not layer.is_mtp), default=0)
     chosen: set[MoELayer] = set()
     for part in (p.strip() for p in spec.split(",")):
         if part == "mtp":
-            chosen.update(l for l in available if l.is_mtp)
+            chosen.update(layer for layer in available if layer.is_mtp)
             continue
         if part.startswith(("mtp.", "layers.")):
             try:
@@ -431,7 +432,7 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
             except ValueError:
                 raise error(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
         else:
-            decoders = _ranges([l.index for l in available if not l.is_mtp])
+            decoders = _ranges([layer.index for layer in available if not layer.is_mtp])
             first, last = parse_range(part, "--layers", "0-3,7,mtp.0", last_decoder, error,
                                       f" (MoE layers of {where}: {decoders})")
             picked = {MoELayer(False, i) for i in range(first, last + 1)}
@@ -441,7 +442,7 @@ def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: obj
         chosen |= picked
     if not chosen:
         raise error(f"--layers {spec}: selects no MoE layer of {where} "
-                    f"(it has {', '.join(l.key for l in available)})")
+                    f"(it has {', '.join(layer.key for layer in available)})")
     return sorted(chosen)
 
 

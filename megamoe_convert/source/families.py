@@ -132,7 +132,8 @@ class TensorNames:
     num_hidden_layers: int
 
     def block(self, layer: "MoELayer") -> str:
-        """The layer's MoE block in the checkpoint: ``layers.7.ffn``, ``language_model.model.layers.7.block_sparse_moe``."""
+        """The layer's MoE block in the checkpoint: ``layers.7.ffn``,
+        ``language_model.model.layers.7.block_sparse_moe``."""
         f = self.family
         if not layer.is_mtp:
             return f.block.format(index=layer.index)
@@ -304,6 +305,8 @@ def detect(config: Mapping[str, Any], where: object) -> ModelFamily:
         if model_type in family.model_types:
             return family
     archs = config.get("architectures")
-    found = f"model_type {jsonio.short(model_type)}" + (f" ({', '.join(map(str, archs))})" if isinstance(archs, list) else "")
+    found = f"model_type {jsonio.short(model_type)}"
+    if isinstance(archs, list):
+        found += f" ({', '.join(map(str, archs))})"
     known = ", ".join(f"{f.title} ({'/'.join(f.model_types)})" for f in FAMILIES)
     raise FamilyError(f"{where}: {found} is no model family megamoe-convert converts (known: {known})")

@@ -131,7 +131,8 @@ def identify(weight_dtype: str, scale_dtype: str | None, where: object) -> Weigh
                 scale_dtype in fmt.scale_dtypes if fmt.scaled else scale_dtype is None):
             return fmt
     known = "; ".join(f"{f.name}: {'/'.join(f.checkpoint_weight_dtypes)} weights"
-                      + (f" with {'/'.join(f.scale_dtypes)} scales" if f.scaled else " unscaled") for f in FORMATS.values())
+                      + (f" with {'/'.join(f.scale_dtypes)} scales" if f.scaled else " unscaled")
+                      for f in FORMATS.values())
     found = f"{weight_dtype} weights " + (f"with {scale_dtype} scales" if scale_dtype else "without scales")
     raise FormatError(f"{where}: {found} are no MegaMoE weight format ({known})")
 
@@ -282,7 +283,8 @@ def shared_expert_problem(weight_dtype: str, weight_shape: tuple[int, ...], scal
     if weight_dtype != SHARED_FORMAT.weight_dtype or tuple(weight_shape) != (n, k):
         return f"weight is {weight_dtype}{list(weight_shape)}, expected {SHARED_FORMAT.weight_dtype}{[n, k]}"
     if scale_dtype not in SHARED_SCALE_DTYPES or len(scale_shape) != 2:
-        return f"scale is {scale_dtype}{list(scale_shape)}, expected UE8M0 block scales ({', '.join(SHARED_SCALE_DTYPES)})"
+        return (f"scale is {scale_dtype}{list(scale_shape)}, "
+                f"expected UE8M0 block scales ({', '.join(SHARED_SCALE_DTYPES)})")
     rows, cols = scale_shape
     if not rows or not cols or n % rows or k % cols or (k // cols) % group:
         return f"scale {list(scale_shape)} does not tile [{n}, {k}] in multiples of 1x{group}"

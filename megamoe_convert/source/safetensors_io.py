@@ -146,7 +146,8 @@ def _check_coverage(path: Path, tensors: dict[str, TensorEntry], data_start: int
 # --------------------------------------------------------------------------------------
 
 def _ended_early(source: object, at: int) -> SafetensorsError:
-    return SafetensorsError(f"{source or 'file'}: unexpected end of file at byte {at} (did it shrink while being read?)")
+    return SafetensorsError(f"{source or 'file'}: unexpected end of file at byte {at} "
+                            "(did it shrink while being read?)")
 
 
 def read_into(fd: int, offset: int, out: torch.Tensor, source: object = None) -> None:
@@ -248,7 +249,8 @@ def encode_header(specs: Iterable[TensorSpec], metadata: dict[str, str] | None =
         header["__metadata__"] = metadata
     offset = 0
     for spec in specs:
-        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
     body = json.dumps(header, separators=(",", ":")).encode()
     padded = -(-(8 + len(body)) // alignment) * alignment - 8

@@ -48,8 +48,8 @@ class SynthTensor:
     dtype: str
     shape: tuple[int, ...]
     #: "random" bytes, "scale" (UE8M0 bytes in SCALE_BYTE_RANGE), "e4m3_scale", "fp32_scale" (positive
-    #: block scales, in the tensor's float dtype), "e4m3" (finite FP8 values), "bf16" (small finite values), "ones" (bf16 1.0),
-    #: or "value" (F32 ``value``).
+    #: block scales, in the tensor's float dtype), "e4m3" (finite FP8 values), "bf16" (small finite
+    #: values), "ones" (bf16 1.0), or "value" (F32 ``value``).
     fill: str = "random"
     value: float = 0.0
 
@@ -82,7 +82,8 @@ def expert_tensors(names: TensorNames, layer: MoELayer, experts: int, hidden: in
                               WEIGHT_FILLS.get(weight_dtype, "random"))
             if fmt.scaled:
                 rows, blocks = fmt.scale_shape(n, k)  # FP32-encoded scales: one value per block, whatever its dtype
-                cols = blocks if fmt.scale_encoding == "fp32" else blocks * fmt.scale_bytes * 8 // DTYPE_BITS[scale_dtype]
+                cols = blocks if fmt.scale_encoding == "fp32" else \
+                    blocks * fmt.scale_bytes * 8 // DTYPE_BITS[scale_dtype]
                 yield SynthTensor(names.expert(layer, e, proj, "scale"), scale_dtype, (rows, cols),
                                   SCALE_FILLS.get(scale_dtype, "scale"))
             if fmt.global_scales:

@@ -53,7 +53,8 @@ def refusal(module: nn.Module) -> str | None:
         return (f"{module.num_fused_shared_experts} fused shared expert slot(s) sit beside the routed experts; "
                 "the conversion holds routed experts only (serve with shared-experts fusion disabled)")
     if not getattr(method, "block_quant", False) or getattr(method, "use_mxfp8", False) or \
-            getattr(method, "is_fp4_expert", False) or list(getattr(method, "weight_block_size", None) or []) != [128, 128]:
+            getattr(method, "is_fp4_expert", False) or \
+            list(getattr(method, "weight_block_size", None) or []) != [128, 128]:
         return (f"{type(method).__name__} does not hold 128x128 block-quantized FP8 experts (the only ones "
                 "build_sm90_mega_moe_experts_weights takes)")
     return None

@@ -1,8 +1,9 @@
 """Every vLLM load format serves a conversion's pre-baked experts, or refuses (vLLM 0.30 and later).
 
 A converted directory's ``config.json`` names a marker model type and marker architectures
-(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, the ``vllm.general_plugins`` entry point
-(:mod:`.plugin`, in every vLLM process, before any config is read) does this:
+(``output/marker.py``) that a bare vLLM refuses. With megamoe-convert installed, the
+``vllm.general_plugins`` entry point (:mod:`.plugin`, in every vLLM process, before any config is
+read) does this:
 
 - transformers' JSON config reading gives back the original model type (``engines/hf_config.py``:
   vLLM's parser, its speculative draft config, the weight-cache daemon and the tokenizer all read
@@ -11,7 +12,8 @@ A converted directory's ``config.json`` names a marker model type and marker arc
   architectures back, so vLLM builds and configures the model exactly as for the source (every
   architecture-keyed setting of vLLM applies); the ``megamoe`` section stays on the config.
 - Each model class that holds MegaMoE experts (DeepSeek-V4, V4.1, Kimi-K3 and their MTP / DSpark
-  drafts) is registered again (``ModelRegistry.register_model``, :func:`register_models`) as a thin subclass of vLLM's own class whose ``load_weights``
+  drafts) is registered again (``ModelRegistry.register_model``, :func:`register_models`) as a
+  thin subclass of vLLM's own class whose ``load_weights``
   first installs the rank's pre-baked experts (:func:`.install.install_layers`, which
   refuses a model that does not match) and then loads the rest as vLLM would. Every loader that
   calls ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ``fastsafetensors``, ...)

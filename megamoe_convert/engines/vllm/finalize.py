@@ -3,7 +3,8 @@
 The finalize contract: the module registers loader-side uint8 parameters in the checkpoint's
 layout (``w13_weight [E, 2I, H/2]``, ``w13_weight_scale [E, 2I, H/32]``, likewise ``w2``);
 ``finalize_weights()`` checks the runtime (``_check_runtime_supported()``; in 0.32 it resolves
-the backend through ``_ensure_backend()``, which reads ``w13_weight.device``), transforms them into ``_transformed_l1_weights`` /
+the backend through ``_ensure_backend()``, which reads ``w13_weight.device``), transforms them
+into ``_transformed_l1_weights`` /
 ``_transformed_l2_weights``, drops the four parameters, then fuses the shared expert.
 ``forward`` and EPLB's ``get_expert_weights()`` read the ``_transformed_*`` tuples.
 
@@ -94,7 +95,8 @@ class FinalizeContract(Contract):
             return None
         h = module.hidden_size
         weight = formats.torch_dtype(formats.SHARED_FORMAT.weight_dtype)
-        for linear, shape in ((getattr(mlp, "gate_up_proj", None), (2 * s, h)), (getattr(mlp, "down_proj", None), (h, s))):
+        expected = ((getattr(mlp, "gate_up_proj", None), (2 * s, h)), (getattr(mlp, "down_proj", None), (h, s)))
+        for linear, shape in expected:
             w = getattr(linear, "weight", None)
             if not isinstance(w, torch.Tensor) or w.dtype != weight or tuple(w.shape) != shape or not w.is_contiguous():
                 return None  # not what vLLM fuses either (a TP-sharded MLP, another precision)
@@ -111,7 +113,8 @@ class FinalizeContract(Contract):
         if converted.weight_format != "mxfp4":
             raise InstallError(f"{module.prefix}: {type(module).__name__} takes MXFP4 experts only, but "
                                f"{converted.path} holds {converted.weight_format}")
-        if module._transformed_l1_weights is not None or getattr(module, "_transformed_shared_l1_weights", None) is not None:
+        if module._transformed_l1_weights is not None or \
+                getattr(module, "_transformed_shared_l1_weights", None) is not None:
             raise InstallError(f"{module.prefix}: finalize_weights() already ran; install before loading weights")
         try:  # vLLM's own capability check (0.32: resolves and caches the backend, which must
             # happen while w13_weight exists: _ensure_backend reads its device)
@@ -149,7 +152,8 @@ class FinalizeContract(Contract):
             s = converted.manifest.dims.shared_intermediate_size
             specs = formats.spec_keys(formats.shared_specs(module.prefix, h, s), module.prefix)
             device = mlp.gate_up_proj.weight.device
-            dests.update({"shared_l1_weight": mlp.gate_up_proj.weight.data, "shared_l2_weight": mlp.down_proj.weight.data,
+            dests.update({"shared_l1_weight": mlp.gate_up_proj.weight.data,
+                          "shared_l2_weight": mlp.down_proj.weight.data,
                           **{key: torch.empty(specs[key].shape, dtype=torch.int32, device=device)
                              for key in ("shared_l1_sf", "shared_l2_sf")}})
         return dests
