@@ -10,6 +10,7 @@ problem once, as that class, naming the file (``JsonError`` where the caller has
 
 from __future__ import annotations
 
+import builtins
 import json
 import math
 import os
@@ -238,13 +239,16 @@ class Fields:
             raise self.fail(f"{label} must be a string, got {describe(value)}")
         return value
 
-    def bool(self, data: Any, key: str | int = -1, name: str | None = None) -> bool:
+    # The readers are named for the JSON type they return, so the class body's `str`, `int`, `list`
+    # and `bool` are these methods from here on: signatures below name the builtins.
+    def bool(self, data: Any, key: builtins.str | builtins.int = -1, name: builtins.str | None = None) -> builtins.bool:
         value, label = self._get(data, key, name)
         if not isinstance(value, bool):
             raise self.fail(f"{label} must be true or false, got {describe(value)}")
         return value
 
-    def int(self, data: Any, key: str | int = -1, lo: int = 0, hi: int = MAX_INT, name: str | None = None) -> int:
+    def int(self, data: Any, key: builtins.str | builtins.int = -1, lo: builtins.int = 0, hi: builtins.int = MAX_INT,
+            name: builtins.str | None = None) -> builtins.int:
         value, label = self._get(data, key, name)
         if not isinstance(value, int) or isinstance(value, bool):
             raise self.fail(f"{label} must be an integer, got {describe(value)}")
@@ -252,8 +256,8 @@ class Fields:
             raise self.fail(f"{label} = {value} is outside {lo}..{hi}")
         return value
 
-    def number(self, data: Any, key: str | int = -1, lo: float = -math.inf, hi: float = math.inf,
-               name: str | None = None, lo_open: bool = False) -> float:
+    def number(self, data: Any, key: builtins.str | builtins.int = -1, lo: float = -math.inf, hi: float = math.inf,
+               name: builtins.str | None = None, lo_open: builtins.bool = False) -> float:
         """A JSON number (an integer or a finite float, never a boolean) in ``lo..hi`` (``lo_open``:
         greater than ``lo``)."""
         value, label = self._get(data, key, name)
@@ -264,12 +268,14 @@ class Fields:
                             f"and <= {hi:g})")
         return float(value)
 
-    def ints(self, data: Any, key: str | int = -1, lo: int = 0, hi: int = MAX_INT, name: str | None = None,
-             max_len: int = 1 << 24) -> list[int]:
+    def ints(self, data: Any, key: builtins.str | builtins.int = -1, lo: builtins.int = 0,
+             hi: builtins.int = MAX_INT, name: builtins.str | None = None,
+             max_len: builtins.int = 1 << 24) -> builtins.list[builtins.int]:
         label = name or (key if isinstance(key, str) else "value")
         items = self.list(data, key, label, max_len)
         return [self.int(x, name=f"{label}[{i}]", lo=lo, hi=hi) for i, x in enumerate(items)]
 
-    def each(self, items: list[Any], read: Callable[[Any, str], T], label: str) -> list[T]:
+    def each(self, items: builtins.list[Any], read: Callable[[Any, builtins.str], T],
+             label: builtins.str) -> builtins.list[T]:
         """``read(item, "label[i]")`` of every item: field errors then say which entry."""
         return [read(item, f"{label}[{i}]") for i, item in enumerate(items)]
