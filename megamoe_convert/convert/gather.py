@@ -119,7 +119,7 @@ def _row_runs(rows: int, gate_up: bool, splits: tuple[int, ...]) -> tuple[tuple[
             last[2] += 1
         else:
             runs.append([out_row, in_row, 1])
-    return tuple(sorted((tuple(r) for r in runs), key=lambda r: r[1]))
+    return tuple(sorted(((out, src, n) for out, src, n in runs), key=lambda r: r[1]))
 
 
 def direct_path_supported(dims: Any, device: str) -> bool:
@@ -143,7 +143,7 @@ def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int]
     for e, expert in enumerate(experts):
         iovecs = cache.get((rows, cols, splits, gate_up, e))
         if iovecs is None:  # expert e's rows of each projection, in the file's order
-            flat, base = memoryview(buf.numpy()), e * rows * cols
+            flat, base = buf.numpy().data, e * rows * cols
             bounds = (0, *splits, rows)
             iovecs = cache[rows, cols, splits, gate_up, e] = [
                 [flat[base + o * cols:base + (o + n) * cols] for o, i, n in runs if lo <= i < hi]
@@ -162,7 +162,7 @@ def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], pr
     mn, pk, count = sum(heights), blocks // layout.SCALES_PER_WORD, len(experts)
     size = count * mn * blocks
     staging, gathered, out = buf[:size], buf[size:2 * size], buf[2 * size:3 * size]
-    flat = memoryview(staging.numpy())
+    flat = staging.numpy().data
     for e, expert in enumerate(experts):
         first = e * mn * blocks
         for proj, height in zip(projs, heights, strict=True):

@@ -94,22 +94,21 @@ def read_header(path: Path) -> SafetensorsHeader:
             raw = f.read(header_len)
     except OSError as e:
         raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
-    f = jsonio.Fields(path, SafetensorsError)
+    fields = jsonio.Fields(path, SafetensorsError)
     try:
-        header = f.obj(jsonio.parse(raw, path, SafetensorsError), name="header")
+        header = fields.obj(jsonio.parse(raw, path, SafetensorsError), name="header")
     except SafetensorsError as e:
         raise SafetensorsError(f"{path}: corrupted safetensors header ({str(e).removeprefix(f'{path}: ')})") from None
     data_start = 8 + header_len
-    metadata = f.obj(header.pop("__metadata__", None) or {}, name="__metadata__")
+    metadata = fields.obj(header.pop("__metadata__", None) or {}, name="__metadata__")
     for key in metadata:
-        f.str(metadata, key, f"__metadata__.{key}")
-    tensors = {name: _parse_entry(f, name, spec, data_start) for name, spec in header.items()}
+        fields.str(metadata, key, f"__metadata__.{key}")
+    tensors = {name: _parse_entry(fields, path, name, spec, data_start) for name, spec in header.items()}
     _check_coverage(path, tensors, data_start, file_size)
     return SafetensorsHeader(path, data_start, file_size, tensors, metadata)
 
 
-def _parse_entry(f: jsonio.Fields, name: str, spec: Any, data_start: int) -> TensorEntry:
-    path = f.where
+def _parse_entry(f: jsonio.Fields, path: Path, name: str, spec: Any, data_start: int) -> TensorEntry:
     f.obj(spec, name=name)
     dtype = f.str(spec, "dtype", f"{name}.dtype")
     shape = tuple(f.ints(spec, "shape", name=f"{name}.shape", max_len=16))
@@ -153,7 +152,7 @@ def _ended_early(source: object, at: int) -> SafetensorsError:
 def read_into(fd: int, offset: int, out: torch.Tensor, source: object = None) -> None:
     """Fill a contiguous CPU tensor with file bytes at ``offset`` (``preadv``, GIL released).
     ``source`` names the file in errors."""
-    view = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+    view = out.view(torch.uint8).reshape(-1).numpy().data
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -262,4 +261,4 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data
