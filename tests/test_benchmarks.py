@@ -30,6 +30,7 @@ def last_json(stdout: str) -> dict:
 def test_every_script_has_a_test():
     scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
     tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
+              "bench_probe.py",
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
@@ -141,3 +142,20 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
     assert len(result["identical"]) == 4 and all(result["identical"].values()), result["identical"]
+
+
+def test_bench_probe_smoke_in_vllm_033(tmp_path):
+    """The layout probe's benchmark: fresh children install into vLLM 0.33's real modules (on the CPU here)
+    with and without the probe; the probe ran (once per process) and both give the same experts."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    engine = os.pathsep.join(map(str, ensure("vllm==0.33.0")))
+    run("bench_probe.py", "--quick", "--work", tmp_path, "--vllm", engine, "--save", tmp_path / "p.json",
+        env={"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    summary = json.loads((tmp_path / "p.json").read_text())
+    assert [r["method"] for r in summary["runs"]] == ["unprobed", "probed"]
+    probed, unprobed = summary["runs"][1], summary["runs"][0]
+    assert probed["probe_calls"] >= 1 and "probe_calls" not in unprobed and summary["identical"]
+    assert summary["probe_gpu_bytes"] is None and summary["one_expert_bytes"] > 0
+

@@ -22,8 +22,9 @@ from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache
 from megamoe_convert.synth.write import synthesize
 
-#: The table's formats written in layout.py's SM100 layout (the ones the reference is checked against here).
-SM100 = [name for name, fmt in formats.FORMATS.items() if identity.kernel_of(fmt) == "sm100"]
+#: A synth preset of a family whose checkpoints come in each format (FP8 block experts: Qwen3-MoE's).
+PRESETS = {name: "qwen3-moe-tiny" if identity.kernel_of(fmt) == "sm90" else "tiny"
+           for name, fmt in formats.FORMATS.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -59,12 +60,12 @@ def test_probe_dims_keep_each_dims_residue_and_stay_within_a_period():
     assert identity.probe_dims(512, 384, 640) == (512, 384, 640)
 
 
-@pytest.mark.parametrize("name", SM100)
+@pytest.mark.parametrize("name", list(formats.FORMATS))
 def test_the_reference_is_the_bytes_a_conversion_writes(tmp_path, name):
     """The probe's reference for one real checkpoint expert is that expert's slot in the rank files."""
     src, out = tmp_path / "src", tmp_path / "out"
-    synthesize(src, "tiny", experts=4, layers=1, mtp_layers=0, seed=7, weight_format=name)
-    convert(src, out, ConvertOptions(ep_size=2))
+    synthesize(src, PRESETS[name], experts=4, layers=1, mtp_layers=0, seed=7, weight_format=name)
+    convert(src, out, ConvertOptions(ep_size=2, engine="sglang" if PRESETS[name] != "tiny" else "vllm"))
     ckpt = Checkpoint.open(src)
     layer, dims, files = ckpt.layers[0], ckpt.dims, FileCache()
     routed = {(proj, kind): files.read(ckpt.expert_entry(layer, 0, proj, kind))

@@ -88,7 +88,10 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
                                f"{probe.where} ({type(e).__name__}: {_one_line(e)}); install what the engine runs "
                                f"MegaMoE with, or pass probe=False / set {OPT_OUT_ENV}=0 to serve unchecked") from e
         for name in want:
-            why = difference(got.get(name), want[name])
+            try:
+                why = difference(got.get(name), want[name])
+            except Exception as e:  # not a tensor, or one with no bytes to read
+                why = f"what it holds cannot be compared ({type(e).__name__}: {_one_line(e)})"
             if why:
                 raise InstallError(f"{probe.engine}: its own loading code lays out {probe.where} "
                                    f"{formats.FILE_NAMES[name]} ({inp.describe()}) differently from this "
@@ -180,7 +183,8 @@ def like(param: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None 
     """A zero tensor of ``shape`` laid out like ``param``: its dims in ``param``'s memory order (a scale
     parameter's MN-major view stays MN-major), on its device, of its dtype unless ``dtype``."""
     order = sorted(range(param.dim()), key=lambda d: (param.stride(d), d), reverse=True)
-    storage = torch.zeros([shape[d] for d in order], dtype=dtype or param.dtype, device=param.device)
+    device = "cpu" if param.is_meta else param.device  # a module built on meta (weight cache): bytes on the host
+    storage = torch.zeros([shape[d] for d in order], dtype=dtype or param.dtype, device=device)
     return storage.permute([order.index(d) for d in range(len(order))])
 
 

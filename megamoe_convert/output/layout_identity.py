@@ -142,13 +142,14 @@ def reference(inp: ProbeInput) -> Tensors:
     conversion writes with (scales as the kernel's MN-major view; the shared expert without an
     expert dim, as the rank files hold it)."""
     fmt = inp.fmt
+    if kernel_of(fmt) == "sm90":  # SGLang's FP8 layout: the L1 rows interleaved, FP32 block scales as stored
+        l1, l2 = layout.sm90_transform_experts(inp.stacked(("w1", "w3"), "weight"), inp.stacked(("w1", "w3"), "scale"),
+                                               inp.stacked(("w2",), "weight"), inp.stacked(("w2",), "scale"))
+        return {"l1_weight": l1.weight, "l1_sf": l1.sf, "l2_weight": l2.weight, "l2_sf": l2.sf}
     weight = formats.torch_dtype(fmt.weight_dtype)
     out = {"l1_weight": layout.l1_weight(inp.stacked(("w1", "w3"), "weight")).view(weight),
            "l2_weight": layout.l2_weight(inp.stacked(("w2",), "weight")).view(weight)}
-    if fmt.scaled and kernel_of(fmt) == "sm90":  # FP32 block scales, as stored
-        out["l1_sf"] = inp.stacked(("w1", "w3"), "scale").view(torch.float32)
-        out["l2_sf"] = inp.stacked(("w2",), "scale").view(torch.float32)
-    elif fmt.scaled:
+    if fmt.scaled:
         out["l1_sf"] = layout.l1_sf(inp.stacked(("w1", "w3"), "scale"))
         out["l2_sf"] = layout.l2_sf(inp.stacked(("w2",), "scale"))
     if fmt.global_scales:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -23,6 +24,7 @@ import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 RELEASE = "SGLang 0.5.23"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 @pytest.fixture(autouse=True)
@@ -114,3 +116,24 @@ def test_without_deep_gemm_the_probe_refuses_unless_the_caller_opts_out(sglang_c
         with caplog.at_level(logging.WARNING):
             assert install(main, sglang_converted, rank=0) == config.num_hidden_layers
     assert any("layout probe skipped" in r.getMessage() and "unchecked" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("family,preset", [("deepseek_v3", "deepseek-v3-tiny"), ("qwen3_moe", "qwen3-moe-tiny")])
+def test_sglangs_sm90_build_lays_out_fp8_block_experts_as_the_conversion(family, preset):
+    """Hopper's FP8 MegaMoE: ``build_sm90_mega_moe_experts_weights`` on the probe's expert, through the
+    SM90 contract's probe, leaving the real module as it was."""
+    import json
+    import types
+
+    import sglang_fp8_harness as fp8
+    from megamoe_convert.engines.sglang import sm90_fp8
+
+    config = types.SimpleNamespace(**json.loads((CONFIGS / f"{preset}.json").read_text()))
+    with fp8.patched(0, EP_SIZE, REDUNDANT):
+        module = next(iter(fp8.experts_of(fp8.build_main_model(family, config, 0, REDUNDANT)).values()))
+        before = {k: v.detach().clone().view(torch.uint8) for k, v in module.named_parameters()}
+        prints = probe.check_layout(sm90_fp8.CONTRACT.layout_probe(module, None), formats.FP8_BLOCK,
+                                    config.hidden_size, config.moe_intermediate_size)
+        assert all(torch.equal(v.detach().view(torch.uint8), before[k]) for k, v in module.named_parameters())
+        assert not module._mega_moe_weights_built
+    assert prints == identity.layout_fingerprints(formats.FP8_BLOCK, config.hidden_size, config.moe_intermediate_size)

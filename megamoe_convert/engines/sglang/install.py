@@ -56,17 +56,20 @@ ENGINE = SglangEngine()
 
 
 def install_layers(model: nn.Module, out: Path | str, rank: int | None = None, *,
-                   verify: bool = False, serving: bool = False) -> driver.Installed:
+                   verify: bool = False, serving: bool = False, probe: bool | None = None) -> driver.Installed:
     """:func:`install`, saying which layers were installed (``--load-format megamoe`` reads it;
     ``serving`` as in :func:`driver.install_layers`)."""
-    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving)
+    return driver.install_layers(model, out, rank, ENGINE, verify=verify, serving=serving, probe=probe)
 
 
-def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False) -> int:
+def install(model: nn.Module, out: Path | str, rank: int | None = None, *, verify: bool = False,
+            probe: bool | None = None) -> int:
     """Load rank ``rank``'s MegaMoE experts from ``out`` into every MegaMoE ``FusedMoE`` of an
     SGLang model, leaving them as SGLang's own post-processing would (so it skips its transform).
 
     ``rank=None`` takes SGLang's current MoE EP rank. Every module is checked (mode, EP numbers,
-    placement, shapes) before any is changed; a mismatch raises :class:`InstallError`.
+    placement, shapes) before any is changed; a mismatch raises :class:`InstallError`. Then SGLang's own
+    MegaMoE build lays out one synthetic expert, which must be the conversion's bytes (``probe=False``
+    or ``MEGAMOE_LAYOUT_PROBE=0`` skips it, logged as unchecked).
     """
-    return len(install_layers(model, out, rank, verify=verify).layers)
+    return len(install_layers(model, out, rank, verify=verify, probe=probe).layers)
