@@ -33,10 +33,11 @@ def main(args: list[str] | None = None) -> None:
     from megamoe_convert.cli import signals
 
     signals.install()  # first: the imports below take seconds, and a stop may land in them
-    sys.exit(signals.stoppable(lambda: _run(sys.argv[1:] if args is None else args)))
+    sys.exit(signals.stoppable(lambda: _run_app(sys.argv[1:] if args is None else args)))
 
 
-def _run(args: list[str]) -> int:
+def _run_app(args: list[str]) -> int:
+    """The app on ``args``; not named ``_run``, the submodule that importing the app binds to that name here."""
     import typer.main
 
     from megamoe_convert.cli import conventions
