@@ -69,6 +69,7 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     from megamoe_convert.source.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
+    assert ckpt.family is not None
     d = ckpt.dims
     first = ckpt.layers[0]
     dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in d.expert_byte_shapes()}

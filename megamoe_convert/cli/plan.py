@@ -62,6 +62,7 @@ def plan(
         options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
                                  layers=layers)
         placement = make_placement(ckpt, options)
+        assert ckpt.family is not None
         own = {layer.key: p for layer in select_layers(ckpt, layers)
                if (p := layer_placement(engine.value, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
                                         ckpt.family.sglang_mtp_like_decoder)) != placement}

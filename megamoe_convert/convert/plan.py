@@ -123,6 +123,7 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
 
 
 def _failing(ckpt: Checkpoint, engine: str, placement: Placement, layers: Sequence[MoELayer]) -> list[MoELayer]:
+    assert ckpt.family is not None
     failing = []
     for layer in layers:
         try:
@@ -217,6 +218,7 @@ class Plan:
         an expert count of their own, have their own)."""
         if self.options.store:
             return Placement.default(self.ckpt.dims.experts_of(layer), 1)
+        assert self.ckpt.family is not None
         try:
             return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
                                    self.ckpt.family.sglang_mtp_like_decoder)
