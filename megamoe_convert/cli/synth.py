@@ -13,8 +13,10 @@ from megamoe_convert.synth.tensors import PRESETS
 from megamoe_convert.ui import ByteProgress, status
 
 #: ``synth`` presets (``configs/``, ``synth.PRESETS``): DeepSeek-V4 tiny / Flash / Pro, DeepSeek-V4.1 tiny / Flash,
-#: Kimi-K3, DeepSeek-V3, Qwen3-MoE and GLM-4.5, each tiny / full.
-Preset = Enum("Preset", {name.replace("-", "_").replace(".", "_"): name for name in PRESETS}, type=str)
+#: Kimi-K3, DeepSeek-V3, Qwen3-MoE and GLM-4.5, each tiny / full. Built from the preset table, which a
+#: type checker cannot enumerate (hence the ignores here and on its default below).
+Preset = Enum(  # type: ignore[misc]
+    "Preset", {name.replace("-", "_").replace(".", "_"): name for name in PRESETS}, type=str)
 
 
 class WeightDtype(str, Enum):
