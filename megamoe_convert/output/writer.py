@@ -15,7 +15,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -232,7 +232,7 @@ class AtomicWriter:
             self.abort()
 
 
-def _libc_sync_file_range() -> "ctypes._CFuncPtr | None":
+def _libc_sync_file_range() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -268,7 +268,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_safetensors(final: Path, root: Path, specs: list[TensorSpec], chunks: Iterable[torch.Tensor | memoryview],
+def write_safetensors(final: Path, root: Path, specs: list[TensorSpec],
+                      chunks: Iterable[torch.Tensor | memoryview | bytes],
                       metadata: dict[str, str] | None = None, fsync: bool = True) -> FileRecord:
     """Stream a safetensors file: header from ``specs``, then the data ``chunks`` in order.
 

@@ -151,9 +151,9 @@ class PinnedRing:
         self._streams: dict[int, list[torch.cuda.Stream]] = {}
         self._views: dict[int, list[torch.Tensor]] = {}
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
-        self.buffers = self._registered(count, nbytes) if FAST_PIN else None
-        if self.buffers is None:
-            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+        registered = self._registered(count, nbytes) if FAST_PIN else None
+        self.buffers: list[torch.Tensor] = registered if registered is not None else [
+            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
         #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
         self.ready_at = time.perf_counter()
         self.pin_seconds = self.ready_at - started

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from megamoe_convert import jsonio
 from megamoe_convert.source import formats
@@ -99,7 +99,7 @@ def _fp8_linear(name: str, n: int, k: int, block: int = FP8_BLOCK) -> Iterator[S
     yield SynthTensor(f"{name}.scale", "F8_E8M0", (-(-n // block), -(-k // block)), "scale")
 
 
-def _block_tensors(key: str, layer_index: int, config: dict[str, Any], is_mtp: bool,
+def _block_tensors(key: str, layer_index: int, config: Mapping[str, Any], is_mtp: bool,
                    block: int = FP8_BLOCK) -> Iterator[SynthTensor]:
     """Non-expert tensors of one DeepSeek block: norms, attention, router, FP8 shared experts
     (``config``: the text model's fields)."""

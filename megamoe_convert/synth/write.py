@@ -72,11 +72,11 @@ def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
     if t.fill == "ones":
         return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
     if t.fill == "e4m3":  # every byte but the two NaNs (0x7F, 0xFF)
-        values = rng.integers(0, 256, size=t.nbytes, dtype=np.uint8)
-        return np.where(values & 0x7F == 0x7F, values - 1, values).astype(np.uint8).tobytes()
+        codes = rng.integers(0, 256, size=t.nbytes, dtype=np.uint8)
+        return np.where(codes & 0x7F == 0x7F, codes - 1, codes).astype(np.uint8).tobytes()
     if t.fill == "bf16":  # the high halves of small float32 values
-        values = (rng.standard_normal(t.nbytes // 2, dtype=np.float32) * 0.05).view(np.uint32)
-        return (values >> 16).astype(np.uint16).tobytes()
+        words = (rng.standard_normal(t.nbytes // 2, dtype=np.float32) * 0.05).view(np.uint32)
+        return (words >> 16).astype(np.uint16).tobytes()
     if t.fill == "value":
         return np.full(t.nbytes // 4, t.value, dtype=np.float32).tobytes()
     return rng.bytes(t.nbytes)
