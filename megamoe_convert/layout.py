@@ -37,7 +37,7 @@ class KernelWeights(NamedTuple):
     """One GEMM's operands as the kernel takes them: ``(int8 weight, int32 MN-major scales)``."""
 
     weight: torch.Tensor
-    sf: torch.Tensor
+    sf: torch.Tensor | None
 
 
 # --------------------------------------------------------------------------------------

@@ -237,8 +237,10 @@ def compare_experts(out: Path, manifest: Manifest, ckpt: Checkpoint, files: File
         got = (*loaded.l1, *loaded.l2)
         for i, slot in enumerate(local):
             for name, g, w in zip(names, got, (*want[0], *want[1]), strict=True):
-                if g is not None and not torch.equal(g[slot].reshape(-1).view(torch.uint8),
-                                                     w[i].reshape(-1).view(torch.uint8)):
+                if g is None:  # an unscaled format's scales
+                    continue
+                assert w is not None  # the source's layout holds every tensor the rank file does
+                if not torch.equal(g[slot].reshape(-1).view(torch.uint8), w[i].reshape(-1).view(torch.uint8)):
                     report.problem(f"rank {rank} {layer.key} slot {slot}",
                                    f"{name} differs from logical expert {ids[i]} of the source")
         report.count("expert slots vs source", len(local))
@@ -398,10 +400,10 @@ def check_numerics(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
         worst["layers"] += 1
         if loaded.shared is not None:
             shared = manifest.dims.shared_intermediate_size
-            ws_layout, ws_source = (moved([ws])[0] for ws in (_shared_from_layout(loaded, hidden, shared),
-                                                              _shared_from_source(ckpt, files, layer)))
-            compare(f"rank {rank} {layer.key}", "shared expert output",
-                    gated_mlp(args[0], *ws_layout, activation).cpu(), gated_mlp(args[0], *ws_source, activation).cpu())
+            layout_out, source_out = (gated_mlp(args[0], w1, w3, w2, activation).cpu()
+                                      for w1, w3, w2 in moved([_shared_from_layout(loaded, hidden, shared),
+                                                               _shared_from_source(ckpt, files, layer)]))
+            compare(f"rank {rank} {layer.key}", "shared expert output", layout_out, source_out)
             worst["shared_experts"] += 1
     report.numerics = worst
     report.count("numerics layers", worst["layers"])
@@ -519,11 +521,11 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         report.problem(f"rank {r}", f"not converted (manifest lists ranks {manifest.ranks})")
     chosen = [r for r in chosen if r in manifest.ranks]
     report.coverage = manifest.coverage()
-    if problem := ranged.record_problem(out):  # holes are no conversion's bytes
-        report.problem(str(ranged.record_path(out).relative_to(out)), problem)
+    if record_problem := ranged.record_problem(out):  # holes are no conversion's bytes
+        report.problem(str(ranged.record_path(out).relative_to(out)), record_problem)
     check_files(out, manifest, report, chosen, phases)
-    if problem := copied_family_problem(out, manifest):  # install names layers by the family
-        report.problem(MANIFEST_NAME, problem)
+    if family_problem := copied_family_problem(out, manifest):  # install names layers by the family
+        report.problem(MANIFEST_NAME, family_problem)
     check_unlisted_files(out, manifest, report)
     if manifest.layout is None:
         report.skipped["layout identity"] = NOT_RECORDED
