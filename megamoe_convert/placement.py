@@ -102,7 +102,7 @@ class Placement:
             if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
                 raise f.fail(f"{key} is {jsonio.short(data[key])}, but its physical_to_logical gives "
                              f"{jsonio.short(derived[key])}")
-        extra = {}
+        extra: dict[str, Any] = {}
         if "engine" in data:
             extra["engine"] = f.str(data, "engine")
         if "layer_placements" in data:

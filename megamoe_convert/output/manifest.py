@@ -222,9 +222,10 @@ def _layer(f: jsonio.Fields, item: Any, label: str) -> MoELayer:
 
 def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manifest:
     dims_data = f.obj(data, "dims")
-    dims = ModelDims(*(f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
-                       (("hidden_size", MAX_DIM), ("moe_intermediate_size", MAX_DIM),
-                        ("n_routed_experts", MAX_PHYSICAL_EXPERTS))),
+    hidden, intermediate, experts = (f.int(dims_data, k, lo=1, hi=hi, name=f"dims.{k}") for k, hi in
+                                     (("hidden_size", MAX_DIM), ("moe_intermediate_size", MAX_DIM),
+                                      ("n_routed_experts", MAX_PHYSICAL_EXPERTS)))
+    dims = ModelDims(hidden, intermediate, experts,
                      **formats.manifest_fields(dims_data, f, MAX_DIM),
                      mtp_n_routed_experts=f.int(dims_data, "mtp_n_routed_experts", lo=1, hi=MAX_PHYSICAL_EXPERTS,
                                                 name="dims.mtp_n_routed_experts")

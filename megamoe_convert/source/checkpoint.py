@@ -165,9 +165,11 @@ class Checkpoint:
         if keys["hidden"] != "hidden_size" and keys["hidden"] not in text:  # Kimi-K3's latent width
             raise CheckpointError(f"{path}: no {family.where(keys['hidden'])}: {family.title}'s MegaMoE experts run at "
                                   "that hidden size")
-        sizes = [_config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
-                 for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS))]
-        dims = ModelDims(*sizes, mtp_n_routed_experts=_mtp_experts(family, text, path, sizes[2]))
+        hidden, intermediate, experts = (
+            _config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
+            for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS)))
+        dims = ModelDims(hidden, intermediate, experts,
+                         mtp_n_routed_experts=_mtp_experts(family, text, path, experts))
         check_dims(dims.hidden_size, dims.moe_intermediate_size, path)
         if dims.n_routed_experts <= 0:
             raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, "
@@ -249,7 +251,7 @@ class Checkpoint:
         if weight is None:
             raise CheckpointError(f"{self.root}: missing expert tensor {self.expert_name(first, 0, 'w1', 'weight')}")
         scale = self.tensors.get(self.expert_name(first, 0, "w1", "scale"))
-        return formats.identify(weight.dtype, scale and scale.dtype,
+        return formats.identify(weight.dtype, None if scale is None else scale.dtype,
                                 f"{weight.path}: {self.names.block(first)}.experts.0.w1")
 
     def _check_experts(self) -> None:
