@@ -55,6 +55,7 @@ def daemon_entry(*args: Any, **kwargs: Any) -> None:
     prepare_daemon()
     run = private_hooks.daemon_target()
     if run is daemon_entry:  # a forked child inherits the parent's swap
+        assert _vllm_run_daemon is not None  # kept by run_preload before the swap
         run = _vllm_run_daemon
     run(*args, **kwargs)
 

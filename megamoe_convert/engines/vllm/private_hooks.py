@@ -78,7 +78,7 @@ def weight_cache(part: str) -> ModuleType | None:
 
 def extend_checkpoint_hash(extend: Callable[[Callable[[str], str | None]], Callable[[str], str | None]]) -> None:
     """Replace the weight cache's key function by ``extend(key function)``."""
-    protocol = importlib.import_module(f"{WEIGHT_CACHE}.protocol")
+    protocol: Any = importlib.import_module(f"{WEIGHT_CACHE}.protocol")  # vLLM's module, untyped here
     protocol.hash_checkpoint = extend(protocol.hash_checkpoint)
 
 
@@ -121,7 +121,7 @@ def daemon_target() -> Callable[..., None]:
 @contextmanager
 def replaced_daemon_target(entry: Callable[..., None]) -> Iterator[Callable[..., None]]:
     """While inside: vLLM's ``vllm preload`` spawns ``entry`` as each daemon; yields vLLM's own target."""
-    daemon = importlib.import_module(f"{WEIGHT_CACHE}.daemon")
+    daemon: Any = importlib.import_module(f"{WEIGHT_CACHE}.daemon")  # vLLM's module, untyped here
     own = daemon._run_daemon
     daemon._run_daemon = entry  # what vLLM's cmd imports
     try:
