@@ -20,6 +20,13 @@ from megamoe_convert.source.safetensors_io import FileCache
 from megamoe_convert.verify import expected_rank_layer
 
 
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Equal bytes and strides, or both absent (an unscaled format's scales)."""
+    if a is None or b is None:
+        return a is b
+    return torch.equal(a, b) and a.stride() == b.stride()
+
+
 def main(out: str) -> int:
     manifest = read_manifest(Path(out))
     ckpt = Checkpoint.open(manifest.source["path"])
@@ -27,14 +34,15 @@ def main(out: str) -> int:
         for rank in manifest.ranks:
             for prefix, layer in load_rank(out, rank).items():
                 l1, l2 = expected_rank_layer(ckpt, files, MoELayer.parse(layer.key), layer.logical_ids)
-                same = all(torch.equal(a, b) and a.stride() == b.stride()
-                           for a, b in zip((*layer.l1, *layer.l2), (*l1, *l2), strict=True))
+                same = all(_same(a, b) for a, b in zip((*layer.l1, *layer.l2), (*l1, *l2), strict=True))
                 if not same:
                     print(f"rank {rank} {prefix}: MISMATCH against the source checkpoint")
                     return 1
+            sf = layer.l1.sf
+            scales = "no l1_sf" if sf is None else f"l1_sf {tuple(sf.shape)} strides {sf.stride()}"
             print(f"rank {rank}: {len(manifest.layers)} layers, slots hold logical experts {list(layer.logical_ids)}; "
-                  f"l1 {tuple(layer.l1.weight.shape)} {layer.l1.weight.dtype}, l1_sf {tuple(layer.l1.sf.shape)} "
-                  f"strides {layer.l1.sf.stride()}: identical to the MegaMoE layout of the source")
+                  f"l1 {tuple(layer.l1.weight.shape)} {layer.l1.weight.dtype}, {scales}: identical to the MegaMoE "
+                  "layout of the source")
     print_next(out, manifest)
     return 0
 
