@@ -16,8 +16,14 @@ the rank's files, alternating, ``--repeats`` times, medians:
 The last line is JSON: ``read_s``, ``verify_s``, ``ratio_verify_vs_read``, ``sha256_s``, ...;
 ``--save FILE`` writes it too (read by ``benchmarks/make_report.py``).
 
+``--numerics`` times instead what a user runs on a whole conversion (every rank), once each, cold
+imports aside: ``verify OUT``, ``verify OUT --source SRC``, ``... --numerics`` (every MoE layer once,
+the ranks in turn: the default) and ``... --numerics --numerics-every-rank``, with the seconds per
+numerics check (default shape: Flash dims, 2 layers + MTP, 16 experts, EP 8).
+
     python benchmarks/bench_verify.py [--save benchmarks/results/verify.json]
     python benchmarks/bench_verify.py --smoke --workdir /tmp/x    # seconds (CI runs it)
+    python benchmarks/bench_verify.py --numerics [--save benchmarks/results/verify-numerics.json]
 """
 
 from __future__ import annotations
@@ -82,7 +88,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "megamoe-bench-convert"))
     p.add_argument("--save")
+    p.add_argument("--numerics", action="store_true", help="verify's levels on a whole conversion, numerics included")
     args = p.parse_args(argv)
+    if args.numerics:
+        return bench_numerics(args)
     if args.smoke:
         args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", 1, 8, 2, 1
 
@@ -131,6 +140,52 @@ def main(argv: list[str] | None = None) -> dict:
         "gb_per_s": {name: round(rank_bytes / s / 1e9, 2) for name, s in median.items()},
         "runs": {name: [round(t, 4) for t in ts] for name, ts in times.items()},
         "repeats": args.repeats,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    shutil.rmtree(out, ignore_errors=True)
+    emit_summary(summary, args.save)
+    return summary
+
+
+def bench_numerics(args: argparse.Namespace) -> dict:
+    """``verify``'s levels on a whole conversion, each timed once (the conversion converted once)."""
+    from megamoe_convert.verify import verify
+
+    if args.smoke:
+        args.preset, args.layers, args.experts, args.ep_size = "tiny", 1, 8, 2
+    else:  # the defaults of the read benchmark are not this one's
+        args.layers = 2 if args.layers == 3 else args.layers
+        args.experts = 16 if args.experts == 32 else args.experts
+        args.ep_size = 8 if args.ep_size == 2 else args.ep_size
+    started = time.perf_counter()
+    work = Path(args.workdir)
+    src, out = work / f"src-{args.preset}-L{args.layers}-E{args.experts}-mtp", work / "verify-numerics-out"
+    ensure_checkpoint(src, bench_config(args.preset, args.layers, args.experts, 1, 1280))
+    shutil.rmtree(out, ignore_errors=True)
+    convert_s = time.perf_counter()
+    run_convert(src, out, args.ep_size, 2, False)
+    convert_s = time.perf_counter() - convert_s
+    levels = {"verify": {}, "source": {"source": src}, "numerics": {"source": src, "numerics": True},
+              "numerics_every_rank": {"source": src, "numerics": True, "numerics_every_rank": True}}
+    rows = {}
+    for name, kwargs in levels.items():
+        start = time.perf_counter()
+        report = verify(out, **kwargs)  # type: ignore[arg-type]
+        seconds = time.perf_counter() - start
+        assert report.ok, report.to_json()
+        checks = report.numerics["layers"] if report.numerics else 0
+        numerics_s = report.phases.get("numerics", {}).get("seconds", 0.0)
+        rows[name] = {"seconds": round(seconds, 2), "numerics_checks": checks, "numerics_s": round(numerics_s, 2),
+                      "s_per_check": round(numerics_s / checks, 2) if checks else None}
+    from megamoe_convert.output.manifest import read_manifest
+
+    manifest = read_manifest(out)
+    summary = {
+        "benchmark": "verify-numerics", "preset": args.preset, "layers": [l.key for l in manifest.layers],
+        "experts": args.experts, "ep_size": args.ep_size, "hidden": manifest.dims.hidden_size,
+        "intermediate": manifest.dims.moe_intermediate_size, "weight_format": manifest.dims.weight_format,
+        "convert_s": round(convert_s, 2), "levels": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "wall_s": round(time.perf_counter() - started, 1),
     }

@@ -178,6 +178,32 @@ against an adversary: for that, pin the hub revision (a commit hash) and trust y
 """
 
 
+def numerics_section(n: dict) -> str:
+    """``bench_verify.py --numerics``: verify's levels on a whole conversion, numerics included."""
+    lv = n["levels"]
+    rows = [[label, f"{lv[key]['seconds']:.1f}", str(lv[key]["numerics_checks"] or "-"),
+             f"{lv[key]['s_per_check']:.1f}" if lv[key]["s_per_check"] else "-"] for label, key in (
+        ("`megamoe verify OUT` (sizes, checksums)", "verify"),
+        ("`... --source SRC` (every slot's bytes)", "source"),
+        ("`... --source SRC --numerics` (every MoE layer once, the ranks in turn)", "numerics"),
+        ("`... --numerics --numerics-every-rank` (every rank x layer)", "numerics_every_rank"))]
+    per = lv["numerics"]["s_per_check"]
+    return f"""### `verify --numerics` against the plain verify
+
+`benchmarks/bench_verify.py --numerics`: a whole conversion, every rank, each level timed once
+({n['preset']} dims H={n['hidden']}, I={n['intermediate']}, {n['weight_format']} experts;
+{len(n['layers'])} MoE layers ({', '.join(n['layers'])}), {n['experts']} experts, EP {n['ep_size']};
+{n['machine']['cpus']} CPU cores, a machine shared with other work; converting took {n['convert_s']:.1f} s).
+
+{table(["", "seconds", "numerics checks", "s per check"], rows)}
+
+A numerics check runs two local slots of a rank (its first and last) and the layer's shared expert,
+so its cost does not grow with the experts per rank. A full DeepSeek-V4-Flash (43 MoE layers + 1 MTP)
+at EP 8 has 44 checks by default: about {44 * per / 60:.0f} minutes at this machine's {per:.1f} s a check
+(computed from the rows above, not run); `--device cuda` runs them on a GPU.
+"""
+
+
 # --------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------
@@ -383,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
 Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmarks/results/convert-sweep.json`
 (CPU), `PYTHONPATH=. python3 benchmarks/bench_load.py --repeats 5 --save benchmarks/results/load-h100.json`
 (GPU), `python benchmarks/profile_convert.py [--fsync] --save ...`,
-`python benchmarks/bench_verify.py --save benchmarks/results/verify.json`, then `python benchmarks/make_report.py`.
+`python benchmarks/bench_verify.py --save benchmarks/results/verify.json` (and `--numerics --save
+benchmarks/results/verify-numerics.json`), then `python benchmarks/make_report.py`.
 `make bench` runs the quick convert benchmark.
 
 {report_node.section()}
@@ -393,6 +420,7 @@ Reproduce: `python benchmarks/bench_convert.py --layers 2,3,5,9 --save benchmark
 {convert_section(after, before, quick, quick_before)}
 {profile_section()}
 {verify_section(load("verify.json"))}
+{numerics_section(load("verify-numerics.json"))}
 {load_section(main_load, other_load, sweep)}"""
     out.write_text(doc)
     print(f"wrote {out}" + ("" if args.no_plots else f", {png} and {startup_png}"))
