@@ -26,18 +26,21 @@ engine's package; a new step every contract must take is a new method here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 from megamoe_convert.errors import InstallError
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from megamoe_convert.engines.probe import LayoutProbe
     from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
     from megamoe_convert.source.layers import MoELayer
 
-__all__ = ["Contract"]
+__all__ = ["Contract", "EngineModule"]
+
+#: An engine's MoE layer (a ``torch.nn.Module`` of vLLM's or SGLang's, whose classes import only in the
+#: engine's own environment). Its attributes are the engine's, which a contract's :meth:`Contract.missing`
+#: checks before any other method reads them; they have no types here.
+EngineModule: TypeAlias = Any
 
 
 class Contract(ABC):
@@ -47,26 +50,26 @@ class Contract(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def missing(self, module: "nn.Module") -> list[str]:
+    def missing(self, module: EngineModule) -> list[str]:
         """What a module that looks like MegaMoE experts lacks to be of this contract."""
 
-    def detect(self, module: "nn.Module") -> bool:
+    def detect(self, module: EngineModule) -> bool:
         """The module is of this contract: it lacks nothing."""
         return not self.missing(module)
 
-    def bind(self, owner: "nn.Module | None") -> "Contract":
+    def bind(self, owner: EngineModule | None) -> "Contract":
         """This contract for a module held by ``owner``; by default the owner changes nothing."""
         return self
 
     @abstractmethod
-    def check(self, module: "nn.Module", layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None:
+    def check(self, module: EngineModule, layer: "MoELayer", converted: "ConvertedModel", rank: int) -> None:
         """Refuse (``InstallError``) a module not built for exactly what ``converted`` holds."""
 
     @abstractmethod
-    def shared_kinds(self, module: "nn.Module", converted: "ConvertedModel") -> tuple[str, ...]:
+    def shared_kinds(self, module: EngineModule, converted: "ConvertedModel") -> tuple[str, ...]:
         """The shared-expert tensor kinds the install puts in place (the engine must skip them)."""
 
-    def layout_probe(self, module: "nn.Module", converted: "ConvertedModel") -> "LayoutProbe":
+    def layout_probe(self, module: EngineModule, converted: "ConvertedModel") -> "LayoutProbe":
         """The engine's own loading code on the layout probe's synthetic expert, for ``module``; a
         contract without one cannot prove its byte layout, so it is refused unless the caller opts out."""
         raise InstallError(f"{self.name}: megamoe-convert has no layout probe for this contract, so it cannot check "
@@ -74,9 +77,9 @@ class Contract(ABC):
                            "unchecked")
 
     @abstractmethod
-    def destinations(self, module: "nn.Module", converted: "ConvertedModel") -> "Destinations":
+    def destinations(self, module: EngineModule, converted: "ConvertedModel") -> "Destinations":
         """Rank-file key -> the tensor in the engine's own storage its bytes go into."""
 
     @abstractmethod
-    def finish(self, module: "nn.Module", layer: "ExpertLayer") -> None:
+    def finish(self, module: EngineModule, layer: "ExpertLayer") -> None:
         """What the engine needs set once the bytes are in place."""

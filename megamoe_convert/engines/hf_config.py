@@ -44,7 +44,7 @@ def config_base() -> type | None:
 
 def register() -> bool:
     """Wrap transformers' JSON config reading (idempotent); False without transformers."""
-    base = config_base()
+    base: Any = config_base()  # transformers' class: untyped here
     if base is None:
         log.debug("megamoe: transformers not importable; config.json read as written")
         return False

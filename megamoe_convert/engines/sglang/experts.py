@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import re
 
-from torch import nn
-
+from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.placement import Placement
 
@@ -29,7 +28,7 @@ def layer_key(prefix: str) -> str:
     return "mtp.0" if m["mtp"] else f"layers.{m['index']}"
 
 
-def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
+def module_logical_ids(module: EngineModule) -> tuple[int, ...]:
     """The logical expert SGLang loads into each local slot: from its expert-location table for
     layers that use one, else slot ``p`` holds logical ``p`` (the NextN layer, drafts)."""
     start = module.moe_ep_rank * module.num_local_experts
@@ -41,7 +40,7 @@ def module_logical_ids(module: nn.Module) -> tuple[int, ...]:
     return tuple(int(x) for x in table[start:start + module.num_local_experts])
 
 
-def module_placement(module: nn.Module, n_logical: int) -> Placement:
+def module_placement(module: EngineModule, n_logical: int) -> Placement:
     """The placement SGLang built a module with over ``n_logical`` logical experts: its layer's row of
     the expert-location table (``--init-expert-location``, EPLB's redundant slots), or for a module
     without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``."""

@@ -15,9 +15,9 @@ import functools
 from typing import Callable, Mapping
 
 import torch
-from torch import nn
 
 from megamoe_convert.engines import probe
+from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.output.layout_identity import ProbeInput, Tensors
 
 
@@ -37,7 +37,7 @@ def _loaded(inp: ProbeInput) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_probe(module: nn.Module, build: Callable[[nn.Module], None], contract: str) -> probe.LayoutProbe:
+def build_probe(module: EngineModule, build: Callable[[EngineModule], None], contract: str) -> probe.LayoutProbe:
     """The probe through ``build`` (SGLang's own build function for this module's MegaMoE mode)."""
 
     def run(inp: ProbeInput, shapes: Mapping[str, tuple[int, ...]]) -> Tensors:
@@ -47,7 +47,7 @@ def build_probe(module: nn.Module, build: Callable[[nn.Module], None], contract:
             params[name] = probe.like(real, tuple(value.shape))
             target = params[name].view(torch.uint8) if name.endswith("_weight") else params[name]
             target.copy_(value.view(torch.uint8) if name.endswith("_weight") else value)
-        twin = probe.scratch_twin(module, params, num_local_experts=1, _mega_moe_weights_built=False)
+        twin: EngineModule = probe.scratch_twin(module, params, num_local_experts=1, _mega_moe_weights_built=False)
         build(twin)
         (l1_weight, l1_sf), (l2_weight, l2_sf) = twin.mega_l1_weights, twin.mega_l2_weights
         return {"l1_weight": l1_weight, "l1_sf": l1_sf, "l2_weight": l2_weight, "l2_sf": l2_sf}
@@ -55,10 +55,10 @@ def build_probe(module: nn.Module, build: Callable[[nn.Module], None], contract:
     return probe.LayoutProbe(engine_label(), module.layer_name, run, contract)
 
 
-def mega_moe_probe(module: nn.Module, contract: str) -> probe.LayoutProbe:
+def mega_moe_probe(module: EngineModule, contract: str) -> probe.LayoutProbe:
     """SM100 (``--moe-a2a-backend megamoe``, MXFP4 experts)."""
 
-    def build(twin: nn.Module) -> None:
+    def build(twin: EngineModule) -> None:
         from sglang.srt.layers.moe import mega_moe
 
         mega_moe.build_mega_moe_experts_weights(twin)
@@ -66,10 +66,10 @@ def mega_moe_probe(module: nn.Module, contract: str) -> probe.LayoutProbe:
     return build_probe(module, build, contract)
 
 
-def sm90_probe(module: nn.Module, contract: str) -> probe.LayoutProbe:
+def sm90_probe(module: EngineModule, contract: str) -> probe.LayoutProbe:
     """SM90 (FP8 block-quantized experts)."""
 
-    def build(twin: nn.Module) -> None:
+    def build(twin: EngineModule) -> None:
         from sglang.srt.layers.moe import mega_moe_sm90
 
         mega_moe_sm90.build_sm90_mega_moe_experts_weights(twin)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megamoe_convert import layout, layout_inverse
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.sglang.experts import module_logical_ids
 from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
@@ -42,7 +42,7 @@ MARKERS = ("layer_name", "layer_id", "moe_ep_rank", "moe_ep_size", "moe_tp_size"
 SCALES = ("w13_weight_scale_inv", "w2_weight_scale_inv")
 
 
-def refusal(module: nn.Module) -> str | None:
+def refusal(module: EngineModule) -> str | None:
     """What this module's MegaMoE mode is that the conversion's layout is not, if anything."""
     if module._mega_moe_weights_built:
         return "its MegaMoE weights are already built; install before SGLang's process_weights_after_loading"
@@ -59,7 +59,7 @@ def refusal(module: nn.Module) -> str | None:
     return None
 
 
-def expect(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def expect(module: EngineModule, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     t = getattr(module, name)
     if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
         raise InstallError(f"{module.layer_name}: {name} is {t.dtype}{list(t.shape)} with strides "
@@ -69,10 +69,10 @@ def expect(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, .
 class MegaMoEContract(Contract):
     name = "SGLang FusedMoE with --moe-a2a-backend megamoe (fp8.py, build_mega_moe_experts_weights)"
 
-    def missing(self, module: nn.Module) -> list[str]:
+    def missing(self, module: EngineModule) -> list[str]:
         return [n for n in MARKERS if not hasattr(module, n)]
 
-    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+    def check(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         where = module.layer_name
         why = refusal(module)
         if why:
@@ -104,15 +104,15 @@ class MegaMoEContract(Contract):
         expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout.SCALE_BLOCK_K))
         expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout.SCALE_BLOCK_K))
 
-    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+    def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """None: a module with fused shared-expert slots is refused (``refusal``)."""
         return ()
 
-    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+    def layout_probe(self, module: EngineModule, converted: ConvertedModel) -> LayoutProbe:
         """SGLang's own ``build_mega_moe_experts_weights`` on a scratch twin holding the probe's expert."""
         return mega_moe_probe(module, self.name)
 
-    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
+    def destinations(self, module: EngineModule, converted: ConvertedModel) -> Destinations:
         """Weights into SGLang's own parameters; the UTCCP scales into new MN-major tensors on the
         module's device (SGLang's FP32 scale parameters are replaced, as its build does)."""
         e, n13, half_h = module.w13_weight.shape
@@ -120,9 +120,10 @@ class MegaMoEContract(Contract):
         return {"l1_weight": module.w13_weight.data, "l1_sf": empty_sf_storage(e, n13, half_h * 2, module),
                 "l2_weight": module.w2_weight.data, "l2_sf": empty_sf_storage(e, h, half_i * 2, module)}
 
-    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+    def finish(self, module: EngineModule, layer: ExpertLayer) -> None:
         for gemm, kernel, scale in (("l1", layer.l1, "w13"), ("l2", layer.l2, "w2")):
             utccp = kernel.sf
+            assert utccp is not None  # MXFP4: both GEMMs carry scales
             getattr(module, f"{scale}_weight_scale_inv").data = layout_inverse.untranspose_sf_for_utccp(utccp)
             getattr(module, f"{scale}_weight_scale_inv").format_ue8m0 = True
             setattr(module, f"mega_{gemm}_weights", (getattr(module, f"{scale}_weight").data, utccp))
@@ -130,7 +131,7 @@ class MegaMoEContract(Contract):
         module._mega_moe_weights_built = True
 
 
-def empty_sf_storage(experts: int, mn: int, k: int, module: nn.Module) -> torch.Tensor:
+def empty_sf_storage(experts: int, mn: int, k: int, module: EngineModule) -> torch.Tensor:
     """Contiguous int32 ``[E, K/128, MN]``: the storage of MN-major packed scales."""
     return torch.empty((experts, layout.packed_k(k), layout.tma_aligned_mn(mn)), dtype=torch.int32,
                        device=module.w13_weight.device)

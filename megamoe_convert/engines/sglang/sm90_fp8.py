@@ -20,9 +20,8 @@ the NextN (MTP) layer included, with expert location and redundant experts.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.sglang.experts import module_logical_ids
 from megamoe_convert.engines.sglang.layout_probe import sm90_probe
@@ -36,7 +35,7 @@ from megamoe_convert.source.layers import MoELayer
 FP8_WEIGHT = "w13_weight as float8_e4m3fn (FP8 block-quantized experts)"
 
 
-def refusal(module: nn.Module) -> str | None:
+def refusal(module: EngineModule) -> str | None:
     """Why SGLang would not leave this module in the SM90 FP8 MegaMoE layout, if it would not."""
     from sglang.srt.layers.moe.utils import get_moe_a2a_backend
     from sglang.srt.runtime_context import get_platform
@@ -63,13 +62,13 @@ def refusal(module: nn.Module) -> str | None:
 class Sm90Fp8Contract(Contract):
     name = ("SGLang FusedMoE with --moe-a2a-backend megamoe on SM90 (fp8.py, build_sm90_mega_moe_experts_weights)")
 
-    def missing(self, module: nn.Module) -> list[str]:
+    def missing(self, module: EngineModule) -> list[str]:
         absent = [n for n in MARKERS if not hasattr(module, n)]
         if not absent and module.w13_weight.dtype != torch.float8_e4m3fn:
             absent.append(FP8_WEIGHT)
         return absent
 
-    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+    def check(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         where = module.layer_name
         why = refusal(module)
         if why:
@@ -97,20 +96,20 @@ class Sm90Fp8Contract(Contract):
         expect(module, "w13_weight_scale_inv", torch.float32, (e, *fmt.scale_shape(2 * i, h)))
         expect(module, "w2_weight_scale_inv", torch.float32, (e, *fmt.scale_shape(h, i)))
 
-    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+    def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """None: the SM90 kernel runs no shared expert (a module with fused shared slots is refused)."""
         return ()
 
-    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+    def layout_probe(self, module: EngineModule, converted: ConvertedModel) -> LayoutProbe:
         """SGLang's own ``build_sm90_mega_moe_experts_weights`` on a scratch twin holding the probe's expert."""
         return sm90_probe(module, self.name)
 
-    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
+    def destinations(self, module: EngineModule, converted: ConvertedModel) -> Destinations:
         """Every tensor into SGLang's own parameters: the layout is theirs, byte for byte."""
         return {"l1_weight": module.w13_weight.data, "l1_sf": module.w13_weight_scale_inv.data,
                 "l2_weight": module.w2_weight.data, "l2_sf": module.w2_weight_scale_inv.data}
 
-    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+    def finish(self, module: EngineModule, layer: ExpertLayer) -> None:
         module.mega_l1_weights = (module.w13_weight.data, module.w13_weight_scale_inv.data)
         module.mega_l2_weights = (module.w2_weight.data, module.w2_weight_scale_inv.data)
         module._mega_moe_sm90_fp8_weights = True

@@ -13,8 +13,8 @@ import re
 from typing import Sequence
 
 import torch
-from torch import nn
 
+from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.output.shards import rank_shard_specs
 from megamoe_convert.placement import Placement
@@ -41,13 +41,13 @@ def layer_key(prefix: str, num_hidden_layers: int) -> str:
     return f"layers.{index}" if index < num_hidden_layers else f"mtp.{index - num_hidden_layers}"
 
 
-def looks_like_megamoe_experts(module: nn.Module) -> bool:
+def looks_like_megamoe_experts(module: EngineModule) -> bool:
     """A candidate for some contract: MegaMoE by name, or carrying vLLM's EP attributes."""
     name = type(module).__name__
     return ("MegaMoE" in name and name.endswith("Experts")) or all(hasattr(module, a) for a in EP_ATTRIBUTES)
 
 
-def check_ep_numbers(module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+def check_ep_numbers(module: EngineModule, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
     """Every number the module was built with must be the one the layer's shards were built for
     (DeepSeek-V4.1's DSpark MTP layers: their own expert count)."""
     placement, dims = converted.placement_for(layer), converted.manifest.dims
@@ -70,7 +70,7 @@ def check_ep_numbers(module: nn.Module, layer: MoELayer, converted: ConvertedMod
                            "convert with the default placement to serve it with vLLM")
 
 
-def module_placement(module: nn.Module, n_logical: int) -> Placement:
+def module_placement(module: EngineModule, n_logical: int) -> Placement:
     """The placement vLLM built a module with over ``n_logical`` logical experts: its ``num_experts``
     physical slots (EPLB's redundant ones included), ``num_local_experts`` per rank, slot ``p`` holding
     ``p % n_logical`` (``_map_global_expert_id``; MTP layers alike, with their own numbers)."""
@@ -89,12 +89,12 @@ def current_ep_rank() -> int:
     return int(get_ep_group().rank_in_group)
 
 
-def require(module: nn.Module, names: Sequence[str]) -> list[str]:
+def require(module: EngineModule, names: Sequence[str]) -> list[str]:
     """The attributes of ``names`` the module lacks."""
     return [n for n in names if not hasattr(module, n)]
 
 
-def expect_tensor(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+def expect_tensor(module: EngineModule, name: str, dtype: torch.dtype, shape: tuple[int, ...],
                   stride: tuple[int, ...] | None = None) -> None:
     """A parameter the bytes will go into must be exactly what the conversion wrote."""
     t = getattr(module, name, None)
@@ -106,7 +106,7 @@ def expect_tensor(module: nn.Module, name: str, dtype: torch.dtype, shape: tuple
                            f"expected {dtype}{list(shape)}" + (f" with strides {list(stride)}" if stride else ""))
 
 
-def expect_kernel_tensors(module: nn.Module, parameters: dict[str, str], layer: MoELayer,
+def expect_kernel_tensors(module: EngineModule, parameters: dict[str, str], layer: MoELayer,
                           converted: ConvertedModel) -> None:
     """Each ``{rank-file key: parameter}`` must be exactly the tensor the conversion wrote for it:
     its dtype and shape, contiguous, or for scales (``*_sf``) the MN-major view of a contiguous array."""
@@ -115,9 +115,10 @@ def expect_kernel_tensors(module: nn.Module, parameters: dict[str, str], layer: 
                               layer.prefix)
     for key, name in parameters.items():
         shape = specs[key].shape
-        stride = [1] * len(shape)
+        strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
-            stride[d] = stride[d + 1] * shape[d + 1]
+            strides[d] = strides[d + 1] * shape[d + 1]
+        stride = tuple(strides)
         if key.endswith("_sf"):  # storage [..., words, MN] -> kernel view [..., MN, words]
             shape, stride = (*shape[:-2], shape[-1], shape[-2]), (*stride[:-2], stride[-1], stride[-2])
         expect_tensor(module, name, formats.torch_dtype(specs[key].dtype), tuple(shape), tuple(stride))

@@ -34,9 +34,8 @@ from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
-from torch import nn
 
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_tensor, require
@@ -78,14 +77,14 @@ def _as_int32_storage(param: torch.Tensor, mn: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class FinalizeContract(Contract):
     #: The MoE block holding the module and its shared MLP (``shared_experts``), see :meth:`bind`.
-    owner: nn.Module | None = None
+    owner: EngineModule | None = None
     name = "vLLM 0.30-0.32 DeepseekV4MegaMoEExperts (finalize_weights transforms)"
 
-    def bind(self, owner: nn.Module | None) -> "FinalizeContract":
+    def bind(self, owner: EngineModule | None) -> "FinalizeContract":
         """This contract for a module whose owner is ``owner`` (its shared MLP is there)."""
         return replace(self, owner=owner)
 
-    def shared_mlp(self, module: nn.Module, converted: ConvertedModel) -> nn.Module | None:
+    def shared_mlp(self, module: EngineModule, converted: ConvertedModel) -> EngineModule | None:
         """The shared MLP ``finalize_weights`` would fuse, if vLLM fuses it and the conversion
         pre-baked one of the same size: FP8 ``gate_up_proj`` (2S, H) and ``down_proj`` (H, S)."""
         s = converted.manifest.dims.shared_intermediate_size
@@ -103,13 +102,13 @@ class FinalizeContract(Contract):
         # vLLM's own test, as finalize_weights makes it
         return mlp if module._ensure_backend().supports_shared_experts(private_hooks.deep_gemm()) else None
 
-    def missing(self, module: nn.Module) -> list[str]:
+    def missing(self, module: EngineModule) -> list[str]:
         gone = require(module, MARKERS)
         if hasattr(module, FLASHINFER_MARKER):
             gone.append(f"no {FLASHINFER_MARKER} (a FlashInfer MegaMoE module runs its own layout)")
         return gone
 
-    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+    def check(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         if converted.weight_format != "mxfp4":
             raise InstallError(f"{module.prefix}: {type(module).__name__} takes MXFP4 experts only, but "
                                f"{converted.path} holds {converted.weight_format}")
@@ -119,8 +118,8 @@ class FinalizeContract(Contract):
         try:  # vLLM's own capability check (0.32: resolves and caches the backend, which must
             # happen while w13_weight exists: _ensure_backend reads its device)
             module._check_runtime_supported()
-        except (NotImplementedError, ValueError, RuntimeError, AssertionError) as e:
-            raise InstallError(f"{module.prefix}: vLLM's MegaMoE backend refuses this module: {e}") from None
+        except (NotImplementedError, ValueError, RuntimeError, AssertionError) as refusal:
+            raise InstallError(f"{module.prefix}: vLLM's MegaMoE backend refuses this module: {refusal}") from None
         e, h, i = module.num_local_experts, module.hidden_size, module.intermediate_size
         if i % 512 and pads_intermediate_to_512():
             raise InstallError(f"{module.prefix}: this vLLM pads intermediate_size {i} to a multiple of 512 in "
@@ -131,17 +130,17 @@ class FinalizeContract(Contract):
             if not getattr(module, name).is_contiguous():
                 raise InstallError(f"{module.prefix}: {name} is not contiguous")
 
-    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+    def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """The shared weights when vLLM fuses a pre-baked shared expert (:meth:`shared_mlp`);
         the block scales still load into the FP8 linears."""
         return ("weight",) if self.shared_mlp(module, converted) is not None else ()
 
-    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+    def layout_probe(self, module: EngineModule, converted: ConvertedModel) -> LayoutProbe:
         """The module's own ``weight_loader`` and ``finalize_weights`` (and 0.32's shared-expert
         transform, where the install pre-bakes the shared expert) on the probe's expert."""
         return finalize_probe(module, self.shared_mlp(module, converted), LOADER_PARAMETERS, self.name)
 
-    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
+    def destinations(self, module: EngineModule, converted: ConvertedModel) -> Destinations:
         h, i = module.hidden_size, module.intermediate_size
         dests = {"l1_weight": module.w13_weight.data.view(torch.int8),
                  "l1_sf": _as_int32_storage(module.w13_weight_scale.data, 2 * i),
@@ -158,7 +157,7 @@ class FinalizeContract(Contract):
                              for key in ("shared_l1_sf", "shared_l2_sf")}})
         return dests
 
-    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+    def finish(self, module: EngineModule, layer: ExpertLayer) -> None:
         module._transformed_l1_weights = (layer.l1.weight, layer.l1.sf)
         module._transformed_l2_weights = (layer.l2.weight, layer.l2.sf)
         for name in LOADER_PARAMETERS:

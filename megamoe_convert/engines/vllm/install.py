@@ -13,7 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from megamoe_convert.engines import driver
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.engines.vllm import finalize, kernel_layout
 from megamoe_convert.engines.vllm.experts import (
@@ -47,16 +47,16 @@ class VllmEngine:
         owners = {id(child): parent for parent in model.modules() for child in parent.children()}
         return [(m, c.bind(owners.get(id(m)))) for m, c in found]
 
-    def prefix(self, module: nn.Module) -> str:
+    def prefix(self, module: EngineModule) -> str:
         return module.prefix
 
-    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
+    def layer_key(self, module: EngineModule, converted: ConvertedModel) -> str:
         return layer_key(module.prefix, converted.num_hidden_layers)
 
-    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+    def placement(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel) -> Placement:
         return module_placement(module, converted.manifest.dims.experts_of(layer))
 
-    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
+    def check(self, module: EngineModule, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:
         check_ep_numbers(module, layer, converted, rank)
         contract.check(module, layer, converted, rank)

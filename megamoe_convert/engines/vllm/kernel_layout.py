@@ -18,9 +18,8 @@ when the conversion has them; otherwise its shared expert loads through vLLM's n
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_kernel_tensors, require
 from megamoe_convert.engines.vllm.layout_probe import kernel_layout_probe
@@ -45,47 +44,47 @@ PARAMETERS = {
 class KernelLayoutContract(Contract):
     name = "vLLM >= 0.33 DeepGemmMegaMoEExperts (parameters in the kernel layout)"
 
-    def missing(self, module: nn.Module) -> list[str]:
+    def missing(self, module: EngineModule) -> list[str]:
         gone = require(module, MARKERS)
         if hasattr(module, "finalize_weights"):
             gone.append("no finalize_weights")
         return gone
 
-    def detect(self, module: nn.Module) -> bool:
+    def detect(self, module: EngineModule) -> bool:
         return not self.missing(module) and all(n in module._parameters for n in ROUTED_WEIGHTS)
 
-    def _keys(self, module: nn.Module, converted: ConvertedModel) -> list[str]:
+    def _keys(self, module: EngineModule, converted: ConvertedModel) -> list[str]:
         """The rank-file keys this module takes."""
         fmt = converted.manifest.dims.format
         keys = ["l1_weight", "l2_weight"] + (["l1_sf", "l2_sf"] if fmt.scaled else [])
         keys += list(formats.GLOBAL_SCALE_KEYS) if fmt.global_scales else []
         return keys + (list(formats.SHARED_KEYS) if self.shared_kinds(module, converted) else [])
 
-    def shared_kinds(self, module: nn.Module, converted: ConvertedModel) -> tuple[str, ...]:
+    def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """All of them when the module fuses the shared expert (vLLM decided at construction,
         it owns ``shared_l*``) and the conversion pre-baked it; otherwise none: the shared
         expert loads through vLLM's normal path."""
         fused = bool(getattr(module, "has_fused_shared_experts", False))
         return ("weight", "scale") if fused and converted.manifest.dims.shared_intermediate_size else ()
 
-    def check(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
+    def check(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel, rank: int) -> None:
         fmt = getattr(module.weight_format, "name", module.weight_format)
         if fmt != converted.weight_format:
             raise InstallError(f"{module.prefix}: weight_format is {fmt} in the model but {converted.weight_format} "
                                f"in {converted.path}")
         expect_kernel_tensors(module, {k: PARAMETERS[k] for k in self._keys(module, converted)}, layer, converted)
 
-    def layout_probe(self, module: nn.Module, converted: ConvertedModel) -> LayoutProbe:
+    def layout_probe(self, module: EngineModule, converted: ConvertedModel) -> LayoutProbe:
         """The module's own ``weight_loader`` (and shared-expert loader) on the probe's expert."""
         return kernel_layout_probe(module, PARAMETERS, self.name)
 
-    def destinations(self, module: nn.Module, converted: ConvertedModel) -> Destinations:
+    def destinations(self, module: EngineModule, converted: ConvertedModel) -> Destinations:
         dests = {key: _storage(getattr(module, PARAMETERS[key]).data, key) for key in self._keys(module, converted)}
         if converted.manifest.dims.format.global_scales:  # every logical expert's, as _record_global_scale keeps
             dests["l2_input_scale_all"] = module._w2_input_scales
         return dests
 
-    def finish(self, module: nn.Module, layer: ExpertLayer) -> None:
+    def finish(self, module: EngineModule, layer: ExpertLayer) -> None:
         """NVFP4: the L2 activation scale vLLM derives while loading (the max over all experts)."""
         if "l2_input_scale_all" in layer.tensors:
             module.l2_activation_scale = float(module._w2_input_scales.max()) or 1.0

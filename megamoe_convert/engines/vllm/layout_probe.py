@@ -23,9 +23,9 @@ import types
 from typing import Mapping
 
 import torch
-from torch import nn
 
 from megamoe_convert.engines import probe
+from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.output.layout_identity import ProbeInput, Tensors
 
 #: The checkpoint tensor kind -> the suffix of the parameter it loads into (``w13_`` / ``w2_`` before it).
@@ -53,13 +53,14 @@ def _parameter(proj: str, kind: str) -> str:
     return ("w2_" if proj == "w2" else "w13_") + PARAMETER_KIND[kind]
 
 
-def kernel_layout_probe(module: nn.Module, parameters: Mapping[str, str], contract: str) -> probe.LayoutProbe:
+def kernel_layout_probe(module: EngineModule, parameters: Mapping[str, str], contract: str) -> probe.LayoutProbe:
     """The >= 0.33 probe: ``parameters`` maps rank-file keys to the module's parameters."""
 
     def run(inp: ProbeInput, shapes: Mapping[str, tuple[int, ...]]) -> Tensors:
         params = {parameters[k]: probe.like(getattr(module, parameters[k]), shape)
                   for k, shape in shapes.items() if k in parameters}
-        twin = probe.scratch_twin(module, params, hidden_size=inp.hidden, intermediate_size=inp.inter, **ONE_SLOT)
+        twin: EngineModule = probe.scratch_twin(module, params, hidden_size=inp.hidden, intermediate_size=inp.inter,
+                                                **ONE_SLOT)
         for (proj, kind), tensor in inp.routed.items():
             name = _parameter(proj, kind)
             param = twin._parameters[name]
@@ -78,7 +79,7 @@ def kernel_layout_probe(module: nn.Module, parameters: Mapping[str, str], contra
     return probe.LayoutProbe(engine_label(), module.prefix, run, contract)
 
 
-def finalize_probe(module: nn.Module, shared_mlp: nn.Module | None, loader_parameters: tuple[str, ...],
+def finalize_probe(module: EngineModule, shared_mlp: EngineModule | None, loader_parameters: tuple[str, ...],
                    contract: str) -> probe.LayoutProbe:
     """The 0.30-0.32 probe: ``loader_parameters`` are the module's loader-side parameters
     (``w13_weight``, ``w13_weight_scale``, ``w2_weight``, ``w2_weight_scale``); ``shared_mlp`` the
@@ -93,7 +94,7 @@ def finalize_probe(module: nn.Module, shared_mlp: nn.Module | None, loader_param
             params[name] = probe.like(getattr(module, name), tuple(rows.shape))
         if not loaded <= set(params):
             raise RuntimeError(f"no loader-side parameter for {sorted(loaded - set(params))}")
-        twin = probe.scratch_twin(module, params, hidden_size=inp.hidden, intermediate_size=inp.inter,
+        twin: EngineModule = probe.scratch_twin(module, params, hidden_size=inp.hidden, intermediate_size=inp.inter,
                                   _transformed_l1_weights=None, _transformed_l2_weights=None, **ONE_SLOT)
         for (proj, kind), tensor in inp.routed.items():
             name = _parameter(proj, kind)
@@ -109,7 +110,7 @@ def finalize_probe(module: nn.Module, shared_mlp: nn.Module | None, loader_param
     return probe.LayoutProbe(engine_label(), module.prefix, run, contract)
 
 
-def _finalize_shared(twin: nn.Module, shared_mlp: nn.Module | None, inp: ProbeInput) -> Tensors:
+def _finalize_shared(twin: EngineModule, shared_mlp: EngineModule | None, inp: ProbeInput) -> Tensors:
     """0.32's fused shared expert: the backend's own transform of a scratch MLP holding the probe's
     FP8 weights and 128x128 block scales under the real linears' attribute names."""
     if shared_mlp is None:
