@@ -29,8 +29,16 @@ import torch
 from torch import nn
 
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output.layout_identity import (PROVEN, ProbeInput, Tensors, difference, fingerprints, probe_dims,
-                                                    reference, synthetic_expert)
+from megamoe_convert.output.layout_identity import (
+    PROVEN,
+    ProbeInput,
+    Tensors,
+    difference,
+    fingerprints,
+    probe_dims,
+    reference,
+    synthetic_expert,
+)
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
 

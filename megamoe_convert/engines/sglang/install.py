@@ -7,7 +7,7 @@ from pathlib import Path
 from torch import nn
 
 from megamoe_convert.engines import driver
-from megamoe_convert.engines.contract import Contract
+from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.sglang import sm90_fp8
 from megamoe_convert.engines.sglang.experts import SGLANG_PREFIX, layer_key, module_placement
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
@@ -38,16 +38,16 @@ class SglangEngine:
         return driver.classify(candidates, CONTRACTS, prefix="layer_name",
                                hint=" (is --moe-a2a-backend megamoe set?)")
 
-    def prefix(self, module: nn.Module) -> str:
+    def prefix(self, module: EngineModule) -> str:
         return module.layer_name
 
-    def layer_key(self, module: nn.Module, converted: ConvertedModel) -> str:
+    def layer_key(self, module: EngineModule, converted: ConvertedModel) -> str:
         return layer_key(module.layer_name)
 
-    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+    def placement(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel) -> Placement:
         return module_placement(module, converted.manifest.dims.experts_of(layer))
 
-    def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
+    def check(self, module: EngineModule, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:
         contract.check(module, layer, converted, rank)
 
