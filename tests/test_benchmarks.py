@@ -53,6 +53,13 @@ def test_bench_verify_smoke(tmp_path):
     assert summary["benchmark"] == "verify" and summary["rank_bytes"] > 0 and summary["verify_s"] > 0
 
 
+def test_bench_verify_numerics_smoke(tmp_path):
+    summary = last_json(run("bench_verify.py", "--numerics", "--smoke", "--workdir", tmp_path))
+    levels = summary["levels"]
+    assert summary["benchmark"] == "verify-numerics" and levels["verify"]["numerics_checks"] == 0
+    assert levels["numerics"]["numerics_checks"] == 2 and levels["numerics_every_rank"]["numerics_checks"] == 4
+
+
 def test_bench_load_smoke(tmp_path):
     summary = last_json(run("bench_load.py", "--smoke", "--workdir", tmp_path))
     assert summary["benchmark"] == "load" and summary["all_correct"] is True and summary["rank_bytes"] > 0
