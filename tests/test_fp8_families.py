@@ -186,6 +186,12 @@ def test_qwen3_moe_converts_per_rank_and_as_a_store_and_verifies_with_numerics(c
     assert report["ok"], report
 
 
+def test_a_scale_dtype_the_format_does_not_store_is_refused(tmp_path):
+    done = run_cli("synth", tmp_path / "ckpt", "--preset", "deepseek-v3-tiny", "--scale-dtype", "e8m0", check=False)
+    assert done.returncode != 0 and "--scale-dtype e8m0: fp8_block experts' scales are stored as float32, bfloat16, " \
+        "float16" in done.stderr and not (tmp_path / "ckpt").exists()
+
+
 def test_fp8_block_dequantises_each_128x128_block_with_its_fp32_scale():
     fmt = formats.FP8_BLOCK
     weight = torch.full((256, 384), 2.0).to(torch.float8_e4m3fn)
@@ -198,9 +204,7 @@ def test_fp8_block_dequantises_each_128x128_block_with_its_fp32_scale():
 def test_block_scales_stored_in_16_bits_are_widened_to_fp32_as_sglang_loads_them(tmp_path, scale_dtype, torch_dtype):
     """Some FP8 releases (Qwen3's among them) store ``weight_scale_inv`` in 16 bits; SGLang's weight_loader
     copies them into its FP32 parameters, so the rank files hold the exact FP32 widening."""
-    from megamoe_convert.synth.write import synthesize
-
-    synthesize(tmp_path / "ckpt", "qwen3-moe-tiny", scale_dtype=scale_dtype, seed=5)
+    run_cli("synth", tmp_path / "ckpt", "--preset", "qwen3-moe-tiny", "--scale-dtype", scale_dtype, "--seed", 5)
     src = tensors(tmp_path / "ckpt")
     assert src["model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"].dtype == torch_dtype
     run_cli("convert", tmp_path / "ckpt", tmp_path / "out", "--ep-size", 2, "--engine", "sglang")

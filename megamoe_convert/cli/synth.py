@@ -28,6 +28,9 @@ class WeightDtype(str, Enum):
 class ScaleDtype(str, Enum):
     e8m0 = "e8m0"
     uint8 = "uint8"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 def synth(
@@ -48,7 +51,8 @@ def synth(
     weight_dtype: Annotated[Optional[WeightDtype], typer.Option(
         help="Stored dtype of packed FP4 expert weights (mxfp4; default int8).")] = None,
     scale_dtype: Annotated[Optional[ScaleDtype], typer.Option(
-        help="Stored dtype of UE8M0 expert scales (mxfp4; default e8m0).")] = None,
+        help="Stored dtype of expert scales: e8m0 or uint8 for mxfp4's UE8M0 (default e8m0); float32, bfloat16 or "
+             "float16 for fp8_block's 128x128 block scales (default float32).")] = None,
     shard_mb: Annotated[Optional[float], typer.Option(min=0.001, help="Shard size in MB (default: 0.4 of a layer's "
                                                            "experts, so layers span shards).")] = None,
     overwrite: Annotated[bool, typer.Option(help="Replace OUT if it is not empty.")] = False,

@@ -124,6 +124,10 @@ def synthesize(out: Path, preset: str = "tiny", *, layers: int | None = None, ex
     if fmt.name not in family.weight_formats:
         raise SynthError(f"--format {fmt.name}: {family.title} checkpoints ship {'/'.join(family.weight_formats)} "
                          f"routed experts only; drop --format or pick a preset of another family")
+    if scale_dtype is not None and SCALE_DTYPES[scale_dtype] not in fmt.scale_dtypes:
+        allowed = [name for name, dtype in SCALE_DTYPES.items() if dtype in fmt.scale_dtypes]
+        raise SynthError(f"--scale-dtype {scale_dtype}: {fmt.name} experts' scales are stored as "
+                         f"{', '.join(allowed) or 'nothing (unscaled)'}")
     if layers is not None:
         text[keys["layers"]] = layers
         text["num_hash_layers"] = min(text.get("num_hash_layers", 0), layers)
