@@ -54,6 +54,21 @@ def test_the_synthetic_expert_is_the_checkpoint_form_of_its_format_and_the_same_
         assert float(inp.routed["w1", "weight_scale_2"]) == float(inp.routed["w3", "weight_scale_2"]) > 0
 
 
+@pytest.mark.parametrize("name", list(formats.FORMATS))
+def test_the_probe_input_and_its_reference_are_made_on_the_cpu_whatever_the_default_device(name):
+    """vLLM builds and loads its model under ``with torch.device(...)``: the probe must not follow it."""
+    fmt = formats.FORMATS[name]
+    shared = 256 if fmt.fuses_fp8_shared else 0
+    plain = identity.synthetic_expert(fmt, 256, 128, shared)
+    with torch.device("meta"):
+        inp = identity.synthetic_expert(fmt, 256, 128, shared)
+        ref = identity.reference(inp)
+    for key, t in inp.routed.items():
+        assert t.device.type == "cpu" and torch.equal(t.reshape(-1).view(torch.uint8), plain.routed[key].reshape(-1).view(torch.uint8))
+    for key, t in identity.reference(plain).items():
+        assert ref[key].device.type == "cpu" and torch.equal(ref[key], t)
+
+
 def test_probe_dims_keep_each_dims_residue_and_stay_within_a_period():
     assert identity.probe_dims(4096, 2048, 2048) == (1024, 1024, 1024)
     assert identity.probe_dims(2304, 7168, 0) == (256, 1024, 0)

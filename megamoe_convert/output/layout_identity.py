@@ -12,9 +12,10 @@ code and compares tensor by tensor (:func:`difference`).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import xxhash
@@ -22,6 +23,8 @@ import xxhash
 from megamoe_convert import jsonio, layout
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
+
+_T = TypeVar("_T")
 
 PROBE_SEED = 24301
 #: The transform this package writes, by the format's kernel (``layout.py``): SM100's MegaMoE layout
@@ -107,6 +110,18 @@ def _as(raw: torch.Tensor, dtype: str, rows: int) -> torch.Tensor:
     return raw.view(CHECKPOINT_DTYPES[dtype]).reshape(rows, -1)
 
 
+def _on_cpu(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``fn`` with the CPU as torch's default device: an engine may call the probe inside a
+    ``with torch.device("cuda")`` block (vLLM builds and loads its model under one), and the probe's
+    input and the project's layout of it are made on the CPU, the same bytes on every machine."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _T:
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+@_on_cpu
 def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0,
                      seed: int = PROBE_SEED) -> ProbeInput:
     """The probe's input: the same bytes for the same format, dims and seed, on every machine."""
@@ -137,6 +152,7 @@ def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: i
 # The project's layout of it, and the comparison
 # --------------------------------------------------------------------------------------
 
+@_on_cpu
 def reference(inp: ProbeInput) -> Tensors:
     """The conversion's kernel-form tensors of ``inp`` by rank-file key, through the functions
     conversion writes with (scales as the kernel's MN-major view; the shared expert without an
