@@ -56,7 +56,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
 from bench_convert import bench_config, drop_page_cache, emit_summary, ensure_checkpoint  # noqa: E402
 
-EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\.(?P<proj>w[123])\.(?P<kind>weight|scale)$")
+EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\."
+                    r"(?P<proj>w[123])\.(?P<kind>weight|scale)$")
 
 
 # --------------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def equal_layers(a: dict, b: dict) -> bool:
     if sorted(a) != sorted(b):
         return False
     for key in a:
-        for x, y in zip((*a[key][0], *a[key][1]), (*b[key][0], *b[key][1])):
+        for x, y in zip((*a[key][0], *a[key][1]), (*b[key][0], *b[key][1]), strict=True):
             if x.shape != y.shape or x.stride() != y.stride() or x.dtype != y.dtype or not torch.equal(x, y):
                 return False
     return True
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
                      bench_config(args.preset, layers, args.experts, 0, args.vocab)) for layers in sizes}
     with ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
         synth_s = dict(zip(jobs, pool.map(synth_checkpoint, [str(p) for p, _ in jobs.values()],
-                                          [c for _, c in jobs.values()])))
+                                          [c for _, c in jobs.values()]), strict=True))
     log(f"synthesised {len(jobs)} checkpoints ({', '.join(f'{s:.0f}s' for s in synth_s.values())})")
 
     from megamoe_convert.convert.plan import ConvertOptions
@@ -469,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict:
         summary = convert(src, out, ConvertOptions(ep_size=args.ep_size, ranks=str(args.rank), experts_only=True,
                                                    fsync=False, workers=min(8, os.cpu_count() or 1)))
         convert_s = time.perf_counter() - start
-        log(f"L{layers}: converted rank {args.rank} ({summary.bytes_written / 1e9:.2f} GB) in {convert_s:.1f}s; measuring")
+        log(f"L{layers}: converted rank {args.rank} ({summary.bytes_written / 1e9:.2f} GB) in {convert_s:.1f}s; "
+            "measuring")
         r = measure_size(src, out, args, device, log)
         r.update(layers=layers, experts=args.experts, synth_s=round(synth_s[layers], 1),
                  convert_rank_s=round(convert_s, 2))

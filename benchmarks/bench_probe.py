@@ -75,8 +75,8 @@ def _timed_probe(stats: dict[str, Any], device: Any) -> None:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-
     import vllm_harness as h
+
     from megamoe_convert.vllm_integration import install
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = scenario(method, cache, list(range(args.node)), args)
                 summary["node"].append(row)
                 print(f"node {cache:5s} {method:18s} {len(row['ranks'])} ranks on {row['gpus']} GPU(s): wall "
-                      f"{row['node_wall_s']:.2f}s (loads {row['node_load_wall_s']:.2f}s) read {row['node_read_bytes'] / 1e9:.2f} GB, slowest load "
+                      f"{row['node_wall_s']:.2f}s (loads {row['node_load_wall_s']:.2f}s) "
+                      f"read {row['node_read_bytes'] / 1e9:.2f} GB, slowest load "
                       f"{max(r['load_s'] for r in row['runs']):.2f}s", flush=True)
     summary["identical"] = identical(summary["single"])
     print(f"identical results across methods: {summary['identical']}", flush=True)

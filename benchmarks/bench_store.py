@@ -20,7 +20,8 @@ and the store from another checkout (a code change against the commit before it)
          events made, reader threads started, as a model build of seconds leaves it) and not
          started (``warm_unprepared``); the ceiling beside it is ``host_read``: the rank's bytes
          read from the page cache into pinned buffers by as many threads as the loader has,
-         started before the clock, in the loader's own pieces (its work queue), no device copy, and ``h2d_pinned``: one pinned buffer of the rank's bytes
+         started before the clock, in the loader's own pieces (its work queue), no device copy, and
+         ``h2d_pinned``: one pinned buffer of the rank's bytes
          copied to the device;
   cold   the page cache dropped before each child (needs root; otherwise the rows say so), the
          staging prepared before the call as in ``warm_ready``; the limit beside it is
@@ -140,7 +141,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     preparing = None
     if args.staging != "none" and device.type == "cuda":
         torch.cuda.init()
-        preparing = staging.prepare_gpu_staging()  # as the engines' loaders do when they are made, before the model is built
+        # as the engines' loaders do when they are made, before the model is built
+        preparing = staging.prepare_gpu_staging()
     dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
     if args.staging == "ready" and preparing is not None:
         preparing.join()  # a model build long enough to hide all of it (a real model's is seconds)
@@ -165,7 +167,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         ranges = store_ranges(Path(args.store), args.ep, args.rank)
         cold = staging.lane_shape(staging.RING_BUFFERS, cold=True)  # the loader's own shape for a cold load
         shapes = [(staging.READ_THREADS, staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
-            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES), (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),
+            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES),
+                  (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),
                   (64, 4 << 20)]
         best = {}
         for threads, piece in shapes:
@@ -179,7 +182,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         other = {layer: {k: torch.empty_like(t) for k, t in d.items()} for layer, d in dests.items()}
         store.load_slots(open_converted(args.store), slots, into=dests)
         load_rank(args.per_rank, args.rank, into={layer.prefix: d for layer, d in other.items()})
-        same = all(torch.equal(dests[l][k], other[l][k]) for l in dests for k in dests[l])
+        same = all(torch.equal(dests[layer][k], other[layer][k]) for layer in dests for k in dests[layer])
         return {"same": same, "bytes": nbytes}
     else:
         raise SystemExit(f"unknown child {args.child}")
@@ -220,7 +223,8 @@ def knob_env(knobs: str) -> dict[str, str]:
         if not kv.startswith("MEGAMOE_") or "=" not in kv:
             raise SystemExit(f"knobs {knobs!r}: expected MEGAMOE_NAME=VALUE settings separated by commas, got {kv!r}")
         if kv.split("=", 1)[0] not in SETTINGS:
-            raise SystemExit(f"knobs {knobs!r}: {kv.split('=', 1)[0]} is no loader setting (one of {', '.join(SETTINGS)})")
+            raise SystemExit(f"knobs {knobs!r}: {kv.split('=', 1)[0]} is no loader setting "
+                             f"(one of {', '.join(SETTINGS)})")
     return dict(kv.split("=", 1) for kv in pairs)
 
 
@@ -300,9 +304,9 @@ def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
     from megamoe_convert.placement import Placement
 
     manifest = read_manifest(store_dir)
-    store_bytes = sum(manifest.file(manifest.expert_file(l)).size for l in manifest.layers)
-    per_rank = sum(rank_shard_size(l, r, Placement.default(manifest.dims.experts_of(l), ep), manifest.dims)
-                   for l in manifest.layers for r in range(ep))
+    store_bytes = sum(manifest.file(manifest.expert_file(layer)).size for layer in manifest.layers)
+    per_rank = sum(rank_shard_size(layer, r, Placement.default(manifest.dims.experts_of(layer), ep), manifest.dims)
+                   for layer in manifest.layers for r in range(ep))
     return {"store_expert_bytes": store_bytes, "per_rank_expert_bytes_all_ranks": per_rank}
 
 

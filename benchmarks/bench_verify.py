@@ -182,7 +182,7 @@ def bench_numerics(args: argparse.Namespace) -> dict:
 
     manifest = read_manifest(out)
     summary = {
-        "benchmark": "verify-numerics", "preset": args.preset, "layers": [l.key for l in manifest.layers],
+        "benchmark": "verify-numerics", "preset": args.preset, "layers": [layer.key for layer in manifest.layers],
         "experts": args.experts, "ep_size": args.ep_size, "hidden": manifest.dims.hidden_size,
         "intermediate": manifest.dims.moe_intermediate_size, "weight_format": manifest.dims.weight_format,
         "convert_s": round(convert_s, 2), "levels": rows,

@@ -46,7 +46,7 @@ def whole_files(files: list[Path], dests: list[torch.Tensor], stream: torch.cuda
     t0 = time.perf_counter()
     maps = [map_file(p) for p in files]
     reg = 0.0
-    for (_, host), dest in zip(maps, dests):
+    for (_, host), dest in zip(maps, dests, strict=True):
         s = time.perf_counter()
         check(cudart.cudaHostRegister(host.data_ptr(), host.numel(), flags), "register")
         reg += time.perf_counter() - s
@@ -71,7 +71,7 @@ def chunked(files: list[Path], dests: list[torch.Tensor], stream: torch.cuda.Str
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             os.close(fd)
     jobs = [(host, dest, start, min(chunk, host.numel() - start))
-            for (_, host), dest in zip(maps, dests) for start in range(0, host.numel(), chunk)]
+            for (_, host), dest in zip(maps, dests, strict=True) for start in range(0, host.numel(), chunk)]
 
     def register(job):
         host, _, start, n = job
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(args.workdir)
     src = work / "src"
     ep = 2 if args.smoke else 8
-    synth_checkpoint(str(src), bench_config("tiny", 1, 8, 0, 1280) if args.smoke else bench_config("flash", 4, 256, 0, 1280))
+    config = bench_config("tiny", 1, 8, 0, 1280) if args.smoke else bench_config("flash", 4, 256, 0, 1280)
+    synth_checkpoint(str(src), config)
     out = work / "out"
     if not (out / "manifest.json").exists():
         convert(src, out, ConvertOptions(ep_size=ep, ranks="0", experts_only=True, fsync=False, workers=8))
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     dests_check = [torch.zeros_like(d) for d in dests]
     whole_files(files, dests_check, stream, READ_ONLY)
     ok = all(torch.equal(d.cpu(), torch.from_file(str(p), size=p.stat().st_size, dtype=torch.uint8))
-             for d, p in zip(dests_check, files))
+             for d, p in zip(dests_check, files, strict=True))
     print("registered copy bytes equal the files:", ok, flush=True)
     del dests_check
 
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - s)
     rows["h2d_pinned"] = {"warm_s": round(statistics.median(times), 4)}
-    print(f"h2d pinned limit {statistics.median(times) * 1e3:.1f} ms  {nbytes / statistics.median(times) / 1e9:.1f} GB/s")
+    median = statistics.median(times)
+    print(f"h2d pinned limit {median * 1e3:.1f} ms  {nbytes / median / 1e9:.1f} GB/s")
     print(json.dumps(rows))
 
 

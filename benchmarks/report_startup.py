@@ -114,7 +114,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for ax, cache, limit, limit_label in ((axes[0], "warm", "pagecache_to_pinned_gbps", "page cache -> pinned"),
                                           (axes[1], "cold", "disk_parallel_read_gbps", "parallel disk read")):
         for method, label, style in (("ours", "ours: install()", "s-"), *(
-                (m, v, s) for (m, v), s in zip(BASELINES.items(), ("o-", "^-", "v-")))):
+                (m, v, s) for (m, v), s in zip(BASELINES.items(), ("o-", "^-", "v-"), strict=True))):
             ax.plot(x, [by_method(r, cache)[method]["load_s"] for r in results], style, label=label)
         ax.plot(x, [r["limits_rank"]["rank_bytes"] / 1e9 / r["limits_rank"][limit] for r in results], "k:",
                 label=f"the rank's bytes at the {limit_label} limit")

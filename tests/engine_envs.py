@@ -106,7 +106,8 @@ def run_engine_tests(engine: str, *args: str, timeout: float = 1800) -> subproce
     """``pytest tests/engines`` inside ``engine``'s environment, on the CPU."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, ensure(engine)), str(REPO)]),
            "MEGAMOE_ENGINE": engine, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "engines"), *args]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "engines"),
+           *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 

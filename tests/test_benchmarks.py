@@ -9,7 +9,6 @@ import shlex
 import subprocess
 import sys
 
-
 from conftest import REPO
 
 BENCH = REPO / "benchmarks"
@@ -35,7 +34,9 @@ def test_every_script_has_a_test():
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
               "report_store.py",
-              "bench_node.py", "node_forms.py", "device_node.sh", "report_node.py"}  # bench_node --quick: below  # report_*: make_report regenerating docs/benchmarks.md exactly  # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
+              "bench_node.py", "node_forms.py", "device_node.sh", "report_node.py"}
+    # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
+    # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
     assert set(scripts) == tested, set(scripts) ^ tested
 
 
@@ -117,7 +118,7 @@ def test_device_node_script_parses_and_runs_real_flags():
     import bench_node
 
     text = (BENCH / "device_node.sh").read_text().replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if "bench_node.py" in l and not l.lstrip().startswith("#"))
+    line = next(row for row in text.splitlines() if "bench_node.py" in row and not row.lstrip().startswith("#"))
     flags = shlex.split(line.split("bench_node.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
                         .replace("$1", "60").replace("${*:2}", "--shapes slice").replace("$RESULTS", "/tmp/r"))
     args = bench_node.parse_args(flags)  # exits (SystemExit) on an unknown flag

@@ -70,8 +70,9 @@ def test_plain_progress_counts_files_and_bytes(tmp_path):
     # compute-bound phase) are phases of their own, each with its own unit and time
     proc = run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics")
     err = proc.stderr.splitlines()
-    assert [l.split(":")[1].strip() for l in err if ": finished " in l] == ["hash", "compare source", "numerics"]
-    numerics = [l for l in err if l.startswith("verify: numerics:")]
+    phases = [line.split(":")[1].strip() for line in err if ": finished " in line]
+    assert phases == ["hash", "compare source", "numerics"]
+    numerics = [line for line in err if line.startswith("verify: numerics:")]
     assert numerics[0] == "verify: numerics: 3 layers"  # 3 MoE layers, the 2 ranks in turn, no bytes
     assert numerics[-2] == "verify: numerics: 3/3 layers (100.0%)"
     assert re.fullmatch(r"verify: numerics: finished 3 layers in [\d.]+ s, [\d.]+ layers/s", numerics[-1])
@@ -97,9 +98,9 @@ def test_convert_speed_counts_only_the_files_written_now(tmp_path, tiny_ckpt):
     n = len(victims)
     assert re.search(rf"convert: {n}/{n} files finished, .* \(100.0% of the bytes\) \(\d+ already done\)",
                      proc.stderr)
-    finished = next(l for l in proc.stderr.splitlines() if l.startswith("convert: finished"))
+    finished = next(line for line in proc.stderr.splitlines() if line.startswith("convert: finished"))
     assert finished.startswith(f"convert: finished {n} files, ") and "already done" in finished
-    done = next(l for l in proc.stderr.splitlines() if l.startswith("done:"))
+    done = next(line for line in proc.stderr.splitlines() if line.startswith("done:"))
     assert re.search(rf"\({n} files written, \d+ already done, [\d.]+ [KM]B in [\d.]+ s, [\d.]+ [KMG]B/s\)", done)
 
 

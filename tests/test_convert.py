@@ -54,7 +54,7 @@ def assert_rank_matches_source(out: Path, src: Path, rank: int, placement: Place
         assert layer.logical_ids == placement.rank_logical_ids(rank)
         assert layer.experts_start_idx == placement.experts_start(rank)
         want = expected_layer(tensors, prefix, layer.logical_ids)
-        for got, ref in zip((*layer.l1, *layer.l2), (*want[0], *want[1])):
+        for got, ref in zip((*layer.l1, *layer.l2), (*want[0], *want[1]), strict=True):
             assert got.dtype == ref.dtype and got.shape == ref.shape and got.stride() == ref.stride()
             assert torch.equal(got, ref), f"rank {rank} {prefix}"
 
@@ -100,8 +100,9 @@ def test_manifest_records_everything_and_checksums_are_real(tiny_ckpt, tiny_conv
     assert manifest["placement"]["physical_to_logical"] == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
     assert manifest["dims"] == {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 8,
                                 "weight_format": "mxfp4", "shared_intermediate_size": 128}
-    assert [l["key"] for l in manifest["layers"]] == ["layers.0", "layers.1", "mtp.0"]
-    assert manifest["layers"][2] == {"key": "mtp.0", "prefix": "mtp.0.ffn.experts"} and manifest["family"] == "deepseek_v4"
+    assert [layer["key"] for layer in manifest["layers"]] == ["layers.0", "layers.1", "mtp.0"]
+    assert manifest["layers"][2] == {"key": "mtp.0", "prefix": "mtp.0.ffn.experts"}
+    assert manifest["family"] == "deepseek_v4"
     src_sizes = {p.name: p.stat().st_size for p in tiny_ckpt.glob("*.safetensors")}
     assert manifest["source"]["files"] == src_sizes and len(manifest["source"]["index_sha256"]) == 64
     listed = {f["path"]: f for f in manifest["files"]}
@@ -148,7 +149,8 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     placement = [7, 6, 5, 4, 3, 2, 1, 0]
     (tmp_path / "eplb.json").write_text(json.dumps(placement))
     out = tmp_path / "out"
-    args = ("--ep-size", 2, "--placement", tmp_path / "eplb.json", "--ranks", "1", "--layers", "1,mtp", "--experts-only")
+    args = ("--ep-size", 2, "--placement", tmp_path / "eplb.json", "--ranks", "1", "--layers", "1,mtp",
+            "--experts-only")
     for command, target in (("convert", (out,)), ("plan", ())):  # vLLM would refuse it at load time: refused now
         proc = run_cli(command, tiny_ckpt, *target, *args[:4], check=False)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -390,7 +392,7 @@ def peak_rss_mb(*args: object) -> float:
     proc = subprocess.run([sys.executable, "-c", PEAK_RSS_SCRIPT, *map(str, args)], capture_output=True, text=True,
                           cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    line = [l for l in proc.stderr.splitlines() if l.startswith("PEAK_RSS_KB")][-1]
+    line = [row for row in proc.stderr.splitlines() if row.startswith("PEAK_RSS_KB")][-1]
     return int(line.split()[1]) / 1024
 
 

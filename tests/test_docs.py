@@ -166,7 +166,8 @@ def test_documented_serve_commands_are_what_inspect_prints(tiny_ckpt, tmp_path):
     out = tmp_path / "models" / "V4-Flash-ep8"
     assert run_megamoe(["convert", str(tiny_ckpt), str(out), "--ep-size", "8", "-q"]).returncode == 0
     printed = json.loads(run_megamoe(["inspect", str(out), "--json"]).stdout)["serve"]["vllm"]["command"]
-    serve = [c for path, kind, c in documented() if kind == "sh" and c.startswith("vllm serve /models/V4-Flash-ep8 --load-format megamoe")]
+    serve = [c for path, kind, c in documented()
+             if kind == "sh" and c.startswith("vllm serve /models/V4-Flash-ep8 --load-format megamoe")]
     assert serve and all(c.replace("/models/", f"{tmp_path}/models/") == printed for c in serve), (serve, printed)
 
 
@@ -183,7 +184,8 @@ for flags in json.loads(sys.argv[1]):
     parser = FlexibleArgumentParser()
     AsyncEngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--model", flags[0], *flags[1:]])
-    assert args.load_format in ("megamoe", "ipc_cache") and args.enable_expert_parallel, flags  # ipc_cache: the daemon door
+    # ipc_cache: the daemon door
+    assert args.load_format in ("megamoe", "ipc_cache") and args.enable_expert_parallel, flags
 print("parsed", len(json.loads(sys.argv[1])))
 """
 

@@ -110,7 +110,8 @@ def test_kimi_k3_conversions_vllm_cannot_serve_are_refused_in_one_line(kimi_ckpt
                           (("--engine", "sglang"), "conversions are for vllm only, not sglang (SGLang's Kimi-K3 "
                                                    "MegaMoE path (mxfp4.py) rebuilds the experts")):
         proc = run_cli("convert", kimi_ckpt, tmp_path / "out", "--ep-size", 4, *args, check=False)
-        assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.parametrize("change,message", [
@@ -178,13 +179,15 @@ def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line
     placement = tmp_path / "placement.json"
     placement.write_text(json.dumps([7, 6, 5, 4, 3, 2, 1, 0]))
     for args, message in ((("--ep-size", 8), "mtp.0 (4 experts): vLLM builds the layers with 4 experts of their own "
-                                             "with 0 redundant ones: 4 physical experts are not divisible by ep_size=8; "
+                                             "with 0 redundant ones: 4 physical experts are not divisible by "
+                                             "ep_size=8; "
                                              "EP sizes that work for every selected MoE layer: 1, 2, 4; or leave mtp.0 "
                                              "out: --layers 0-1"),
-                          (("--ep-size", 4, "--placement", placement), "vLLM serves MegaMoE experts only in its default "
-                                                                       "placement")):
+                          (("--ep-size", 4, "--placement", placement),
+                           "vLLM serves MegaMoE experts only in its default placement")):
         proc = run_cli("convert", v41_ckpt, tmp_path / "out", *args, check=False)
-        assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     for command in ("plan", "inspect"):  # the same refusal before any conversion
         proc = run_cli(command, v41_ckpt, "--ep-size", 8, check=False)
         assert proc.returncode == 2 and "mtp.0 (4 experts)" in proc.stderr and "--layers 0-1" in proc.stderr
@@ -193,7 +196,7 @@ def test_deepseek_v41_dspark_layers_vllm_would_not_build_are_refused_in_one_line
                                              "8 experts"):  # the layer's own rule, below the serving check
         convert(v41_ckpt, tmp_path / "lib", ConvertOptions(4, placement_file=placement, check_serving=False))
     run_cli("convert", v41_ckpt, tmp_path / "out", "--ep-size", 8, "--layers", "0-1", "--experts-only")
-    assert [l["key"] for l in json.loads((tmp_path / "out" / "manifest.json").read_text())["layers"]] == \
+    assert [layer["key"] for layer in json.loads((tmp_path / "out" / "manifest.json").read_text())["layers"]] == \
         ["layers.0", "layers.1"]
 
 
@@ -206,7 +209,7 @@ def test_a_manifest_whose_dspark_count_vllm_could_not_place_is_refused(v41_ckpt,
 
     out = tmp_path / "out"
     run_cli("convert", v41_ckpt, out, "--ep-size", 4, "--layers", "mtp", "--experts-only")
-    assert [l.key for l in read_manifest(out).layers] == ["mtp.0"]
+    assert [layer.key for layer in read_manifest(out).layers] == ["mtp.0"]
     data = json.loads((out / "manifest.json").read_text())
     data["dims"]["mtp_n_routed_experts"] = 3
     (out / "manifest.json").write_text(seal({k: v for k, v in data.items() if k != "manifest_checksum"}))

@@ -203,8 +203,9 @@ S3 = "layers.0.ffn.experts.5.w3.scale"
 BAD_INPUTS = {
     "truncated shard": (lambda s: (s / shard_with(s, W1)).write_bytes((s / shard_with(s, W1)).read_bytes()[:-1000]),
                         (), r"model-000\d\d-of-00016.safetensors: truncated: header needs \d+ bytes, file has \d+"),
-    "corrupted header": (lambda s: (s / shard_with(s, W1)).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!}"
-                                                                       + (s / shard_with(s, W1)).read_bytes()[24:]),
+    "corrupted header": (lambda s: (s / shard_with(s, W1)).write_bytes(
+                             b"\x10\x00\x00\x00\x00\x00\x00\x00{not json!!!!!}"
+                             + (s / shard_with(s, W1)).read_bytes()[24:]),
                          (), r"safetensors: corrupted safetensors header"),
     "index points at a missing file": (lambda s: (s / shard_with(s, W1)).unlink(), (),
                                        r"index points at missing file model-000\d\d-of-00016.safetensors"),
@@ -434,7 +435,8 @@ def test_fuzz_shard_header_reader_only_raises_its_own_error(tmp_path_factory, da
     assert sum(t.nbytes for t in header.tensors.values()) == header.file_size - header.data_start
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-5, 2**40) | st.floats(allow_nan=False)
+                           | st.text(max_size=8),
                            lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                    st.dictionaries(st.text(max_size=12), inner, max_size=6)),
                            max_leaves=20)

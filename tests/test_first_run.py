@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 
@@ -48,7 +47,8 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Clone:
 
 def test_the_clone_runs_its_own_code(clone):
     proc = subprocess.run([sys.executable, "-c", "import megamoe_convert; print(megamoe_convert.__file__)"],
-                          capture_output=True, text=True, cwd=clone.work, env={**os.environ, "PYTHONPATH": str(clone.root)})
+                          capture_output=True, text=True, cwd=clone.work,
+                          env={**os.environ, "PYTHONPATH": str(clone.root)})
     assert Path(proc.stdout.strip()).is_relative_to(clone.root)
 
 
@@ -118,7 +118,8 @@ a, b = load_rank("store", rank=3, ep_size=4), load_rank("out", rank=3, ep_size=4
 assert a.keys() == b.keys()
 for k in a:
     assert a[k].logical_ids == b[k].logical_ids
-    assert all(torch.equal(x, y) and x.stride() == y.stride() for x, y in zip((*a[k].l1, *a[k].l2), (*b[k].l1, *b[k].l2)))
+    assert all(torch.equal(x, y) and x.stride() == y.stride()
+               for x, y in zip((*a[k].l1, *a[k].l2), (*b[k].l1, *b[k].l2), strict=True))
 try:
     load_rank("store", rank=3)
 except Exception as e:

@@ -15,7 +15,8 @@ from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import FileCache, read_header
 
-H, I, E = 256, 128, 3
+# hidden, intermediate and expert counts, named as in the layout's notation
+H, I, E = 256, 128, 3  # noqa: E741
 
 
 @pytest.mark.parametrize("name,l1_weight,l1_sf,extra", [
@@ -82,13 +83,15 @@ def test_the_shared_expert_is_pre_baked_from_its_fp8_block_checkpoint(tiny_ckpt,
     assert s == I and ckpt.shared_expert_note is None
     layer = MoELayer(True, 0)
     with FileCache() as files:
-        raw = {(p, k): files.read(ckpt.shared_entry(layer, p, k)) for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
+        raw = {(p, k): files.read(ckpt.shared_entry(layer, p, k))
+               for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
     for rank in (0, 3):
         (l1w, l1sf), (l2w, l2sf) = load_rank(tiny_converted, rank)[layer.prefix].shared
         w13 = layout_inverse.deinterleave_gate_up(l1w.view(torch.uint8).unsqueeze(0))[0]
         assert torch.equal(w13, torch.cat([raw["w1", "weight"], raw["w3", "weight"]]))
         assert torch.equal(l2w.view(torch.uint8), raw["w2", "weight"])
-        sf13 = layout_inverse.unpack_ue8m0(layout_inverse.deinterleave_gate_up(layout_inverse.untranspose_sf_for_utccp(l1sf.unsqueeze(0))), H // 32)[0]
+        sf13 = layout_inverse.unpack_ue8m0(
+            layout_inverse.deinterleave_gate_up(layout_inverse.untranspose_sf_for_utccp(l1sf.unsqueeze(0))), H // 32)[0]
         for half, proj in enumerate(("w1", "w3")):
             block = raw[proj, "scale"]
             for r, c in ((0, 0), (s - 1, H // 32 - 1), (77, 5)):

@@ -62,7 +62,8 @@ def test_presets_carry_the_published_dims():
 
 def test_synth_writes_each_familys_fp8_release_names(ckpts):
     v3 = tensors(ckpts["deepseek-v3-tiny"])
-    gate, scale = v3["model.layers.1.mlp.experts.7.gate_proj.weight"], v3["model.layers.1.mlp.experts.7.gate_proj.weight_scale_inv"]
+    gate = v3["model.layers.1.mlp.experts.7.gate_proj.weight"]
+    scale = v3["model.layers.1.mlp.experts.7.gate_proj.weight_scale_inv"]
     assert (gate.dtype, tuple(gate.shape), scale.dtype, tuple(scale.shape)) == \
         (torch.float8_e4m3fn, (256, 512), torch.float32, (2, 4))
     assert tuple(v3["model.layers.3.mlp.experts.0.down_proj.weight"].shape) == (512, 256)  # the MTP layer
@@ -82,7 +83,7 @@ def test_inspect_names_the_family_and_its_layers(ckpts, preset):
     family, decoder, mtp = TINY[preset]
     ckpt = Checkpoint.open(ckpts[preset])
     assert ckpt.family is family and ckpt.dims.weight_format == "fp8_block"
-    assert [l.key for l in ckpt.layers] == [f"layers.{i}" for i in decoder] + [f"mtp.{k}" for k in range(mtp)]
+    assert [layer.key for layer in ckpt.layers] == [f"layers.{i}" for i in decoder] + [f"mtp.{k}" for k in range(mtp)]
     shown = json.loads(run_cli("inspect", ckpts[preset], "--json").stdout)
     assert json.dumps(shown).count(family.name) >= 1 and "fp8_block" in json.dumps(shown)
 
@@ -104,7 +105,7 @@ def test_the_sm90_layout_interleaves_only_the_l1_weight():
     assert torch.equal(l1.sf, s13) and torch.equal(l2.weight.view(torch.uint8), w2) and torch.equal(l2.sf, s2)
     back = layout_inverse.sm90_inverse_transform_experts(l1, l2)
     assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-               for a, b in zip(back, (w13, s13, w2, s2)))
+               for a, b in zip(back, (w13, s13, w2, s2), strict=True))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,8 @@ def test_rank_files_hold_what_sglangs_sm90_build_leaves(ckpts, v3_converted):
                 assert torch.equal(layer.l1.weight[slot].view(torch.uint8), want)
                 assert torch.equal(layer.l1.sf[slot], torch.cat([src[f"{p}.gate_proj.weight_scale_inv"],
                                                                   src[f"{p}.up_proj.weight_scale_inv"]]))
-                assert torch.equal(layer.l2.weight[slot].view(torch.uint8), src[f"{p}.down_proj.weight"].view(torch.uint8))
+                assert torch.equal(layer.l2.weight[slot].view(torch.uint8),
+                                   src[f"{p}.down_proj.weight"].view(torch.uint8))
                 assert torch.equal(layer.l2.sf[slot], src[f"{p}.down_proj.weight_scale_inv"])
             assert layer.l1.sf.dtype == torch.float32 and layer.l1.sf.is_contiguous()
 
@@ -164,15 +166,15 @@ def test_verify_runs_the_fp8_moe_reference_and_catches_one_changed_byte(ckpts, v
     ("deepseek-v3-tiny", ["--ep-size", 4], "DeepSeek-V3 conversions are for sglang only, not vllm \\(vLLM 0.33 runs "
                                             "MegaMoE for DeepSeek-V4 and Kimi-K3 only"),
     ("qwen3-moe-tiny", ["--ep-size", 2], "Qwen3-MoE conversions are for sglang only, not vllm"),
-    ("glm-4.5-tiny", ["--ep-size", 2, "--engine", "sglang"], r"GLM-4.5 checkpoints are read \(inspect, plan\) but not "
-                                                              "converted: no engine runs GLM-4.5's MegaMoE yet: SGLang "
-                                                              "0.5.23's Glm4MoeSparseMoeBlock never takes the MegaMoE forward"),
+    ("glm-4.5-tiny", ["--ep-size", 2, "--engine", "sglang"],
+     r"GLM-4.5 checkpoints are read \(inspect, plan\) but not converted: no engine runs GLM-4.5's MegaMoE yet: "
+     "SGLang 0.5.23's Glm4MoeSparseMoeBlock never takes the MegaMoE forward"),
     ("glm-4.5-tiny", [], r"GLM-4.5 checkpoints are read \(inspect, plan\) but not converted"),
 ])
 def test_what_no_engine_serves_is_refused_in_one_line(ckpts, tmp_path, preset, args, message):
     done = run_cli("convert", ckpts[preset], tmp_path / "out", *args, check=False)
     assert done.returncode != 0
-    line = [l for l in done.stderr.splitlines() if l.strip()]
+    line = [row for row in done.stderr.splitlines() if row.strip()]
     assert len(line) == 1, done.stderr
     assert __import__("re").search(message, line[0]), line[0]
     assert not (tmp_path / "out").exists()
@@ -212,7 +214,8 @@ def test_block_scales_stored_in_16_bits_are_widened_to_fp32_as_sglang_loads_them
     p = "model.layers.1.mlp.experts.2"
     assert torch.equal(layer.l1.sf[2], torch.cat([src[f"{p}.gate_proj.weight_scale_inv"],
                                                   src[f"{p}.up_proj.weight_scale_inv"]]).float())
-    assert layer.l2.sf.dtype == torch.float32 and torch.equal(layer.l2.sf[2], src[f"{p}.down_proj.weight_scale_inv"].float())
+    assert layer.l2.sf.dtype == torch.float32
+    assert torch.equal(layer.l2.sf[2], src[f"{p}.down_proj.weight_scale_inv"].float())
     report = json.loads(run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics",
                                 "--json").stdout)
     assert report["ok"] and report["numerics"]["max_abs_err"] == 0.0

@@ -48,7 +48,7 @@ def assert_same_rank(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
     for prefix in a:
         assert a[prefix].logical_ids == b[prefix].logical_ids
-        for x, y in zip((*a[prefix].l1, *a[prefix].l2), (*b[prefix].l1, *b[prefix].l2)):
+        for x, y in zip((*a[prefix].l1, *a[prefix].l2), (*b[prefix].l1, *b[prefix].l2), strict=True):
             assert torch.equal(x, y) and x.stride() == y.stride()
 
 
@@ -223,7 +223,7 @@ def test_install_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
     assert install(model, f"{REPO_ID}@ep4", rank=2, probe=False) == 3  # a stand-in has no loading code to probe
     assert {p.split("/")[0] for p in pushed.downloaded if "/" in p} == {"rank-00002-of-00004"}
     want = load_rank(tiny_converted, 2)
-    for module, key in zip(experts_of(model), ["layers.0", "layers.1", "mtp.0"]):
+    for module, key in zip(experts_of(model), ["layers.0", "layers.1", "mtp.0"], strict=True):
         assert torch.equal(module.w13_weight, want[f"{key}.ffn.experts"].l1[0])
 
 
@@ -270,7 +270,8 @@ def test_real_library_offline_pull_and_load(offline_cache, tiny_converted, monke
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(offline_cache))
     result = pull(REPO_ID, "2", non_expert=False)
-    assert result.commit == "2" * 40 and result.path == offline_cache / "models--team--tiny-ep4/snapshots" / result.commit
+    assert result.commit == "2" * 40
+    assert result.path == offline_cache / "models--team--tiny-ep4/snapshots" / result.commit
     assert_same_rank(load_rank(REPO_ID, 2), load_rank(tiny_converted, 2))
     with pytest.raises(HubError, match="rank-00001-of-00004/.*not in the Hugging Face cache, and HF_HUB_OFFLINE"):
         pull(REPO_ID, "1", non_expert=False)  # never downloaded, and the hub is out of reach

@@ -40,7 +40,8 @@ def pushed(tmp_path, monkeypatch, local_store) -> FakeHub:
     return fake
 
 
-def slots(converted, rank, placement=Placement.default(8, EP_SIZE, REDUNDANT)):
+def slots(converted, rank, placement=None):
+    placement = placement or Placement.default(8, EP_SIZE, REDUNDANT)
     return {layer: placement.rank_logical_ids(rank) for layer in converted.manifest.layers}
 
 

@@ -67,7 +67,8 @@ def test_verify_checks_the_layout_identity(converted):
 
 
 @pytest.mark.parametrize("field,value,problem", [
-    ("fingerprints", {"routed": "xxh3_64:0123456789abcdef", "shared": None}, "layout.fingerprints.routed is xxh3_64:0123456789abcdef"),
+    ("fingerprints", {"routed": "xxh3_64:0123456789abcdef", "shared": None},
+     "layout.fingerprints.routed is xxh3_64:0123456789abcdef"),
     ("transform", "deepgemm-sm100-mega-moe/0", "layout.transform is 'deepgemm-sm100-mega-moe/0'"),
 ])
 def test_verify_refuses_experts_written_with_another_layout(converted, tmp_path, field, value, problem):

@@ -60,7 +60,7 @@ def test_a_reconversion_never_changes_tensors_already_mapped(tiny_ckpt, tmp_path
     reloaded = load_rank(out, 0)
     assert any(reloaded[p].logical_ids != mapped[p].logical_ids for p in mapped)  # it did change
     for prefix, e in mapped.items():
-        assert all(torch.equal(a, b) for a, b in zip((*e.l1, *e.l2), before[prefix]))
+        assert all(torch.equal(a, b) for a, b in zip((*e.l1, *e.l2), before[prefix], strict=True))
 
 
 def test_cpu_tensors_are_writable_private_maps(tiny_converted, tmp_path):
@@ -128,7 +128,8 @@ def test_unknown_newer_layout_version_is_refused(tiny_converted, tmp_path):
 
 
 def test_missing_and_resized_files_are_refused(tiny_converted, tmp_path):
-    out = edited_copy(tiny_converted, tmp_path, lambda m, o: (o / "rank-00001-of-00004" / "layers.0.safetensors").unlink())
+    out = edited_copy(tiny_converted, tmp_path,
+                      lambda m, o: (o / "rank-00001-of-00004" / "layers.0.safetensors").unlink())
     with pytest.raises(LoadError, match=r"rank-00001-of-00004/layers.0.safetensors: missing"):
         load_rank(out, 1)
     with open(out / "rank-00002-of-00004" / "mtp.0.safetensors", "ab") as f:
@@ -143,7 +144,8 @@ def test_rank_file_missing_from_the_manifest_is_refused_naming_it(tiny_converted
                       lambda m, _: m.update(files=[f for f in m["files"] if f["path"] != dropped]))
     # The manifest no longer covers every rank x layer: it is refused whole, naming the file.
     for layers in (None, ["layers.0", "layers.1"]):
-        with pytest.raises(MegamoeError, match=rf"{out / 'manifest.json'}: {dropped}: rank 1 x mtp.0 is not listed") as info:
+        message = rf"{out / 'manifest.json'}: {dropped}: rank 1 x mtp.0 is not listed"
+        with pytest.raises(MegamoeError, match=message) as info:
             load_rank(out, 1, layers=layers)
         assert "\n" not in str(info.value)
 
@@ -196,7 +198,7 @@ def test_cuda_load_equals_cpu_load(tiny_converted):
         cpu = load_rank(tiny_converted, rank)
         gpu = load_rank(tiny_converted, rank, device="cuda", verify=True)
         for prefix in cpu:
-            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2)):
+            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2), strict=True):
                 assert b.is_cuda and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
                 assert torch.equal(a, b.cpu())
 
@@ -214,7 +216,7 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     gpu = load_rank(tmp_path / "out", 0, device="cuda")
     total = 0
     for prefix in cpu:
-        for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2)):
+        for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2), strict=True):
             assert torch.equal(a, b.cpu())
             total += a.numel() * a.element_size()
     assert total > 2 * loader.RING_BUFFERS * loader.RING_BUFFER_BYTES
@@ -223,7 +225,7 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     d_gpu = layout_inverse.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
     c = cpu["layers.0.ffn.experts"]
     d_cpu = layout_inverse.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
-    assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu))
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu, strict=True))
 
 
 @pytest.mark.cuda
@@ -239,7 +241,8 @@ def test_cuda_loads_racing_the_background_pinning_and_each_other_are_exact(tiny_
     for rank in range(4):
         cpu = load_rank(tiny_converted, rank)
         for prefix in cpu:
-            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[rank][prefix].l1, *gpu[rank][prefix].l2)):
+            for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[rank][prefix].l1, *gpu[rank][prefix].l2),
+                            strict=True):
                 assert torch.equal(a, b.cpu())
 
 
@@ -289,7 +292,7 @@ def test_loading_under_a_default_device_context_still_reads_into_host_memory(tin
     with torch.device("meta"):
         under = load_rank(tiny_converted, 1)
     for prefix in plain:
-        for a, b in zip((*plain[prefix].l1, *plain[prefix].l2), (*under[prefix].l1, *under[prefix].l2)):
+        for a, b in zip((*plain[prefix].l1, *plain[prefix].l2), (*under[prefix].l1, *under[prefix].l2), strict=True):
             assert b.device.type == "cpu" and torch.equal(a, b)
 
 

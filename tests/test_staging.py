@@ -27,12 +27,13 @@ def test_readers_take_every_byte_once_in_file_order():
     assert all(p.dest.numel() <= 16_000 for p in pieces)
     # In file order: each range's pieces one after another, the ranges sorted by file and offset.
     starts = [(p.fd, p.file_offset) for i, p in enumerate(pieces)
-              if i == 0 or (p.fd, p.file_offset) != (pieces[i - 1].fd, pieces[i - 1].file_offset + pieces[i - 1].dest.numel())]
+              if i == 0 or (p.fd, p.file_offset) != (pieces[i - 1].fd,
+                                                     pieces[i - 1].file_offset + pieces[i - 1].dest.numel())]
     assert starts == sorted((fd, offset) for fd, offset, _ in ranges), "pieces are not handed out in file order"
     for piece in pieces:  # every destination byte once, with the bytes of the file offset it stands for
         assert bool((piece.dest == 0).all()), "a destination byte handed out twice"
         piece.dest.copy_(torch.arange(piece.file_offset, piece.file_offset + piece.dest.numel()) % 251 + 1)
-    for fd, offset, dest in ranges:
+    for _, offset, dest in ranges:
         assert torch.equal(dest, (torch.arange(offset, offset + dest.numel()) % 251 + 1).to(torch.uint8))
 
 
@@ -62,7 +63,8 @@ def _load(path, spans):
     fd = os.open(path, os.O_RDONLY)
     try:
         dests = [torch.empty(n, dtype=torch.uint8, device="cuda") for _, n in spans]
-        staging.fill_device([(fd, offset, d) for (offset, _), d in zip(spans, dests)], torch.device("cuda"))
+        staging.fill_device([(fd, offset, d) for (offset, _), d in zip(spans, dests, strict=True)],
+                            torch.device("cuda"))
         torch.cuda.synchronize()
     finally:
         os.close(fd)
@@ -78,7 +80,7 @@ def test_a_load_of_many_ranges_out_of_file_order_is_exact(tmp_path, monkeypatch,
     device_copy.reset()
     path, data = _file(tmp_path, 48 << 20)
     spans = [(123, 9 << 20), (20 << 20, 7 << 20), (123, 9 << 20), (17, 3), ((30 << 20) + 5, (18 << 20) - 5)]
-    for dest, (offset, n) in zip(_load(path, spans), spans):
+    for dest, (offset, n) in zip(_load(path, spans), spans, strict=True):
         assert torch.equal(dest.cpu(), data[offset:offset + n])
     # torch's CUDA runtime is found: the lanes' copies go through it, not through torch
     assert isinstance(device_copy.copier(), device_copy.CudartCopier if cudart else device_copy.TorchCopier)
@@ -180,8 +182,8 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
     try:
         with ThreadPoolExecutor(4) as readers:
             try:
-                staging._lane_copy(WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests)]), _Ring(7, 4096, 3), 0,
-                                   readers, copier)
+                queue = WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests, strict=True)])
+                staging._lane_copy(queue, _Ring(7, 4096, 3), 0, readers, copier)
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 outcome["error"] = e
             outcome["running"] = running[0]
@@ -196,7 +198,7 @@ def test_the_lanes_put_every_piece_where_it_belongs(tmp_path, monkeypatch):
     spans = [(7, 50_000), (100_000, 33_333), (7, 50_000), (199_999, 1)]
     outcome = _lane_load(monkeypatch, path, spans)
     assert "error" not in outcome and outcome["queued"] == 0
-    for dest, (offset, n) in zip(outcome["dests"], spans):
+    for dest, (offset, n) in zip(outcome["dests"], spans, strict=True):
         assert torch.equal(dest, data[offset:offset + n])
 
 
@@ -263,7 +265,8 @@ def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
     path, _ = _uncached_file(tmp_path, 1 << 20)
     fd = os.open(path, os.O_RDONLY)
     try:
-        ranges = [(fd, 0, torch.empty(8192, dtype=torch.uint8)), (fd, (1 << 20) - 100, torch.empty(100, dtype=torch.uint8))]
+        ranges = [(fd, 0, torch.empty(8192, dtype=torch.uint8)),
+                  (fd, (1 << 20) - 100, torch.empty(100, dtype=torch.uint8))]
         dropped = staging.in_page_cache(ranges)
         os.pread(fd, 1 << 20, 0)
         assert staging.in_page_cache(ranges) is True
@@ -283,7 +286,7 @@ def test_a_cold_load_runs_more_lanes_on_parts_of_the_buffers_and_every_piece_lan
             if kind == "cold":  # 6 cold lanes (as _lane_load sets them) over 7 buffers: each cut in 2
                 assert staging.lane_shape(7, cold=True) == staging.LaneShape(6, 2)
         assert "error" not in outcome and outcome["queued"] == 0
-        for dest, (offset, n) in zip(outcome["dests"], spans):
+        for dest, (offset, n) in zip(outcome["dests"], spans, strict=True):
             assert torch.equal(dest, data[offset:offset + n])
     assert max(loads["cold"]) == 4096 // 2, "a cold load read whole buffers, not their parts"
     assert max(loads["warm"]) == 4096

@@ -34,7 +34,7 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
 def test_the_store_holds_every_logical_expert_once_in_the_kernel_layout(tiny_ckpt, tiny_store, tmp_path):
     manifest = json.loads((tiny_store / "manifest.json").read_text())
     assert manifest["store"] is True and manifest["engine"] == "any" and manifest["ep_size"] == 1
-    layers = [l["key"] for l in manifest["layers"]]
+    layers = [layer["key"] for layer in manifest["layers"]]
     expert_files = sorted(f["path"] for f in manifest["files"] if f["path"].startswith("experts/"))
     assert expert_files == sorted(f"experts/{key}.safetensors" for key in layers)
     assert not list(tiny_store.glob("rank-*"))
@@ -98,7 +98,7 @@ def test_any_ranks_slots_read_from_the_store_are_its_per_rank_files_bytes(tiny_c
         want = load_rank(ref, rank)
         slots = {layer: placement.rank_logical_ids(rank) for layer in converted.manifest.layers}
         before = counter.bytes
-        got = store.load_slots(converted, slots, starts={l: placement.experts_start(rank) for l in slots})
+        got = store.load_slots(converted, slots, starts={layer: placement.experts_start(rank) for layer in slots})
         assert got.keys() == want.keys()
         for prefix, layer in want.items():
             assert got[prefix].logical_ids == layer.logical_ids
@@ -224,9 +224,10 @@ def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, comma
     from megamoe_convert.placement import layer_placement
     engine = "sglang" if extra else "vllm"
     for rank, row in enumerate(data["ranks"]):
-        placements = {l: layer_placement(engine, Placement.default(8, 4, 4), l.is_mtp, 8) for l in converted.manifest.layers}
+        placements = {layer: layer_placement(engine, Placement.default(8, 4, 4), layer.is_mtp, 8)
+                      for layer in converted.manifest.layers}
         before, calls = counter.bytes, counter.calls
-        store.load_slots(converted, {l: p.rank_logical_ids(rank) for l, p in placements.items()})
+        store.load_slots(converted, {layer: p.rank_logical_ids(rank) for layer, p in placements.items()})
         assert row["read_bytes"] == counter.bytes - before and row["reads"] == counter.calls - calls
         assert row["range_bytes"] <= row["read_bytes"] and len(row["per_layer"]) == len(data["layer_groups"])
     groups = {tuple(g["layers"]): g for g in data["layer_groups"]}
@@ -294,7 +295,8 @@ def test_a_store_of_another_weight_format_serves_any_ranks_slots_with_its_extras
     converted, placement = open_converted(tmp_path / "store"), Placement.default(4, 2, 2)
     for rank in range(2):
         want = load_rank(tmp_path / "ep2", rank)
-        got = store.load_slots(converted, {l: placement.rank_logical_ids(rank) for l in converted.manifest.layers})
+        got = store.load_slots(converted,
+                               {layer: placement.rank_logical_ids(rank) for layer in converted.manifest.layers})
         for prefix, layer in want.items():
             assert set(got[prefix].tensors) == set(layer.tensors)
             for key, t in layer.tensors.items():

@@ -43,9 +43,9 @@ def test_install_puts_the_rank_files_bytes_where_the_kernel_reads(tiny_converted
     model = stand_in_model(STAND_INS[contract], 3)
     assert install(model, tiny_converted, rank=3) == 3
     want = load_rank(tiny_converted, 3)
-    for module, key in zip(experts_of(model), KEYS):
+    for module, key in zip(experts_of(model), KEYS, strict=True):
         ref = want[f"{key}.ffn.experts"]
-        for got, exp in zip(kernel_tensors(module), (*ref.l1, *ref.l2)):
+        for got, exp in zip(kernel_tensors(module), (*ref.l1, *ref.l2), strict=True):
             assert got.shape == exp.shape and got.stride() == exp.stride() and torch.equal(got.view(exp.dtype), exp)
 
 

@@ -129,7 +129,8 @@ def v41_experts(config, prefix: str, ep_rank: int, ep_size: int, redundant: int,
         VllmConfig(), num_experts=n_physical, num_local_experts=local, experts_start_idx=ep_rank * local,
         num_logical_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
         hidden_size=config.hidden_size, intermediate_size=config.moe_intermediate_size,
-        weight_format=mega_py.MEGA_MOE_MXFP4, activation=mega_py.MegaMoEActivation("swiglu", clamp=float(config.swiglu_limit)),
+        weight_format=mega_py.MEGA_MOE_MXFP4,
+        activation=mega_py.MegaMoEActivation("swiglu", clamp=float(config.swiglu_limit)),
         shared_experts=v41_shared_mlp(config) if fuse_shared else None, prefix=prefix)
 
 
@@ -151,7 +152,8 @@ def build_v41(config, ep_rank: int, ep_size: int, redundant: int, fuse_shared: b
                  start_layer=0, end_layer=n, layers=layers, vllm_config=types.SimpleNamespace(engram_config=None))
     language_model = bare(v41_py.DeepseekV41LLMForCausalLM, config=config, model=model,
                           hf_to_vllm_mapper=v41_py.WeightsMapper())
-    scale_name = "weight_scale" if config.quantization_config.get("weight_block_size") == [32, 32] else "weight_scale_inv"
+    mx_blocks = config.quantization_config.get("weight_block_size") == [32, 32]
+    scale_name = "weight_scale" if mx_blocks else "weight_scale_inv"
     return bare(v41_vl_py.DeepseekV41ForCausalLM, config=config, language_model=language_model,
                 hf_to_vllm_mapper=v41_vl_py._make_deepseek_v4_vl_weights_mapper(config.expert_dtype, scale_name))
 

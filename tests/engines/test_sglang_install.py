@@ -29,7 +29,8 @@ def test_install_leaves_every_module_as_sglangs_own_loading_does(sglang_ckpt, sg
     with h.patched(rank, EP_SIZE, REDUNDANT):
         want = reference(sglang_ckpt, config, rank)
         main, nextn = h.build_main_model(config, rank, REDUNDANT), h.build_nextn_model(config)
-        params = {p: {n: t for n, t in m.named_parameters()} for p, m in {**h.experts_of(main), **h.experts_of(nextn)}.items()}
+        params = {p: dict(m.named_parameters())
+                  for p, m in {**h.experts_of(main), **h.experts_of(nextn)}.items()}
         assert install(main, sglang_converted, rank=rank) == config.num_hidden_layers
         assert install(nextn, sglang_converted, rank=rank) == 1
         got = {**h.experts_of(main), **h.experts_of(nextn)}
@@ -97,7 +98,7 @@ def test_what_sglang_would_build_differently_is_refused_with_one_line(sglang_ckp
         assert "\n" not in str(info.value)
         for prefix, module in h.experts_of(main).items():
             assert not module._mega_moe_weights_built
-            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix]))
+            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix], strict=True))
 
 
 def test_rank_none_takes_sglangs_moe_ep_rank(sglang_ckpt, sglang_converted):

@@ -11,16 +11,15 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import sglang_harness as h
 import torch
+from sglang.srt.layers.moe import mega_moe
 
 from megamoe_convert.engines import probe
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.source import formats
-from sglang.srt.layers.moe import mega_moe
-
-import sglang_harness as h
 
 EP_SIZE, REDUNDANT = 4, 4
 RELEASE = "SGLang 0.5.23"
@@ -126,6 +125,7 @@ def test_sglangs_sm90_build_lays_out_fp8_block_experts_as_the_conversion(family,
     import types
 
     import sglang_fp8_harness as fp8
+
     from megamoe_convert.engines.sglang import sm90_fp8
 
     config = types.SimpleNamespace(**json.loads((CONFIGS / f"{preset}.json").read_text()))

@@ -96,6 +96,19 @@ def test_install_leaves_every_module_as_sglangs_own_sm90_build_does(fp8, family,
         assert_as_sglang_builds(got, want)
 
 
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
+def test_block_scales_stored_in_16_bits_install_as_sglangs_loader_widens_them(tmp_path, scale_dtype):
+    """SGLang's weight_loader copies 16-bit ``weight_scale_inv`` into its FP32 parameters; install gives the same."""
+    synthesize(tmp_path / "ckpt", "qwen3-moe-tiny", scale_dtype=scale_dtype, seed=7)
+    convert(tmp_path / "ckpt", tmp_path / "out", ConvertOptions(ep_size=EP_SIZE, num_redundant_experts=REDUNDANT,
+                                                                engine="sglang"))
+    with f.patched(2, EP_SIZE, REDUNDANT):
+        want = reference("qwen3_moe", tmp_path / "ckpt", 2)
+        model = f.build_main_model("qwen3_moe", f.hf_config(tmp_path / "ckpt"), 2, REDUNDANT)
+        install(model, tmp_path / "out", rank=2)
+        assert_as_sglang_builds(f.experts_of(model), want)
+
+
 def test_the_nextn_layer_holds_redundant_slots_from_sglangs_expert_location(fp8):
     """DeepSeek-V3's NextN layer is built like a decoder layer (V4's is not): 12 physical slots."""
     config = f.hf_config(fp8["deepseek_v3"].ckpt)
@@ -136,7 +149,7 @@ def test_what_sglang_would_build_differently_is_refused_with_one_line(fp8, chang
         assert "\n" not in str(info.value)
         for prefix, module in f.experts_of(main).items():
             assert not module._mega_moe_weights_built
-            assert all(torch.equal(raw(a), b) for a, b in zip(module.parameters(), before[prefix]))
+            assert all(torch.equal(raw(a), b) for a, b in zip(module.parameters(), before[prefix], strict=True))
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -274,7 +287,7 @@ def test_sglang_without_megamoe_convert_refuses_each_familys_conversion(fp8, tmp
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("REFUSED", "ACCEPTED"))]
     assert len(lines) == 2 and all(line.startswith("REFUSED") for line in lines), proc.stdout
-    for line, family in zip(lines, FAMILIES):
+    for line, family in zip(lines, FAMILIES, strict=True):
         assert marker.marker_model_type(family) in line
 
 

@@ -64,7 +64,7 @@ def test_a_table_naming_an_expert_the_store_lacks_is_refused_before_any_module_c
             install(nextn, sglang_store, rank=1)
         for prefix, module in h.experts_of(nextn).items():
             assert not module._mega_moe_weights_built
-            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix]))
+            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix], strict=True))
 
 
 @pytest.mark.parametrize("rank", [0, 3])

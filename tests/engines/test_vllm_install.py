@@ -68,7 +68,8 @@ def test_a_second_load_through_vllms_weight_loader_still_works_after_install(eng
     ("num_logical_experts", 12, "num_logical_experts is 12 in the model but 8"),
     ("hidden_size", 512, "hidden_size is 512 in the model but 256"),
 ])
-def test_a_mismatched_module_is_refused_before_any_module_changes(engine_ckpt, engine_converted, attribute, value, message):
+def test_a_mismatched_module_is_refused_before_any_module_changes(engine_ckpt, engine_converted, attribute, value,
+                                                                   message):
     config = h.hf_config(engine_ckpt)
     with h.patched(1, EP_SIZE):
         main, _ = build(config, 1)
@@ -79,7 +80,7 @@ def test_a_mismatched_module_is_refused_before_any_module_changes(engine_ckpt, e
             install(main, engine_converted, rank=1)
         assert "model.layers.1.ffn.experts" in str(info.value)
         for prefix, module in h.experts_of(main).items():
-            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix]))
+            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix], strict=True))
             assert len(list(module.parameters())) == 4
 
 

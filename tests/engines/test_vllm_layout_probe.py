@@ -43,16 +43,21 @@ def _state(model) -> dict[str, torch.Tensor | None]:
     return state
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte dtypes (FP8, packed FP4) compared as raw bytes: torch.equal has no FP8 kernel on every build."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def _same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> bool:
     return a.keys() == b.keys() and all(
-        (x is None and y is None) or (x is not None and y is not None and torch.equal(x.view(torch.uint8) if
-                                      x.element_size() == 1 else x, y.view(torch.uint8) if y.element_size() == 1 else y))
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(_bytes(x), _bytes(y)))
         for x, y in ((a[k], b[k]) for k in a))
 
 
 def _probe(module, fmt, config, shared_inter=0, shared_mlp=None):
     contract = kernel_layout.CONTRACT if h.KERNEL_LAYOUT else finalize.CONTRACT
-    layout_probe = (kernel_layout.kernel_layout_probe(module, kernel_layout.PARAMETERS, contract.name) if h.KERNEL_LAYOUT
+    layout_probe = (kernel_layout.kernel_layout_probe(module, kernel_layout.PARAMETERS, contract.name)
+                    if h.KERNEL_LAYOUT
                     else finalize.finalize_probe(module, shared_mlp, finalize.LOADER_PARAMETERS, contract.name))
     return probe.check_layout(layout_probe, fmt, config.hidden_size, config.moe_intermediate_size, shared_inter)
 
@@ -78,7 +83,8 @@ def test_vllms_weight_loader_lays_out_every_format_as_the_conversion(engine_ckpt
         before = _state(module)
         prints = _probe(module, formats.FORMATS[name], config)
         assert _same(_state(module), before)  # the twin took the bytes, not the module
-    assert prints == identity.layout_fingerprints(formats.FORMATS[name], config.hidden_size, config.moe_intermediate_size)
+    assert prints == identity.layout_fingerprints(formats.FORMATS[name], config.hidden_size,
+                                                  config.moe_intermediate_size)
 
 
 @pytest.mark.since_032
@@ -110,7 +116,8 @@ def _future_release():
     """vLLM's own loading, permuting bytes differently with identical shapes: 0.33 its shard writer,
     0.30-0.32 DeepGEMM's L1 weight rows (each 32-row group in another order)."""
     if h.KERNEL_LAYOUT:
-        return mock.patch.object(h.mega_py.DeepGemmMegaMoEExperts, "_kernel_layout_shard", staticmethod(_no_utccp_for_l2))
+        return mock.patch.object(h.mega_py.DeepGemmMegaMoEExperts, "_kernel_layout_shard",
+                                 staticmethod(_no_utccp_for_l2))
     from vllm.utils.deep_gemm import _import_deep_gemm
 
     deep_gemm = _import_deep_gemm()  # the DeepGEMM vLLM imported (once per process)

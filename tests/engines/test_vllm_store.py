@@ -46,7 +46,8 @@ def test_one_store_installs_every_rank_of_every_ep_size_as_vllms_own_loading(eng
                 h.assert_same_tensors(h.kernel_view(module), h.kernel_view(want[prefix]), where)
                 h.assert_same_tensors(module.get_expert_weights(), want[prefix].get_expert_weights(), f"{where} EPLB")
     # vLLM's placement p % n: each tensor of a layer is one read, two where the rank's slots wrap
-    per_tensor = [len([r for r in layer_reads if r.key == "l1_weight"]) for call in reads for layer_reads in call.values()]
+    per_tensor = [len([r for r in layer_reads if r.key == "l1_weight"])
+                  for call in reads for layer_reads in call.values()]
     local = (8 + redundant) // ep_size
     wraps = [(r * local) // 8 != (r * local + local - 1) // 8 for r in range(ep_size)]
     assert sorted(set(per_tensor)) == sorted({1 + w for w in wraps})
@@ -63,7 +64,7 @@ def test_a_module_built_for_another_expert_count_is_refused_before_any_module_ch
                                                "but 8"):
             install(main, engine_store, rank=1)
         for prefix, module in h.experts_of(main).items():
-            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix]))
+            assert all(torch.equal(a, b) for a, b in zip(module.parameters(), before[prefix], strict=True))
 
 
 def test_a_module_with_fewer_slots_than_experts_is_refused(engine_ckpt, engine_store):

@@ -1,7 +1,8 @@
 """Real vLLM modules on the CPU, built and loaded by vLLM's own code.
 
 Only what needs hardware or a process group is patched: the SM100 capability check, the
-pipeline/EP groups, (0.33) the weight cache's IPC platform check, device UUID and groups, and (0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
+pipeline/EP groups, (0.33) the weight cache's IPC platform check, device UUID and groups, and
+(0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
 which cannot run on a CPU: it is replaced by the project's spec-exact equivalent
 (``megamoe_convert.layout.sf_into_required_layout``) while DeepGEMM's own Python
 ``transform_weights_for_mega_moe`` (bundled in vLLM) does the rest.
@@ -260,7 +261,7 @@ def kernel_view(experts: nn.Module) -> list[torch.Tensor]:
 
 def assert_same_tensors(got: list[torch.Tensor], want: list[torch.Tensor], where: str) -> None:
     assert len(got) == len(want), f"{where}: {len(got)} tensors, expected {len(want)}"
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g is not None, f"{where}[{i}] is None"
         assert (g.dtype, tuple(g.shape), g.stride()) == (w.dtype, tuple(w.shape), w.stride()), \
             f"{where}[{i}]: {g.dtype}{tuple(g.shape)}{g.stride()} vs {w.dtype}{tuple(w.shape)}{w.stride()}"
