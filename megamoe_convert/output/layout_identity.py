@@ -135,7 +135,8 @@ def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: i
             routed[proj, kind] = _as(_scale_bytes(g, shape, fmt.scale_encoding), fmt.scale_dtypes[0], shape[0])
     if fmt.global_scales:  # one L1 scale per expert: w1's and w3's are equal
         values = torch.rand(3, generator=g, dtype=torch.float32) + 0.25
-        for (proj, kind), value in zip(formats.GLOBAL_SCALE_TENSORS, (values[0], values[0], values[1], values[2])):
+        for (proj, kind), value in zip(formats.GLOBAL_SCALE_TENSORS, (values[0], values[0], values[1], values[2]),
+                                       strict=True):
             routed[proj, kind] = value.clone().reshape(())
     shared: dict[tuple[str, str], torch.Tensor] = {}
     if shared_inter:
@@ -161,6 +162,7 @@ def reference(inp: ProbeInput) -> Tensors:
     if kernel_of(fmt) == "sm90":  # SGLang's FP8 layout: the L1 rows interleaved, FP32 block scales as stored
         l1, l2 = layout.sm90_transform_experts(inp.stacked(("w1", "w3"), "weight"), inp.stacked(("w1", "w3"), "scale"),
                                                inp.stacked(("w2",), "weight"), inp.stacked(("w2",), "scale"))
+        assert l1.sf is not None and l2.sf is not None  # FP8 block scales: always present
         return {"l1_weight": l1.weight, "l1_sf": l1.sf, "l2_weight": l2.weight, "l2_sf": l2.sf}
     weight = formats.torch_dtype(fmt.weight_dtype)
     out = {"l1_weight": layout.l1_weight(inp.stacked(("w1", "w3"), "weight")).view(weight),
@@ -191,7 +193,8 @@ def _shared_reference(inp: ProbeInput) -> Tensors:
     weight = formats.torch_dtype(formats.SHARED_FORMAT.weight_dtype)
     return {"shared_l1_weight": layout.l1_weight(w13).view(weight)[0],
             "shared_l1_sf": layout.l1_sf(torch.cat([sf("w1"), sf("w3")]).unsqueeze(0))[0],
-            "shared_l2_weight": layout.l2_weight(inp.shared["w2", "weight"].view(torch.uint8).unsqueeze(0)).view(weight)[0],
+            "shared_l2_weight":
+                layout.l2_weight(inp.shared["w2", "weight"].view(torch.uint8).unsqueeze(0)).view(weight)[0],
             "shared_l2_sf": layout.l2_sf(sf("w2").unsqueeze(0))[0]}
 
 
@@ -282,13 +285,13 @@ def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
     want = layout_identity(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size)
     problems = []
     if record["transform"] != want["transform"]:
-        problems.append(f"layout.transform is {record['transform']!r}, this megamoe-convert writes {want['transform']!r}: "
-                        "convert again with this megamoe-convert")
+        problems.append(f"layout.transform is {record['transform']!r}, this megamoe-convert writes "
+                        f"{want['transform']!r}: convert again with this megamoe-convert")
     for part, value in want["fingerprints"].items():
         got = record["fingerprints"].get(part)
         if got != value:
-            problems.append(f"layout.fingerprints.{part} is {got}, but this megamoe-convert's layout of the probe expert "
-                            f"is {value}: the experts were written with another layout; convert again")
+            problems.append(f"layout.fingerprints.{part} is {got}, but this megamoe-convert's layout of the probe "
+                            f"expert is {value}: the experts were written with another layout; convert again")
     return problems
 
 
