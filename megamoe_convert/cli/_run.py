@@ -41,7 +41,7 @@ def run_command(body: Callable[[], Any]) -> Any:
     except KeyboardInterrupt as e:
         _stopped(signals.exit_code(e))
     except HANDLED_ERRORS as e:
-        if state["debug"]:
+        if state["debug"] or conventions.state["debug"]:  # --debug before the command, or after it
             raise
         _failed(e)
 

@@ -40,7 +40,7 @@ COMMAND_METAVARS = {("synth", "layers"): "N"}
 ARGUMENT_METAVARS = {"parts": "PART_DIR"}
 
 #: The state the conventions keep for the command running (read by ``_run.run_command``).
-state: dict[str, Any] = {"json": False}
+state: dict[str, Any] = {"json": False, "debug": False}
 
 
 #: SIGTERM's exception and the handlers live in :mod:`.signals`, installed before anything else.
@@ -81,9 +81,7 @@ def _quiet_option(template: Any) -> Any:
 
 def _set_debug(ctx: Any, param: Any, value: bool) -> bool:
     if value:
-        from megamoe_convert.cli import _run
-
-        _run.state["debug"] = True
+        state["debug"] = True  # read by the one error path (``_run``) beside the group's own --debug
     return value
 
 

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -365,26 +365,25 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
         raise LoadError(one_line(f"{e.filename or converted.path}: cannot be read ({e.strerror or e})")) from None
 
 
+#: Reads rank R of EP N out of a store: ``serve.store`` registers it (the store builds on this module,
+#: and the serving package imports it, so it is set whenever this module is usable).
+STORE_RANK_READER: Callable[..., dict[str, ExpertLayer]] | None = None
+
+
 def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
                      verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None,
                      ) -> dict[str, ExpertLayer]:
     """Rank ``rank`` of EP ``ep_size`` from a store, with vLLM's default placement (no redundant slots):
     its slots' experts read out of the store (``serve.store.load_slots`` takes any other placement)."""
-    from megamoe_convert.serve import store
-
     out, manifest = converted.path, converted.manifest
     if ep_size is None:
         raise LoadError(f"{out} is a store (every logical expert once, for any EP size): name the EP size whose "
                         f"rank {rank} to load, load_rank({str(out)!r}, rank={rank}, ep_size=N)")
     if not 0 <= rank < ep_size:
         raise LoadError(f"rank {rank} is out of range for ep_size={ep_size} (ranks 0..{ep_size - 1})")
-    placements = store.store_placements(manifest, ep_size, where=out, error=LoadError)
+    assert STORE_RANK_READER is not None, "megamoe_convert.serve.store registers the store reader"
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
-    by_prefix = {layer.prefix: layer for layer in chosen}
-    return store.load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in chosen},
-                            starts={layer: placements[layer].experts_start(rank) for layer in chosen},
-                            device=device, verify=verify,
-                            into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
+    return STORE_RANK_READER(converted, rank, ep_size, chosen, device, verify, into)
 
 
 def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,

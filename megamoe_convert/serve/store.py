@@ -332,3 +332,17 @@ def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ran
         row["per_layer"] = per_group
         rows.append(row)
     return rows, described
+
+
+def load_store_rank(converted: ConvertedModel, rank: int, ep_size: int, layers: Sequence[MoELayer],
+                    device: torch.device, verify: bool, into: Mapping[str, Destinations] | None,
+                    ) -> dict[str, ExpertLayer]:
+    """``load_rank(store, rank, ep_size=N)``: the rank's slots under vLLM's default placement."""
+    placements = store_placements(converted.manifest, ep_size, where=converted.path, error=LoadError)
+    by_prefix = {layer.prefix: layer for layer in layers}
+    return load_slots(converted, {l: placements[l].rank_logical_ids(rank) for l in layers},
+                      starts={l: placements[l].experts_start(rank) for l in layers}, device=device, verify=verify,
+                      into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
+
+
+loader.STORE_RANK_READER = load_store_rank
