@@ -14,9 +14,9 @@ from torch import nn
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.engines import probe
-from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.errors import InstallError
 from megamoe_convert.loader import load_rank
+from megamoe_convert.output import layout_identity as identity
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache
@@ -64,7 +64,8 @@ def test_the_probe_input_and_its_reference_are_made_on_the_cpu_whatever_the_defa
         inp = identity.synthetic_expert(fmt, 256, 128, shared)
         ref = identity.reference(inp)
     for key, t in inp.routed.items():
-        assert t.device.type == "cpu" and torch.equal(t.reshape(-1).view(torch.uint8), plain.routed[key].reshape(-1).view(torch.uint8))
+        assert t.device.type == "cpu"
+        assert torch.equal(t.reshape(-1).view(torch.uint8), plain.routed[key].reshape(-1).view(torch.uint8))
     for key, t in identity.reference(plain).items():
         assert ref[key].device.type == "cpu" and torch.equal(ref[key], t)
 
@@ -84,8 +85,10 @@ def test_the_reference_is_the_bytes_a_conversion_writes(tmp_path, name):
     ckpt = Checkpoint.open(src)
     layer, dims, files = ckpt.layers[0], ckpt.dims, FileCache()
     routed = {(proj, kind): files.read(ckpt.expert_entry(layer, 0, proj, kind))
-              for proj, kind in formats.checkpoint_byte_shapes(dims.format, dims.hidden_size, dims.moe_intermediate_size)}
-    routed.update({key: value.view(torch.float32).reshape(()) for key, value in routed.items() if len(value.shape) == 1})
+              for proj, kind in formats.checkpoint_byte_shapes(dims.format, dims.hidden_size,
+                                                               dims.moe_intermediate_size)}
+    routed.update({key: value.view(torch.float32).reshape(())
+                   for key, value in routed.items() if len(value.shape) == 1})
     shared = {(proj, kind): files.read(ckpt.shared_entry(layer, proj, kind))
               for proj in ("w1", "w2", "w3") for kind in ("weight", "scale")} if dims.shared_intermediate_size else {}
     inp = identity.ProbeInput(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size,
@@ -181,7 +184,8 @@ def test_a_conversion_recording_another_fingerprint_is_refused():
         with pytest.raises(InstallError, match=f"records {part} layout fingerprint .*written with another layout"):
             probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 512,
                                recorded={**recorded, part: "xxh3_64:0000000000000000"})
-    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 512, recorded=recorded) == recorded
+    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 512,
+                              recorded=recorded) == recorded
     # an engine that does not fuse the shared expert probes the routed experts only: the shared record is not asked
     routed = probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 512, 512, 0, recorded=recorded)
     assert routed == {"routed": recorded["routed"]}
@@ -249,8 +253,9 @@ def test_a_scratch_twin_runs_the_modules_own_loader_without_touching_the_module(
 def test_an_install_into_modules_whose_code_cannot_run_the_probe_is_refused_unless_opted_out(tiny_converted, caplog):
     """vLLM-shaped modules without vLLM's loading code (the plain suite's stand-ins): refused in one line
     naming the opt-out, nothing changed; with ``probe=False`` installed, and the skip logged."""
-    from megamoe_convert.vllm_integration import install
     from vllm_stand_in import STAND_INS, experts_of, stand_in_model
+
+    from megamoe_convert.vllm_integration import install
 
     for cls in STAND_INS.values():
         model = stand_in_model(cls, 3)
@@ -260,7 +265,8 @@ def test_an_install_into_modules_whose_code_cannot_run_the_probe_is_refused_unle
         message = str(e.value)
         assert "\n" not in message and "cannot run the engine's own loading code" in message
         assert "probe=False" in message and f"{probe.OPT_OUT_ENV}=0" in message
-        assert all(torch.equal(a, b) for a, b in zip(before, [t for m in experts_of(model) for t in m.parameters()]))
+        after = [t for m in experts_of(model) for t in m.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         with caplog.at_level(logging.WARNING):
             assert install(model, tiny_converted, rank=3, probe=False) == 3
         assert "layout probe skipped" in caplog.text
