@@ -40,7 +40,9 @@ def _run_app(args: list[str]) -> int:
     """The app on ``args``; not named ``_run``, the submodule that importing the app binds to that name here."""
     import typer.main
 
+    from megamoe_convert import interrupts
     from megamoe_convert.cli import conventions
     from megamoe_convert.cli.application import app
 
+    interrupts.check()  # a stop Python dropped during the imports (in a finalizer) ends the command here
     return conventions.run(conventions.apply(typer.main.get_command(app)), args, "megamoe")

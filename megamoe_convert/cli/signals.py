@@ -35,6 +35,18 @@ def install() -> None:
     interrupts.clear()
     signal.signal(signal.SIGTERM, _on_sigterm)
     signal.signal(signal.SIGINT, _on_sigint)
+    sys.unraisablehook = _unraisable
+
+
+_default_unraisable = sys.unraisablehook
+
+
+def _unraisable(args: Any) -> None:
+    """A stop raised inside a finalizer (an import lock's callback, say) is dropped by Python, which
+    would print a traceback for it: it is recorded (:mod:`megamoe_convert.interrupts`) and acted on
+    at the next check instead, so it is said once, as every stop is."""
+    if not isinstance(args.exc_value, KeyboardInterrupt):
+        _default_unraisable(args)
 
 
 def exit_code(stop: BaseException) -> int:
