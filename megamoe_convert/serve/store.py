@@ -340,8 +340,9 @@ def load_store_rank(converted: ConvertedModel, rank: int, ep_size: int, layers: 
     """``load_rank(store, rank, ep_size=N)``: the rank's slots under vLLM's default placement."""
     placements = store_placements(converted.manifest, ep_size, where=converted.path, error=LoadError)
     by_prefix = {layer.prefix: layer for layer in layers}
-    return load_slots(converted, {l: placements[l].rank_logical_ids(rank) for l in layers},
-                      starts={l: placements[l].experts_start(rank) for l in layers}, device=device, verify=verify,
+    return load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in layers},
+                      starts={layer: placements[layer].experts_start(rank) for layer in layers},
+                      device=device, verify=verify,
                       into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
 
 
