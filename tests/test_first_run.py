@@ -165,3 +165,39 @@ def test_debug_works_after_the_command_too(clone):
     for args in (("--debug", "plan", "out", "--ep-size", 8), ("plan", "out", "--ep-size", 8, "--debug")):
         proc = clone.run(*args, code=None)
         assert proc.returncode != 0 and "Traceback" in proc.stderr and "UsageError" in proc.stderr
+
+
+def torch_install_args(tmp_path: Path, local_wheel: bool, gpu: bool) -> str:
+    """What the Makefile's set-up step passes to ``pip install torch==2.13.0``, its shell lines run as
+    written with a stand-in python (recording the install, answering the local-wheel probe) and a
+    PATH with or without ``nvidia-smi``."""
+    text = (REPO / "Makefile").read_text()
+    recipe = text.split("$(STAMP): pyproject.toml\n", 1)[1].split("\n\n", 1)[0]
+    lines = [line[1:] for line in recipe.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("@args="))
+    end = next(i for i in range(start, len(lines)) if "torch==2.13.0 $$args" in lines[i] and "pip install" in lines[i])
+    snippet = "\n".join(lines[start:end + 1]).lstrip("@")
+    index = next(line.split(":=", 1)[1].strip() for line in text.splitlines() if line.startswith("TORCH_CPU_INDEX"))
+    bin_dir = tmp_path / f"bin-{local_wheel}-{gpu}"
+    bin_dir.mkdir()
+    record = bin_dir / "installed"
+    python = bin_dir / "python"
+    python.write_text(f"#!/bin/sh\ncase \"$*\" in *--dry-run*) exit {0 if local_wheel else 1};; esac\n"
+                      f"echo \"$*\" > {record}\n")
+    python.chmod(0o755)
+    if gpu:
+        (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    snippet = (snippet.replace("$(TORCH_PIP_ARGS)", "").replace("$(TORCH_CPU_INDEX)", index)
+               .replace("$(PY)", str(python)).replace("$(VENV)", str(bin_dir)).replace("$$", "$"))
+    subprocess.run(["/bin/sh", "-c", snippet], check=True, capture_output=True,
+                   env={"PATH": str(bin_dir)})  # the shell's builtins only: no nvidia-smi but the stand-in
+    return record.read_text().split("torch==2.13.0", 1)[1].strip()
+
+
+def test_set_up_picks_torchs_cpu_build_only_where_nothing_else_fits(tmp_path):
+    """No GPU and no local torch==2.13.0: PyTorch's CPU index; a local wheel (CI) or a GPU: pip as configured."""
+    assert torch_install_args(tmp_path, local_wheel=False, gpu=False) == \
+        "--index-url https://download.pytorch.org/whl/cpu"
+    assert torch_install_args(tmp_path, local_wheel=True, gpu=False) == ""
+    assert torch_install_args(tmp_path, local_wheel=False, gpu=True) == ""
