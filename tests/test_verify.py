@@ -180,7 +180,7 @@ def test_numerics_run_every_layer_once_and_every_rank_by_default():
     layers = [MoELayer.parse(k) for k in ("layers.0", "layers.1", "layers.2", "mtp.0")]
     for ranks in ([0], [0, 1, 2, 3, 4, 5, 6, 7], [3, 5]):
         checks = verify_module.numerics_checks(ranks, layers)
-        assert {l for _, l in checks} == set(layers) and {r for r, _ in checks} == set(ranks)
+        assert {layer for _, layer in checks} == set(layers) and {r for r, _ in checks} == set(ranks)
         assert len(checks) == len(set(checks)) == max(len(ranks), len(layers))
     assert len(verify_module.numerics_checks([0, 1], layers, every_rank=True)) == 8
 
