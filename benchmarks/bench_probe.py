@@ -125,7 +125,8 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
         subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(args.out),
                         "--ep-size", str(args.ep_size), "--experts-only", "--no-fsync"], check=True, cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
-    return {"config": config, "synth_s": synth_s, "expert_bytes": _one_expert_bytes(args.out)}
+    return {"config": config, "synth_s": synth_s, "expert_bytes": _one_expert_bytes(args.out),
+            "layers": args.layers, "experts": args.experts, "ep_size": args.ep_size, "rank": args.rank}
 
 
 def _one_expert_bytes(out: Path) -> int:
@@ -185,8 +186,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.layers, args.experts, args.ep_size, args.repeat = "tiny", 1, 8, 2, 1
-    args.src = args.src or args.work / f"src-{args.preset}-{args.experts}"
-    args.out = args.out or args.work / f"out-{args.preset}-{args.experts}-ep{args.ep_size}"
+    args.src = args.src or args.work / f"src-{args.preset}-{args.layers}x{args.experts}"
+    args.out = args.out or args.work / f"out-{args.preset}-{args.layers}x{args.experts}-ep{args.ep_size}"
     if not args.child and not args.vllm:
         p.error("--vllm PATH is required (a vLLM 0.33 tree: the folder holding vllm/)")
     return args

@@ -19,6 +19,7 @@ from typing import Any
 
 import report_daemon
 import report_node
+import report_probe
 import report_startup
 import report_store
 
@@ -417,6 +418,7 @@ benchmarks/results/verify-numerics.json`), then `python benchmarks/make_report.p
 {report_startup.section(startup_png.name)}
 {report_daemon.section()}
 {report_store.section()}
+{report_probe.section()}
 {convert_section(after, before, quick, quick_before)}
 {profile_section()}
 {verify_section(load("verify.json"))}
