@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-
 from conftest import run_cli
-from megamoe_convert import layout, verify as verify_module
-from megamoe_convert.output.manifest import seal
+
+from megamoe_convert import layout
+from megamoe_convert import verify as verify_module
+from megamoe_convert.output.seal import seal
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import read_header
+from megamoe_convert.verify import deep_gemm as verify_deep_gemm
+from megamoe_convert.verify import numerics as verify_numerics
 from megamoe_convert.verify import verify
 
 
@@ -188,8 +191,8 @@ def test_numerics_run_every_layer_once_and_every_rank_by_default():
 def test_numerics_run_a_ranks_edge_slots():
     """The first and last local slot of a rank, then random ones up to the bound."""
     g = torch.Generator().manual_seed(0)
-    assert verify_module.numerics_slots(3, 2, g) == [0, 2] and verify_module.numerics_slots(1, 2, g) == [0]
-    slots = verify_module.numerics_slots(10, 4, g)
+    assert verify_numerics.numerics_slots(3, 2, g) == [0, 2] and verify_numerics.numerics_slots(1, 2, g) == [0]
+    slots = verify_numerics.numerics_slots(10, 4, g)
     assert len(slots) == 4 == len(set(slots)) and slots[0] == 0 and slots[-1] == 9
 
 
@@ -227,8 +230,8 @@ def test_deep_gemm_cross_check_compares_bytes(tiny_converted, tiny_ckpt, monkeyp
     fake = types.SimpleNamespace(transform_sf_into_required_layout=transform_sf_into_required_layout,
                                  transform_weights_for_mega_moe=transform_weights_for_mega_moe)
     monkeypatch.setitem(sys.modules, "deep_gemm", fake)
-    monkeypatch.setattr(verify_module, "deep_gemm_unavailable_reason", lambda: None)
-    monkeypatch.setattr(verify_module, "DEEP_GEMM_DEVICE", "cpu")
+    monkeypatch.setattr(verify_deep_gemm, "deep_gemm_unavailable_reason", lambda: None)
+    monkeypatch.setattr(verify_deep_gemm, "DEEP_GEMM_DEVICE", "cpu")
     report = verify(tiny_converted, source=tiny_ckpt, deep_gemm=True, sample=4)
     assert report.ok and report.checks["layers vs deep_gemm"] >= 1 and "deep_gemm" not in report.skipped
 
@@ -240,7 +243,7 @@ def test_deep_gemm_cross_check_compares_bytes(tiny_converted, tiny_ckpt, monkeyp
 
 
 def test_deep_gemm_skip_reason_is_explicit():
-    reason = verify_module.deep_gemm_unavailable_reason()
+    reason = verify_deep_gemm.deep_gemm_unavailable_reason()
     if reason is None:
         pytest.skip("deep_gemm usable here")
     assert "deep_gemm is not installed" in reason or "SM100" in reason or "no CUDA" in reason

@@ -99,7 +99,7 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         converted = replace(converted, placements=_engine_placements(engine, planned, converted, rank))
     for module, contract, layer in planned:
         engine.check(module, contract, layer, converted, rank)
-    layout_probe.probe_layouts(planned, converted, probe)  # the engine's own bytes, before any module changes
+    probe_layouts(planned, converted, probe)  # the engine's own bytes, before any module changes
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
     skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned
@@ -154,3 +154,19 @@ def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix
     if not found:
         raise InstallError(f"no MegaMoE experts modules in the model{hint}")
     return found
+
+
+def probe_layouts(planned: Sequence[tuple[nn.Module, Contract, MoELayer]], converted: ConvertedModel,
+                  probe: bool | None = None) -> None:
+    """The install driver's step between the checks and the first byte: every planned module's contract
+    probed (:func:`layout_probe.check_layout`: once per process per engine and input, so a model's layers
+    of one format and dims cost one probe), its shared expert included where the install pre-bakes it."""
+    if not layout_probe.enabled(probe):
+        layout_probe.skipped(f"{len(planned)} MegaMoE modules from {converted.path}")
+        return
+    dims = converted.manifest.dims
+    recorded = (converted.manifest.layout or {}).get("fingerprints")
+    for module, contract, _ in planned:
+        shared = dims.shared_intermediate_size if contract.shared_kinds(module, converted) else 0
+        layout_probe.check_layout(contract.layout_probe(module, converted), dims.format, dims.hidden_size,
+                                  dims.moe_intermediate_size, shared, recorded)

@@ -23,7 +23,7 @@ import re
 import sys
 from dataclasses import dataclass
 from importlib import metadata, util
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -43,9 +43,7 @@ from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
 
 if TYPE_CHECKING:
-    from megamoe_convert.engines.contract import Contract
-    from megamoe_convert.serve.loader import ConvertedModel
-    from megamoe_convert.source.layers import MoELayer
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -115,22 +113,6 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
                                f"but this engine's own loading code gives {value} for {probe.where}: it was "
                                "written with another layout; convert it again with this megamoe-convert")
     return done
-
-
-def probe_layouts(planned: Sequence[tuple[nn.Module, "Contract", "MoELayer"]], converted: "ConvertedModel",
-                  probe: bool | None = None) -> None:
-    """The install driver's step between the checks and the first byte: every planned module's contract
-    probed (:func:`check_layout`: once per process per engine and input, so a model's layers of one
-    format and dims cost one probe), its shared expert included where the install pre-bakes it."""
-    if not enabled(probe):
-        skipped(f"{len(planned)} MegaMoE modules from {converted.path}")
-        return
-    dims = converted.manifest.dims
-    recorded = (converted.manifest.layout or {}).get("fingerprints")
-    for module, contract, _ in planned:
-        shared = dims.shared_intermediate_size if contract.shared_kinds(module, converted) else 0
-        check_layout(contract.layout_probe(module, converted), dims.format, dims.hidden_size,
-                     dims.moe_intermediate_size, shared, recorded)
 
 
 def skipped(where: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from megamoe_convert import jsonio
+from megamoe_convert.errors import SourceError
 from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.shards import rank_shard_specs
@@ -62,7 +63,7 @@ def compare_extras(out: Path, manifest: Manifest, ckpt: Checkpoint, files: FileC
         where = f"rank {rank} {layer.key}"
         try:
             want = expected_extras(ckpt, files, layer, manifest.placement_for(layer).rank_logical_ids(rank))
-        except CheckpointError as e:  # e.g. a NaN global scale: the source's problem
+        except SourceError as e:  # e.g. a NaN global scale: the source's problem
             report.problem(where, f"cannot be derived from the source: {e}")
             continue
         try:
@@ -84,7 +85,7 @@ def compare_non_expert(out: Path, ckpt: Checkpoint, files: FileCache, report: An
                        progress: Any) -> None:
     try:
         converted = Checkpoint.open_non_expert(out)
-    except CheckpointError as e:
+    except SourceError as e:  # a missing index, or a shard cut short: listed, the rest still checked
         report.problem("model.safetensors.index.json", str(e))
         return
     source = {e.name: e for e in ckpt.non_expert_tensors()}
