@@ -156,8 +156,9 @@ def test_usage_errors_exit_2(tiny_converted):
     assert proc.returncode == 2 and "outside 0..3" in proc.stderr
     proc = run_cli("verify", tiny_converted, "--device", "tpu", check=False)
     assert proc.returncode == 2 and "'tpu' is not one of" in proc.stderr
-    proc = run_cli("verify", tiny_converted.parent / "no-such-dir", check=False)
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {tiny_converted.parent / 'no-such-dir'}: no such directory"
+    missing = tiny_converted.parent / "no-such-dir"
+    proc = run_cli("verify", missing, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {missing}: no such directory"
 
 
 @pytest.mark.parametrize("flag", [("--numerics",), ("--deep-gemm",), ("--sample", "3")])
