@@ -1,4 +1,4 @@
-"""Hostile and damaged inputs (issue 15): nothing outside what the tool wrote is ever deleted,
+"""Hostile and damaged inputs: nothing outside what the tool wrote is ever deleted,
 nothing stale or foreign reads as finished, every bad file is one line and exit 2, every
 range and count is bounded before it is expanded. Real files, real CLI subprocesses; the
 fuzzers run in-process (many examples) and assert the same contract on the error types the

@@ -1,6 +1,6 @@
-"""Reliability III (issue 24), part 2: one strict parser for numbers (N7, N8), unreadable files
-(N9), bounded inputs and plans (N10-N12), synth's formats (N13), and the "also worth settling"
-items. Real files, real CLI subprocesses (`run_cli`)."""
+"""Inputs the tool bounds and parses strictly: one parser for numbers, unreadable files refused in
+one line (verify goes on), documents and plans bounded before they are read or written, and synth's
+counts and formats. Real files, real CLI subprocesses (`run_cli`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
-from test_reliability3 import EP2, RANK0, copy, one_line_refusal, problems
+from damage import EP2, RANK0, copy, one_line_refusal, problems
 
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.loader import LoadError, load_rank
@@ -43,19 +43,19 @@ def with_config(src: Path, tmp_path: Path, name: str = "src", **fields) -> Path:
     return new
 
 
-# ----------------------------------------------------------------------------- N7 / N8 numbers
+# ----------------------------------------------------------------------------- numbers
 
 
 @pytest.mark.parametrize("field, value", [("routed_scaling_factor", "2.5"), ("routed_scaling_factor", [1.5]),
                                           ("routed_scaling_factor", True), ("swiglu_limit", "10"),
                                           ("swiglu_limit", {"x": 1}), ("swiglu_limit", -1)])
-def test_n7_config_numbers_of_the_wrong_type_are_one_line(src, ep2, tmp_path, field, value):
+def test_config_numbers_of_the_wrong_type_are_one_line(src, ep2, tmp_path, field, value):
     bad = with_config(src, tmp_path, **{field: value})
     proc = run_cli("verify", ep2, "--source", bad, "--numerics", check=False)
     one_line_refusal(proc, "config.json", field, "source checkpoint")
 
 
-def test_n7_kimi_situ_betas_of_the_wrong_type_are_one_line(tmp_path):
+def test_kimi_situ_betas_of_the_wrong_type_are_one_line(tmp_path):
     kimi = tmp_path / "kimi"
     run_cli("synth", kimi, "--preset", "kimi-k3-tiny")
     run_cli("convert", kimi, tmp_path / "out", *EP2)
@@ -66,7 +66,7 @@ def test_n7_kimi_situ_betas_of_the_wrong_type_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["²", "٣", "1-²", "0-١", "+1", "1_0", "0x1"])
-def test_n8_unicode_and_odd_digits_are_refused_in_one_line(src, ep2, tmp_path, spec):
+def test_unicode_and_odd_digits_are_refused_in_one_line(src, ep2, tmp_path, spec):
     one_line_refusal(run_cli("convert", src, tmp_path / "o", "--ep-size", 2, "--ranks", spec, check=False),
                      "--ranks: cannot parse")
     one_line_refusal(run_cli("verify", ep2, "--ranks", spec, check=False), "--ranks: cannot parse")
@@ -78,7 +78,7 @@ def test_n8_unicode_and_odd_digits_are_refused_in_one_line(src, ep2, tmp_path, s
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
-# ----------------------------------------------------------------------------- N9 unreadable files
+# ----------------------------------------------------------------------------- unreadable files
 
 #: Root reads anything: without the two capabilities that let it, it is held to the permission bits.
 NO_OVERRIDE = ["setpriv", "--bounding-set=-dac_override,-dac_read_search",
@@ -92,21 +92,22 @@ def run_unprivileged(*args: str) -> subprocess.CompletedProcess[str]:
                           cwd=REPO, env={**os.environ, "COLUMNS": "200"})
 
 
-def test_n9_unreadable_rank_file_and_folder_are_load_errors_and_verify_goes_on(ep2, src, tmp_path):
+def test_unreadable_rank_file_and_folder_are_refused_and_verify_goes_on(ep2, src, tmp_path):
     """Mode 000 on a rank file and on a rank folder, read without root's permission override
     (``setpriv`` drops CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH, so reads really fail)."""
     out = copy(ep2, tmp_path)
     (out / RANK0 / "layers.0.safetensors").chmod(0)
     (out / "rank-00001-of-00002").chmod(0)
     try:
-        code = ("from megamoe_convert.loader import load_rank\n"
+        code = ("from megamoe_convert.errors import MegamoeError\n"
+                "from megamoe_convert.loader import load_rank\n"
                 f"for rank, verify in ((0, True), (0, False), (1, False)):\n"
                 f"    try: load_rank({str(out)!r}, rank, verify=verify)\n"
-                "    except Exception as e: print(type(e).__name__, '|', e)\n")
+                "    except MegamoeError as e: print('refused |', e)\n")
         proc = run_unprivileged("-c", code)
         lines = proc.stdout.splitlines()
         assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr
-        assert all(line.startswith("LoadError | ") and "Permission denied" in line for line in lines), lines
+        assert all(line.startswith("refused | ") and "Permission denied" in line for line in lines), lines
         proc = run_unprivileged("-m", "megamoe_convert.cli", "verify", str(out), "--source", str(src))
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
         found = problems(proc)
@@ -117,7 +118,7 @@ def test_n9_unreadable_rank_file_and_folder_are_load_errors_and_verify_goes_on(e
         (out / "rank-00001-of-00002").chmod(0o755)
 
 
-def test_n9_a_directory_in_place_of_a_rank_file_is_listed_and_verify_goes_on(ep2, src, tmp_path):
+def test_a_directory_in_place_of_a_rank_file_is_listed_and_verify_goes_on(ep2, src, tmp_path):
     out = copy(ep2, tmp_path)
     path = out / RANK0 / "layers.1.safetensors"
     path.unlink()
@@ -142,10 +143,10 @@ def test_an_unreadable_journal_fails_the_rerun_before_the_manifest_goes(ep2, src
     assert run_cli("verify", out).returncode == 0
 
 
-# ----------------------------------------------------------------------------- N10 bounded documents
+# ----------------------------------------------------------------------------- bounded documents
 
 
-def test_n10_an_oversized_placement_file_is_refused_before_it_is_parsed(src, tmp_path):
+def test_an_oversized_placement_file_is_refused_before_it_is_parsed(src, tmp_path):
     placement = tmp_path / "placement.json"
     placement.write_text(json.dumps({"physical_to_logical": list(range(8)), "junk": "x" * (17 << 20)}))
     started = time.monotonic()
@@ -157,7 +158,7 @@ def test_n10_an_oversized_placement_file_is_refused_before_it_is_parsed(src, tmp
                      "unknown field 'junk'")
 
 
-def test_n10_an_oversized_manifest_is_refused_by_its_size(ep2, tmp_path):
+def test_an_oversized_manifest_is_refused_by_its_size(ep2, tmp_path):
     out = copy(ep2, tmp_path)
     os.truncate(out / "manifest.json", 129 << 20)  # sparse: no 129 MB written
     with pytest.raises(MegamoeError, match="more than one can hold"):
@@ -165,19 +166,19 @@ def test_n10_an_oversized_manifest_is_refused_by_its_size(ep2, tmp_path):
     assert any("more than one can hold" in p for p in problems(run_cli("verify", out, check=False)))
 
 
-# ----------------------------------------------------------------------------- N11 / N12 / N13 plans
+# ----------------------------------------------------------------------------- plans
 
 
 @pytest.mark.parametrize("args, needle", [(("--layers", 70000), "--layers 70000"),
                                           (("--mtp-layers", 70000), "--mtp-layers 70000"),
                                           (("--experts", 300000), "--experts 300000"),
                                           (("--layers", 3000, "--experts", 100), "routed experts")])
-def test_n11_synth_counts_are_bounded(tmp_path, args, needle):
+def test_synth_counts_are_bounded(tmp_path, args, needle):
     one_line_refusal(run_cli("synth", tmp_path / "ckpt", *args, check=False), needle)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_n11_a_killed_synth_leaves_nothing_the_rerun_does_not_clean(tmp_path):
+def test_a_killed_synth_leaves_nothing_the_rerun_does_not_clean(tmp_path):
     ckpt = tmp_path / "ckpt"
     killed = run_cli("synth", ckpt, check=False, env={"MEGAMOE_FAULT": "kill-after-bytes=300000"})
     assert killed.returncode == -9 and (tmp_path / ".ckpt.partial").is_dir() and not ckpt.exists()
@@ -190,7 +191,7 @@ def test_n11_a_killed_synth_leaves_nothing_the_rerun_does_not_clean(tmp_path):
     assert (tmp_path / ".other.partial" / "mine.txt").read_text() == "mine"
 
 
-def test_n11_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
+def test_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", "synth", str(tmp_path / "ckpt"),
                              "--experts", "256", "--layers", "8"], cwd=REPO, stderr=subprocess.PIPE, text=True)
     partial = tmp_path / ".ckpt.partial"
@@ -203,7 +204,7 @@ def test_n11_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_n11_synth_failing_midway_removes_its_temporary_folder(tmp_path):
+def test_synth_failing_midway_removes_its_temporary_folder(tmp_path):
     proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "enospc-after-bytes=300000"})
     last = proc.stderr.strip().splitlines()[-1]  # after its progress lines
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
@@ -211,10 +212,10 @@ def test_n11_synth_failing_midway_removes_its_temporary_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_n12_convert_checks_its_plan_against_free_space_first(src, tmp_path):
+def test_convert_checks_its_plan_against_free_space_first(src, tmp_path):
     out = tmp_path / "out"
     proc = run_cli("convert", src, out, "--ep-size", 65536, "--num-redundant-experts", 1048568, check=False,
-                   env={"MEGAMOE_FAULT": "free-bytes=50000000000"}, timeout=600)  # the issue's 50 GB disk
+                   env={"MEGAMOE_FAULT": "free-bytes=50000000000"}, timeout=600)  # a 50 GB disk
     one_line_refusal(proc, "this conversion needs", "GB of disk space but only 50.0 GB is free",
                      "nothing was written")
     assert not list(out.glob("rank-*")) and not (out / "manifest.json").exists()
@@ -223,7 +224,7 @@ def test_n12_convert_checks_its_plan_against_free_space_first(src, tmp_path):
     run_cli("convert", src, out, *EP2)  # room again: it converts
 
 
-def test_n12_synth_of_a_full_size_preset_checks_free_space_first(tmp_path):
+def test_synth_of_a_full_size_preset_checks_free_space_first(tmp_path):
     one_line_refusal(run_cli("synth", tmp_path / "flash", "--preset", "flash", check=False,
                              env={"MEGAMOE_FAULT": "free-bytes=100000000000"}),
                      "this flash checkpoint needs 154.4 GB", "only 100.0 GB is free")
@@ -231,13 +232,13 @@ def test_n12_synth_of_a_full_size_preset_checks_free_space_first(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "bf16"])
-def test_n13_synth_refuses_a_format_the_family_does_not_ship(tmp_path, fmt):
+def test_synth_refuses_a_format_the_family_does_not_ship(tmp_path, fmt):
     one_line_refusal(run_cli("synth", tmp_path / "k", "--preset", "kimi-k3-tiny", "--format", fmt, check=False),
                      f"--format {fmt}", "Kimi-K3 checkpoints ship mxfp4")
     assert list(tmp_path.iterdir()) == []
 
 
-# ----------------------------------------------------------------------------- also worth settling
+# ----------------------------------------------------------------------------- placement files and parts
 
 
 def test_placement_files_fields_are_never_ignored(src, tmp_path):

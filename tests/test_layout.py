@@ -279,7 +279,7 @@ print((status("VmHWM") - before) / sum(t.numel() for t in inputs))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
 def test_transform_memory_is_the_output_and_little_more():
-    """Issue 2: at most ~2x the expert bytes in all, i.e. the inputs plus an output of the same
+    """At most ~2x the expert bytes in all, i.e. the inputs plus an output of the same
     size; intermediates (scale packing) stay small. ~100 MB of experts in a fresh process."""
     proc = subprocess.run([sys.executable, "-c", TRANSFORM_PEAK_SCRIPT], capture_output=True, text=True, check=True)
     extra = float(proc.stdout)
