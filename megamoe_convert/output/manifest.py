@@ -10,7 +10,6 @@ naming the file and the field.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,9 +308,9 @@ def is_tool_output(out: Path) -> bool:
     a ``config.json`` carrying the converted directory's marker section."""
     if (out / STATE_DIR).is_dir() or (out / MANIFEST_NAME).is_file():
         return True
-    try:
-        config = json.loads((out / "config.json").read_bytes()[:jsonio.MAX_MANIFEST_BYTES])
-    except (OSError, ValueError):
+    try:  # the one safe reader: a FIFO, a device or a hostile file is no marker, never a hang or a traceback
+        config = jsonio.read(out / "config.json", ManifestError, "config.json", jsonio.MAX_MANIFEST_BYTES)
+    except ManifestError:
         return False
     return isinstance(config, dict) and marker.section_of(config) is not None
 
