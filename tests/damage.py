@@ -9,7 +9,6 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 from megamoe_convert.output.seal import seal

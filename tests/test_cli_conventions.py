@@ -97,7 +97,7 @@ def test_piped_output_is_never_soft_wrapped(tiny_ckpt, tmp_path):
     """Off a terminal, rich must not break a long line at 80 columns (CI logs, make demo)."""
     deep = tmp_path / ("a-rather-long-directory-name-" * 4) / "out"
     proc = run_cli("convert", tiny_ckpt, deep, "--ep-size", 2, "--ranks", "0", env={"COLUMNS": ""})
-    done = [l for l in proc.stderr.splitlines() if l.startswith("done:")]
+    done = [line for line in proc.stderr.splitlines() if line.startswith("done:")]
     assert len(done) == 1 and len(done[0]) > 200 and done[0].rstrip().endswith("convert or pull them)")
 
 

@@ -79,7 +79,7 @@ def test_partial_conversions_say_so_everywhere(tiny_ckpt, tmp_path):
     for name, args in cases.items():
         out = tmp_path / name
         proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2, *args)
-        done = [l for l in proc.stderr.splitlines() if l.startswith("done:")][0]
+        done = [line for line in proc.stderr.splitlines() if line.startswith("done:")][0]
         assert "partial:" in done, done
         manifest = json.loads((out / "manifest.json").read_text())
         assert manifest["coverage"]["partial"] is True and manifest["coverage"]["servable"] is False

@@ -71,8 +71,9 @@ def random_experts(experts: int, hidden: int, inter: int, seed: int, scale_range
     def rand(*shape, lo=0, hi=256):
         return torch.randint(lo, hi, shape, dtype=torch.uint8, generator=g)
 
-    return (rand(experts, 2 * inter, hidden // 2), rand(experts, 2 * inter, hidden // 32, lo=scale_range[0], hi=scale_range[1]),
-            rand(experts, hidden, inter // 2), rand(experts, hidden, inter // 32, lo=scale_range[0], hi=scale_range[1]))
+    lo, hi = scale_range
+    return (rand(experts, 2 * inter, hidden // 2), rand(experts, 2 * inter, hidden // 32, lo=lo, hi=hi),
+            rand(experts, hidden, inter // 2), rand(experts, hidden, inter // 32, lo=lo, hi=hi))
 
 
 def mn_major_strides(experts: int, mn: int, pk: int) -> tuple[int, int, int]:
@@ -88,7 +89,7 @@ def test_transform_matches_spec_reference(experts, hidden, inter):
     inputs = random_experts(experts, hidden, inter, seed=experts * 1000 + hidden + inter)
     (l1w, l1sf), (l2w, l2sf) = transform_experts(*inputs)
     ref = reference_transform(*inputs)
-    for got, want, name in zip((l1w, l1sf, l2w, l2sf), ref, ("l1w", "l1sf", "l2w", "l2sf")):
+    for got, want, name in zip((l1w, l1sf, l2w, l2sf), ref, ("l1w", "l1sf", "l2w", "l2sf"), strict=True):
         assert got.dtype == {np.int8: torch.int8, np.int32: torch.int32}[want.dtype.type], name
         assert tuple(got.shape) == want.shape, name
         np.testing.assert_array_equal(got.numpy(), want, err_msg=name)
@@ -129,7 +130,7 @@ def test_accepts_every_one_byte_storage_dtype():
     w13, w13_sf, w2, w2_sf = inputs
     for wd, sd in ((torch.int8, torch.float8_e8m0fnu), (torch.float4_e2m1fn_x2, torch.uint8)):
         got = transform_experts(w13.view(wd), w13_sf.view(sd), w2.view(wd), w2_sf.view(sd))
-        for a, b in zip((*got[0], *got[1]), (*baseline[0], *baseline[1])):
+        for a, b in zip((*got[0], *got[1]), (*baseline[0], *baseline[1]), strict=True):
             assert torch.equal(a, b)
 
 
@@ -149,7 +150,8 @@ def test_rejects_mismatched_shapes_and_wide_dtypes():
 
 # ----------------------------------------------------------------------------- properties
 
-dims = st.tuples(st.integers(1, 3), st.sampled_from([128, 256, 384]), st.sampled_from([128, 256]), st.integers(0, 2**31))
+dims = st.tuples(st.integers(1, 3), st.sampled_from([128, 256, 384]), st.sampled_from([128, 256]),
+                 st.integers(0, 2**31))
 
 
 @settings(max_examples=25, deadline=None)
@@ -158,7 +160,7 @@ def test_inverse_of_transform_is_identity(d):
     experts, hidden, inter, seed = d
     inputs = random_experts(experts, hidden, inter, seed)
     back = layout_inverse.inverse_transform_experts(*transform_experts(*inputs))
-    for original, recovered in zip(inputs, back):
+    for original, recovered in zip(inputs, back, strict=True):
         assert recovered.dtype == torch.uint8
         assert torch.equal(original, recovered)
 
@@ -237,7 +239,7 @@ def test_dequantised_transformed_equals_dequantised_checkpoint(dtype):
     l1, l2 = transform_experts(*inputs)
     from_layout = layout_inverse.dequantize_transformed(l1, l2, dtype=dtype)
     from_ckpt = layout_inverse.dequantize_checkpoint(*inputs, dtype=dtype)
-    for a, b in zip(from_layout, from_ckpt):
+    for a, b in zip(from_layout, from_ckpt, strict=True):
         assert a.dtype == dtype and torch.equal(a, b)
     # w1 / w3 halves are the gate and up matrices of the checkpoint, in order.
     inter = 256
@@ -254,12 +256,12 @@ def test_cuda_gives_the_same_bytes_as_cpu():
     inputs = random_experts(4, 1024, 512, seed=21)
     cpu = transform_experts(*inputs)
     gpu = transform_experts(*(t.cuda() for t in inputs))
-    for a, b in zip((*cpu[0], *cpu[1]), (*gpu[0], *gpu[1])):
+    for a, b in zip((*cpu[0], *cpu[1]), (*gpu[0], *gpu[1]), strict=True):
         assert b.device.type == "cuda"
         assert a.stride() == b.stride() and a.dtype == b.dtype
         assert torch.equal(a, b.cpu())
     back = layout_inverse.inverse_transform_experts(*gpu)
-    assert all(torch.equal(x, y.cpu()) for x, y in zip(inputs, back))
+    assert all(torch.equal(x, y.cpu()) for x, y in zip(inputs, back, strict=True))
 
 
 TRANSFORM_PEAK_SCRIPT = """

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import run_cli
-from damage import (EP2, RANK0, converted, copy, f32, one_line_refusal, poke, problems,  # noqa: F401 (fixtures)
-                    reseal, sources)
+from damage import EP2, RANK0, converted, copy, f32, one_line_refusal, poke, problems, reseal, sources  # noqa: F401 (fixtures)
 
 from megamoe_convert.loader import LoadError, load_rank
 from megamoe_convert.output.compare import same_values
 from megamoe_convert.source.safetensors_io import read_header
-
-
 
 
 @pytest.mark.parametrize("tensor, numerics", [
@@ -76,12 +72,13 @@ def _nvfp4_source_with(sources, tmp_path, tensor: str, value: float) -> Path:
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 0.0, -0.5])
-@pytest.mark.parametrize("tensor", ["layers.0.ffn.experts.2.w1.weight_scale_2", "layers.0.ffn.experts.3.w2.input_scale"])
+@pytest.mark.parametrize("tensor", ["layers.0.ffn.experts.2.w1.weight_scale_2",
+                                    "layers.0.ffn.experts.3.w2.input_scale"])
 def test_a_non_finite_or_non_positive_global_scale_is_a_source_problem(sources, tmp_path, value, tensor):
     src = _nvfp4_source_with(sources, tmp_path, tensor, value)
     if tensor.endswith("w1.weight_scale_2"):  # w3's must stay equal to w1's, or that is the refusal
-        poke(src / json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][
-            tensor.replace("w1", "w3")], tensor.replace("w1", "w3"), f32(value))
+        weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+        poke(src / weight_map[tensor.replace("w1", "w3")], tensor.replace("w1", "w3"), f32(value))
     proc = run_cli("convert", src, tmp_path / "out", *EP2, check=False)
     one_line_refusal(proc, tensor, "finite and positive", "source checkpoint")
     assert not (tmp_path / "out" / "manifest.json").exists() and not list((tmp_path / "out").glob("rank-*"))
