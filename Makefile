@@ -1,6 +1,6 @@
 # Two entry points, each doing all set-up on a fresh machine (a local venv in .venv):
 #   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
-#   make test   run the whole test suite
+#   make test   lint (ruff), type-check (mypy), then run the whole test suite
 VENV ?= .venv
 # Extra pip arguments for torch. Left empty, it is chosen here: where no NVIDIA driver answers
 # (no nvidia-smi) and pip, as configured, finds no torch==2.13.0 without an index (a local wheel
@@ -35,6 +35,8 @@ demo: $(STAMP)
 	$(PY) -m megamoe_convert.cli.demo demo-out/converted
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
