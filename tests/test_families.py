@@ -92,7 +92,8 @@ def test_each_family_converts_and_verifies_with_numerics(request, tmp_path, fixt
     assert manifest["family"] == families.detect(json.loads((src / "config.json").read_text()), "x").name
     report = json.loads(run_cli("verify", out, "--source", src, "--numerics", "--json").stdout)
     layers = 2 + (fixture == "v41_ckpt")  # V4.1: its DSpark MTP layer too
-    assert report["ok"] and report["numerics"]["layers"] == layers * 4, report
+    # every MoE layer at least once, each of the 4 ranks at least once (the ranks take turns)
+    assert report["ok"] and report["numerics"]["layers"] == max(layers, 4), report
     assert report["numerics"]["activation"] == ("situ" if fixture == "kimi_ckpt" else "swiglu")
     assert report["checks"]["non_expert_tensors_vs_source"] > 0
     layer = load_rank(out, 3)["layers.1.ffn.experts"]

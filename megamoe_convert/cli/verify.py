@@ -55,12 +55,14 @@ def verify(
                                          param_hint=flag)
 
     def body() -> Any:
-        if numerics and (cost := numerics_cost(out, ranks, numerics_every_rank, device.value)):
-            status(cost)
+        def say_cost() -> None:  # said when numerics starts: after every check that could refuse the source
+            if cost := numerics_cost(out, ranks, numerics_every_rank, device.value):
+                status(cost)
+
         with ByteProgress("verify") as progress:
             report = run_verify(out, source=source, ranks=ranks, sample=sample, numerics=numerics,
                                 deep_gemm=deep_gemm, device=device.value, seed=seed, progress=progress,
-                                numerics_every_rank=numerics_every_rank)
+                                numerics_every_rank=numerics_every_rank, before_numerics=say_cost)
         if as_json:
             print_json(report.to_json())
         else:

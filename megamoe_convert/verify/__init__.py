@@ -22,7 +22,7 @@ import contextlib
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from megamoe_convert.devices import usable_device
 from megamoe_convert.errors import LoadError, ManifestError, UsageError
@@ -136,7 +136,8 @@ def refuse_source_checkpoint(out: Path) -> None:
 
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
            numerics: bool = False, deep_gemm: bool = False, device: str = "cpu", seed: int = 0,
-           progress: Progress | None = None, numerics_every_rank: bool = False) -> VerifyReport:
+           progress: Progress | None = None, numerics_every_rank: bool = False,
+           before_numerics: Callable[[], None] | None = None) -> VerifyReport:
     """Run the checks asked for; return a report (``report.ok`` when nothing is wrong).
 
     Raises :class:`ManifestError` when ``out`` is not a directory, :class:`DeviceError` (a
@@ -202,6 +203,8 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
                     compare_non_expert(out, ckpt, files, report, phases)
                 if numerics:
                     checks = numerics_checks(chosen, manifest.layers, numerics_every_rank)
+                    if before_numerics is not None:  # once the source passed every earlier check
+                        before_numerics()
                     phases.start(0, len(checks), description="verify: numerics", unit="layers", in_bytes=False)
                     check_numerics(out, manifest, ckpt, files, report, checks, device, seed, phases)
                 if deep_gemm and gemm_check.deep_gemm_unavailable_reason() is None:
