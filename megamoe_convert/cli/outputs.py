@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megamoe_convert.cli.describe import engine_problems, serve_command
-from megamoe_convert.errors import MegamoeError, UsageError
+from megamoe_convert.errors import ManifestError, MegamoeError, UsageError
 from megamoe_convert.output.manifest import Manifest, is_tool_output
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.resume import read_state_json
@@ -123,7 +123,10 @@ def refuse_as_source(src: str, command: str, ep_size: int | None = None) -> None
         raise UsageError(f"{src}: {unfinished['what']}, not a source checkpoint; {unfinished['next']}")
     from megamoe_convert.output.manifest import read_manifest
 
-    manifest = read_manifest(path)
+    try:
+        manifest = read_manifest(path)
+    except ManifestError:  # a file named manifest.json that is no megamoe manifest: the source's own, never copied
+        return
     what = (f"a megamoe store of {manifest.family}" if manifest.store else
             f"a megamoe conversion of {manifest.family} for EP {manifest.ep_size} ({manifest.engine})")
     source = manifest.source.get("repo_id") or manifest.source.get("path") or "its source checkpoint"
