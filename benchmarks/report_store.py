@@ -98,7 +98,7 @@ HEADER = ["| EP | rank | rank GB | form | warm, ring started early (s) (of it wa
 
 def section() -> str:
     files = sorted(RESULTS.glob("store-*/*.json"))
-    head = "## One store vs the per-rank form (issue 27)\n\n" + INTRO + "\n"
+    head = "## One store vs the per-rank form\n\n" + INTRO + "\n"
     if not files:
         return head + "\nNot measured yet: run the first command above on a GPU machine.\n"
     tables = []
