@@ -33,7 +33,7 @@ def test_every_script_has_a_test():
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
-              "report_store.py",
+              "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "device_node.sh", "report_node.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
     # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
