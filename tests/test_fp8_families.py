@@ -219,3 +219,14 @@ def test_block_scales_stored_in_16_bits_are_widened_to_fp32_as_sglang_loads_them
     report = json.loads(run_cli("verify", tmp_path / "out", "--source", tmp_path / "ckpt", "--numerics",
                                 "--json").stdout)
     assert report["ok"] and report["numerics"]["max_abs_err"] == 0.0
+
+
+def test_the_serve_command_turns_off_sglangs_shared_expert_fusion_where_it_is_on_by_default(ckpts, v3_converted,
+                                                                                            tmp_path):
+    """SGLang fuses DeepSeek-V3's shared expert into the routed experts by default; the pre-baked slots
+    hold the routed experts only, so the command ``inspect`` prints asks for it off (Qwen3-MoE has none)."""
+    v3 = json.loads(run_cli("inspect", v3_converted, "--json").stdout)
+    assert "--disable-shared-experts-fusion" in v3["serve"]["sglang"]["command"], v3["serve"]
+    run_cli("convert", ckpts["qwen3-moe-tiny"], tmp_path / "qwen", "--ep-size", 2, "--engine", "sglang")
+    qwen = json.loads(run_cli("inspect", tmp_path / "qwen", "--json").stdout)
+    assert qwen["serve"]["sglang"]["command"] and "fusion" not in qwen["serve"]["sglang"]["command"]

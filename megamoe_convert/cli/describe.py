@@ -102,7 +102,8 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
             why.append("an explicit placement: vLLM serves only its default one")
         if not coverage["servable"]:
             why.append(coverage["note"])
-        command, notes = serve_command(engine, path, str(n), placement.num_redundant, placement.is_default())
+        command, notes = serve_command(engine, path, str(n), placement.num_redundant, placement.is_default(),
+                                       manifest.family)
         result[engine] = {"servable": not why, "command": command if not why else "", "reason": "; ".join(why),
                           "notes": notes if not why else []}
     return result
@@ -132,7 +133,7 @@ def engine_problems(engine: str, manifest: Manifest) -> list[str]:
 
 
 def serve_command(engine: str, path: str, n: str, num_redundant: int, default_placement: bool,
-                  ) -> tuple[str, list[str]]:
+                  family: str | None = None) -> tuple[str, list[str]]:
     """The command that serves ``path`` (shell-quoted) with ``engine`` at EP size ``n`` (a number, or
     ``N`` for a store's any), and the notes that go with it."""
     if engine == "vllm":
@@ -146,6 +147,10 @@ def serve_command(engine: str, path: str, n: str, num_redundant: int, default_pl
                f"--ep-size {n} --moe-a2a-backend megamoe")
     if num_redundant:
         command += f" --ep-num-redundant-experts {num_redundant}"
+    if family is not None:
+        from megamoe_convert.source.families import by_name
+
+        command += "".join(f" {flag}" for flag in by_name(family, MANIFEST_NAME).sglang_serve_flags)
     notes = [] if default_placement else ["add --init-expert-location with this placement (manifest.json: "
                                           "placement.physical_to_logical) for every layer"]
     return command, [*notes, "SGLang 0.5.23"]

@@ -60,7 +60,7 @@ def describe_store(src: str, manifest: Manifest, ep_size: int | None, num_redund
         if not coverage["servable"]:
             why.append(coverage["note"])
         n = str(ep_size) if ep_size is not None else "N"
-        command, notes = serve_command(engine, shlex.quote(absolute), n, num_redundant, True)
+        command, notes = serve_command(engine, shlex.quote(absolute), n, num_redundant, True, manifest.family)
         if ep_size is None and sizes:
             notes = [f"N: any of {', '.join(map(str, sizes))}", *notes]
         serve[engine] = {"servable": not why, "command": "" if why else command, "reason": "; ".join(why),

@@ -72,6 +72,8 @@ class ModelFamily:
     kinds: Mapping[str, str] = field(default_factory=lambda: {k: k for k in KINDS})
     #: vLLM can run the family's shared expert inside the MegaMoE launch (``shared_l*``).
     fuses_shared_expert: bool = True
+    #: Flags SGLang's launch needs for a pre-baked conversion of the family (``inspect`` prints them).
+    sglang_serve_flags: tuple[str, ...] = ()
     #: vLLM builds the family's MegaMoE layers with EPLB's redundant experts.
     redundant_experts: bool = True
     #: Engines whose MegaMoE modules take the family's pre-baked experts (``convert --engine``),
@@ -256,7 +258,10 @@ DEEPSEEK_V3 = ModelFamily(
     keys={**DEEPSEEK_V4.keys},
     block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
     fuses_shared_expert=False, engines=("sglang",), engine_note=_NO_VLLM, weight_formats=("fp8_block",),
-    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq", sglang_mtp_like_decoder=True)
+    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq", sglang_mtp_like_decoder=True,
+    # SGLang fuses V3's shared expert into the routed experts by default (deepseek_v2.py:
+    # shared_experts_fusion_disable_reason), which the pre-baked routed slots do not hold.
+    sglang_serve_flags=("--disable-shared-experts-fusion",))
 
 #: Qwen3-MoE (Qwen3-235B-A22B-FP8, Qwen3-30B-A3B-FP8): every layer MoE (as every release:
 #: ``decoder_sparse_step`` 1, no ``mlp_only_layers``; a checkpoint with dense layers is refused by its
