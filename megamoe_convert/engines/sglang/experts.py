@@ -10,10 +10,15 @@ uses the table, as a decoder layer does).
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.placement import Placement
+
+if TYPE_CHECKING:
+    from megamoe_convert.serve.loader import ConvertedModel
+    from megamoe_convert.source.layers import MoELayer
 
 #: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.
 SGLANG_PREFIX = re.compile(r"^model\.(?:layers\.(?P<index>\d+)|(?P<mtp>decoder))\.mlp\.experts$")
@@ -54,3 +59,22 @@ def module_placement(module: EngineModule, n_logical: int) -> Placement:
     if len(table) != module.num_experts:
         raise PlacementError(f"its expert-location table has {len(table)} slots, the module {module.num_experts}")
     return Placement.from_list(table, n_logical, module.moe_ep_size, source="SGLang's expert location")
+
+
+def check_ep_numbers(module: EngineModule, where: str, layer: "MoELayer", converted: "ConvertedModel",
+                     rank: int) -> None:
+    """What every SGLang contract checks before any module changes: the module's EP numbers and dims are
+    the conversion's, and it holds the logical experts the conversion placed on this rank."""
+    placement, dims = converted.placement_for(layer), converted.manifest.dims
+    expected = {"moe_ep_rank": rank, "moe_ep_size": placement.ep_size, "moe_tp_size": 1,
+                "num_experts": placement.n_physical, "num_local_experts": placement.experts_per_rank,
+                "hidden_size": dims.hidden_size, "intermediate_size_per_partition": dims.moe_intermediate_size}
+    for attribute, want in expected.items():
+        if getattr(module, attribute) != want:
+            raise InstallError(f"{where}: {attribute} is {getattr(module, attribute)} in the model but {want} in "
+                               f"{converted.path} ({layer.key}, rank {rank}, ep_size {placement.ep_size})")
+    have, want_ids = module_logical_ids(module), placement.rank_logical_ids(rank)
+    if have != want_ids:
+        raise InstallError(f"{where}: SGLang places logical experts {list(have)} on rank {rank}, but "
+                           f"{converted.path} holds {list(want_ids)} for {layer.key} (another "
+                           "--init-expert-location or --ep-num-redundant-experts?)")

@@ -28,7 +28,7 @@ from torch import nn
 from megamoe_convert import layout, layout_inverse
 from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
-from megamoe_convert.engines.sglang.experts import module_logical_ids
+from megamoe_convert.engines.sglang.experts import check_ep_numbers
 from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
 from megamoe_convert.engines.shapes import SHAPE_RULES
 from megamoe_convert.errors import InstallError
@@ -86,18 +86,7 @@ class MegaMoEContract(Contract):
             raise InstallError(f"{where}: SGLang's MegaMoE needs hidden_size % {h_rule} == 0 and "
                                f"moe_intermediate_size % {i_rule} == 0; {converted.path} has "
                                f"{dims.hidden_size} and {dims.moe_intermediate_size}")
-        expected = {"moe_ep_rank": rank, "moe_ep_size": placement.ep_size, "moe_tp_size": 1,
-                    "num_experts": placement.n_physical, "num_local_experts": placement.experts_per_rank,
-                    "hidden_size": dims.hidden_size, "intermediate_size_per_partition": dims.moe_intermediate_size}
-        for attribute, want in expected.items():
-            if getattr(module, attribute) != want:
-                raise InstallError(f"{where}: {attribute} is {getattr(module, attribute)} in the model but {want} in "
-                                   f"{converted.path} ({layer.key}, rank {rank}, ep_size {placement.ep_size})")
-        have, want_ids = module_logical_ids(module), placement.rank_logical_ids(rank)
-        if have != want_ids:
-            raise InstallError(f"{where}: SGLang places logical experts {list(have)} on rank {rank}, but "
-                               f"{converted.path} holds {list(want_ids)} for {layer.key} (another "
-                               "--init-expert-location or --ep-num-redundant-experts?)")
+        check_ep_numbers(module, where, layer, converted, rank)
         e, h, i = placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size
         expect(module, "w13_weight", torch.int8, (e, 2 * i, h // 2))
         expect(module, "w2_weight", torch.int8, (e, h, i // 2))

@@ -23,7 +23,7 @@ import torch
 
 from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
-from megamoe_convert.engines.sglang.experts import module_logical_ids
+from megamoe_convert.engines.sglang.experts import check_ep_numbers
 from megamoe_convert.engines.sglang.layout_probe import sm90_probe
 from megamoe_convert.engines.sglang.mega_moe import MARKERS, expect
 from megamoe_convert.errors import InstallError
@@ -77,18 +77,7 @@ class Sm90Fp8Contract(Contract):
             raise InstallError(f"{where}: SGLang's SM90 MegaMoE build takes {formats.FP8_BLOCK.name} experts, but "
                                f"{converted.path} holds {converted.weight_format}")
         placement, dims = converted.placement_for(layer), converted.manifest.dims
-        expected = {"moe_ep_rank": rank, "moe_ep_size": placement.ep_size, "moe_tp_size": 1,
-                    "num_experts": placement.n_physical, "num_local_experts": placement.experts_per_rank,
-                    "hidden_size": dims.hidden_size, "intermediate_size_per_partition": dims.moe_intermediate_size}
-        for attribute, want in expected.items():
-            if getattr(module, attribute) != want:
-                raise InstallError(f"{where}: {attribute} is {getattr(module, attribute)} in the model but {want} in "
-                                   f"{converted.path} ({layer.key}, rank {rank}, ep_size {placement.ep_size})")
-        have, want_ids = module_logical_ids(module), placement.rank_logical_ids(rank)
-        if have != want_ids:
-            raise InstallError(f"{where}: SGLang places logical experts {list(have)} on rank {rank}, but "
-                               f"{converted.path} holds {list(want_ids)} for {layer.key} (another "
-                               "--init-expert-location or --ep-num-redundant-experts?)")
+        check_ep_numbers(module, where, layer, converted, rank)
         e, h, i = placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size
         fmt = formats.FP8_BLOCK
         expect(module, "w13_weight", torch.float8_e4m3fn, (e, 2 * i, h))
