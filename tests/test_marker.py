@@ -103,7 +103,8 @@ def test_verify_reports_a_marker_that_leaves_model_type_unmarked(tiny_ckpt, tiny
 
 @pytest.mark.parametrize("change, message", [
     (lambda c: c.pop("architectures"), "'architectures' must be a non-empty list of names, found None"),
-    (lambda c: c.update(megamoe={"converted_by": "megamoe-convert"}), "already has a 'megamoe' section"),
+    (lambda c: c.update(megamoe={"converted_by": "megamoe-convert"}),
+     "a megamoe-convert output's config.json, not a source checkpoint's"),
 ])
 def test_convert_refuses_a_config_it_cannot_mark_in_one_line(tmp_path, tiny_ckpt, change, message):
     src = tmp_path / "src"

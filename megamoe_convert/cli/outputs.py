@@ -118,6 +118,8 @@ def refuse_as_source(src: str, command: str, ep_size: int | None = None) -> None
     path = Path(src)
     if not path.is_dir() or not is_tool_output(path):
         return
+    if not ((path / STATE_DIR).is_dir() or (path / MANIFEST_NAME).is_file()):
+        return  # only a marked config.json, no conversion's state: the marker's own check names it
     unfinished = describe_unfinished(path)
     if unfinished is not None:
         raise UsageError(f"{src}: {unfinished['what']}, not a source checkpoint; {unfinished['next']}")
