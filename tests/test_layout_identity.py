@@ -92,10 +92,28 @@ def test_a_manifest_without_a_layout_identity_reads_and_verify_says_it_was_not_c
     assert "not recorded" in run_cli("inspect", copy).stdout
 
 
+def test_an_identity_of_an_older_probe_input_is_not_compared_and_verify_says_so(converted, tmp_path):
+    """A record without ``input`` (an older megamoe-convert's generator) keeps its transform checked;
+    its fingerprints, of another input, are neither compared nor mistaken for another layout."""
+    def older(data):
+        data["layout"].pop("input")
+        data["layout"]["fingerprints"] = {"routed": "xxh3_64:0123456789abcdef"}
+
+    copy = _resealed(converted, tmp_path, older)
+    record = read_manifest(copy).layout
+    assert record["input"] is None and identity.comparable_fingerprints(record) is None
+    report = json.loads(run_cli("verify", copy, "--json").stdout)
+    assert report["ok"] and report["checks"]["layout_identity"] == 1
+    assert report["skipped"]["layout identity"] == identity.OTHER_INPUT
+    swapped = _resealed(converted, tmp_path / "b", lambda d: (older(d), d["layout"].update(transform="x/0")))
+    assert "layout.transform is 'x/0'" in run_cli("verify", swapped, check=False).stdout
+
+
 @pytest.mark.parametrize("edit,field", [
     (lambda d: d["layout"]["fingerprints"].update(routed="xxh3_64:not-hex"), "layout.fingerprints.routed"),
     (lambda d: d["layout"]["fingerprints"].pop("routed"), "layout.fingerprints.routed"),
     (lambda d: d["layout"].update(seed="7"), "layout.seed"),
+    (lambda d: d["layout"].update(input=3), "layout.input"),
     (lambda d: d.update(layout=[]), "layout"),
 ])
 def test_a_malformed_layout_record_is_refused_naming_its_field(converted, tmp_path, edit, field):

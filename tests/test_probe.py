@@ -70,6 +70,23 @@ def test_the_probe_input_and_its_reference_are_made_on_the_cpu_whatever_the_defa
         assert ref[key].device.type == "cpu" and torch.equal(ref[key], t)
 
 
+def test_the_probe_input_is_pcg64s_raw_stream_little_endian():
+    """Every recorded fingerprint rests on these bytes: NumPy keeps a bit generator's raw stream the same
+    across releases, so the input is that stream read as little-endian words, whatever the machine."""
+    import numpy as np
+
+    words = np.random.PCG64(identity.PROBE_SEED).random_raw(3)
+    want = b"".join(int(w).to_bytes(8, "little") for w in words)
+    stream = identity.RandomBytes(identity.PROBE_SEED)
+    assert bytes(stream.take(2, 5).reshape(-1).tolist()) == want[:10]
+    assert bytes(stream.take(8).tolist()) == want[16:24]  # the next word: a cut word's rest is not reused
+    assert identity.RandomBytes(identity.PROBE_SEED).take(4).tolist() == list(want[:4])
+    floats = identity.RandomBytes(identity.PROBE_SEED).uniform(1000)
+    assert floats.dtype == torch.float32 and 0 <= float(floats.min()) and float(floats.max()) < 1
+    low = identity.RandomBytes(identity.PROBE_SEED).between(64, 191, 1000)
+    assert int(low.min()) >= 64 and int(low.max()) <= 190 and low.dtype == torch.uint8
+
+
 def test_probe_dims_keep_each_dims_residue_and_stay_within_a_period():
     assert identity.probe_dims(4096, 2048, 2048) == (1024, 1024, 1024)
     assert identity.probe_dims(2304, 7168, 0) == (256, 1024, 0)
@@ -209,6 +226,7 @@ def test_the_layout_identity_names_the_transform_and_fingerprints_the_probes_inp
     fmt = formats.FORMATS[name]
     record = identity.layout_identity(fmt, 4096, 2048)
     assert record["transform"] == identity.TRANSFORMS[identity.kernel_of(fmt)] and record["seed"] == identity.PROBE_SEED
+    assert record["input"] == identity.PROBE_INPUT
     assert record == identity.layout_identity(fmt, 4096, 2048)
     assert record["fingerprints"] != identity.layout_identity(fmt, 4096, 1920)["fingerprints"]
     assert set(record["proven"]) == {"vllm", "sglang", "deep_gemm"}

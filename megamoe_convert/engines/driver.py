@@ -19,6 +19,7 @@ from torch import nn
 from megamoe_convert.engines import probe as layout_probe
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError, PlacementError
+from megamoe_convert.output.layout_identity import comparable_fingerprints
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
 from megamoe_convert.serve.store import load_slots
@@ -165,7 +166,7 @@ def probe_layouts(planned: Sequence[tuple[nn.Module, Contract, MoELayer]], conve
         layout_probe.skipped(f"{len(planned)} MegaMoE modules from {converted.path}")
         return
     dims = converted.manifest.dims
-    recorded = (converted.manifest.layout or {}).get("fingerprints")
+    recorded = comparable_fingerprints(converted.manifest.layout)
     for module, contract, _ in planned:
         shared = dims.shared_intermediate_size if contract.shared_kinds(module, converted) else 0
         layout_probe.check_layout(contract.layout_probe(module, converted), dims.format, dims.hidden_size,

@@ -13,20 +13,25 @@ code and compares tensor by tensor (:func:`difference`).
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
+import numpy as np
 import torch
 import xxhash
 
-from megamoe_convert import jsonio, layout
+from megamoe_convert import jsonio, layout, layout_scales, layout_sm90
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
 
 _T = TypeVar("_T")
 
 PROBE_SEED = 24301
+#: The generator of the probe's input, recorded beside the seed: fingerprints of another input (an
+#: older megamoe-convert's) cannot be compared with this one's, only made again by converting again.
+PROBE_INPUT = "pcg64-raw/1"
 #: The transform this package writes, by the format's kernel (``layout.py``): SM100's MegaMoE layout
 #: (gate/up interleaved by 8 rows, scales packed MN-major and UTCCP-transposed), and SM90's FP8 one
 #: (the same interleave, FP32 block scales as stored). A changed transform is a new name.
@@ -86,13 +91,37 @@ def _finite(raw: torch.Tensor, element: str) -> torch.Tensor:
     return raw
 
 
-def _scale_bytes(g: torch.Generator, shape: tuple[int, ...], encoding: str | None) -> torch.Tensor:
+class RandomBytes:
+    """The probe input's random bytes: NumPy's PCG64 raw stream from a seed. Bit generators' raw
+    streams stay the same across NumPy releases (distributions' and torch's generators' outputs
+    may not), and it is fast enough for a start-up probe (about a byte a nanosecond)."""
+
+    def __init__(self, seed: int) -> None:
+        self._generator = np.random.PCG64(seed)
+
+    def take(self, *shape: int) -> torch.Tensor:
+        """``uint8`` bytes of ``shape``: the stream's next little-endian 64-bit words, cut to size."""
+        n = math.prod(shape)
+        words = self._generator.random_raw(-(-n // 8)).astype("<u8", copy=False)
+        return torch.from_numpy(words.view(np.uint8)[:n]).reshape(shape)
+
+    def between(self, low: int, high: int, *shape: int) -> torch.Tensor:
+        """``uint8`` values in ``low..high - 1`` (``high - low`` at most 256)."""
+        return (self.take(*shape) % (high - low) + low).to(torch.uint8)
+
+    def uniform(self, *shape: int) -> torch.Tensor:
+        """``float32`` in ``[0, 1)``: 24 random bits of each 32-bit word."""
+        bits = self.take(*shape, 4).view(torch.int32).squeeze(-1)
+        return ((bits >> 8) & 0xFFFFFF).to(torch.float32) * 2.0 ** -24
+
+
+def _scale_bytes(stream: RandomBytes, shape: tuple[int, ...], encoding: str | None) -> torch.Tensor:
     """Block-scale bytes of normal magnitude: UE8M0 exponents 2^-63..2^63, E4M3 positive normals,
     FP32 values in [0.5, 1.5) (``shape``: rows and bytes)."""
     if encoding == "fp32":
-        return (torch.rand(shape[0], shape[1] // 4, generator=g) + 0.5).view(torch.uint8)
+        return (stream.uniform(shape[0], shape[1] // 4) + 0.5).view(torch.uint8)
     low, high = (64, 191) if encoding == "ue8m0" else (0x08, 0x78)
-    return torch.randint(low, high, shape, dtype=torch.uint8, generator=g)
+    return stream.between(low, high, *shape)
 
 
 def kernel_of(fmt: WeightFormat) -> str:
@@ -125,16 +154,16 @@ def _on_cpu(fn: Callable[..., _T]) -> Callable[..., _T]:
 def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0,
                      seed: int = PROBE_SEED) -> ProbeInput:
     """The probe's input: the same bytes for the same format, dims and seed, on every machine."""
-    g = torch.Generator().manual_seed(seed)
+    stream = RandomBytes(seed)
     routed: dict[tuple[str, str], torch.Tensor] = {}
     for (proj, kind), shape in formats.checkpoint_byte_shapes(fmt, hidden, inter).items():
         if kind == "weight":
-            raw = _finite(torch.randint(0, 256, shape, dtype=torch.uint8, generator=g), fmt.element)
+            raw = _finite(stream.take(*shape), fmt.element)
             routed[proj, kind] = _as(raw, fmt.checkpoint_weight_dtypes[0], shape[0])
         elif kind == "scale":
-            routed[proj, kind] = _as(_scale_bytes(g, shape, fmt.scale_encoding), fmt.scale_dtypes[0], shape[0])
+            routed[proj, kind] = _as(_scale_bytes(stream, shape, fmt.scale_encoding), fmt.scale_dtypes[0], shape[0])
     if fmt.global_scales:  # one L1 scale per expert: w1's and w3's are equal
-        values = torch.rand(3, generator=g, dtype=torch.float32) + 0.25
+        values = stream.uniform(3) + 0.25
         for (proj, kind), value in zip(formats.GLOBAL_SCALE_TENSORS, (values[0], values[0], values[1], values[2]),
                                        strict=True):
             routed[proj, kind] = value.clone().reshape(())
@@ -142,10 +171,10 @@ def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: i
     if shared_inter:
         weight_dtype = CHECKPOINT_DTYPES[formats.SHARED_FORMAT.weight_dtype]
         for proj, (n, k) in formats.expert_matrix_shapes(hidden, shared_inter).items():
-            raw = _finite(torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g), "e4m3")
+            raw = _finite(stream.take(n, k), "e4m3")
             shared[proj, "weight"] = raw.view(weight_dtype)
             blocks = (-(-n // SHARED_BLOCK), -(-k // SHARED_BLOCK))
-            shared[proj, "scale"] = _scale_bytes(g, blocks, "ue8m0").view(torch.float8_e8m0fnu)
+            shared[proj, "scale"] = _scale_bytes(stream, blocks, "ue8m0").view(torch.float8_e8m0fnu)
     return ProbeInput(fmt, hidden, inter, shared_inter, routed, shared)
 
 
@@ -160,8 +189,9 @@ def reference(inp: ProbeInput) -> Tensors:
     expert dim, as the rank files hold it)."""
     fmt = inp.fmt
     if kernel_of(fmt) == "sm90":  # SGLang's FP8 layout: the L1 rows interleaved, FP32 block scales as stored
-        l1, l2 = layout.sm90_transform_experts(inp.stacked(("w1", "w3"), "weight"), inp.stacked(("w1", "w3"), "scale"),
-                                               inp.stacked(("w2",), "weight"), inp.stacked(("w2",), "scale"))
+        l1, l2 = layout_sm90.sm90_transform_experts(
+            inp.stacked(("w1", "w3"), "weight"), inp.stacked(("w1", "w3"), "scale"),
+            inp.stacked(("w2",), "weight"), inp.stacked(("w2",), "scale"))
         assert l1.sf is not None and l2.sf is not None  # FP8 block scales: always present
         return {"l1_weight": l1.weight, "l1_sf": l1.sf, "l2_weight": l2.weight, "l2_sf": l2.sf}
     weight = formats.torch_dtype(fmt.weight_dtype)
@@ -187,7 +217,7 @@ def _shared_reference(inp: ProbeInput) -> Tensors:
 
     def sf(proj: str) -> torch.Tensor:
         n, k = inp.shared[proj, "weight"].shape
-        return layout.expand_block_scales(inp.shared[proj, "scale"], n, k // group)
+        return layout_scales.expand_block_scales(inp.shared[proj, "scale"], n, k // group)
 
     w13 = torch.cat([inp.shared[p, "weight"].view(torch.uint8) for p in ("w1", "w3")]).unsqueeze(0)
     weight = formats.torch_dtype(formats.SHARED_FORMAT.weight_dtype)
@@ -247,7 +277,7 @@ def layout_fingerprints(fmt: WeightFormat, hidden: int, inter: int, shared_inter
 
 def layout_identity(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> dict[str, Any]:
     """What a manifest records of the layout it was written with (see the module docstring)."""
-    return {"transform": TRANSFORMS[kernel_of(fmt)], "seed": PROBE_SEED,
+    return {"transform": TRANSFORMS[kernel_of(fmt)], "input": PROBE_INPUT, "seed": PROBE_SEED,
             "fingerprints": layout_fingerprints(fmt, hidden, inter, shared_inter),
             "proven": {name: list(versions) for name, versions in PROVEN.items()}}
 
@@ -270,16 +300,27 @@ def identity_from_json(record: Any, f: jsonio.Fields) -> dict[str, Any]:
             fingerprints_read[part] = value
     proven = f.obj(record, "proven", name="layout.proven") if "proven" in record else {}
     return {"transform": f.str(record, "transform", name="layout.transform"),
+            "input": f.str(record, "input", name="layout.input") if "input" in record else None,
             "seed": f.int(record, "seed", name="layout.seed"), "fingerprints": fingerprints_read,
             "proven": {str(name): [f.str(v, -1, name=f"layout.proven.{name}") for v in
                                    f.list(proven, name, name=f"layout.proven.{name}", max_len=256)]
                        for name in proven}}
 
 
+def comparable_fingerprints(record: dict[str, Any] | None) -> dict[str, str] | None:
+    """A recorded identity's fingerprints where they are of this package's probe input (its
+    generator and seed), else ``None``: an older megamoe-convert's, of another input, say nothing
+    of this one's (the engine's own code is still probed against this package's layout)."""
+    if record is None or record.get("input") != PROBE_INPUT or record.get("seed") != PROBE_SEED:
+        return None
+    return dict(record["fingerprints"])
+
+
 def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
     """How a manifest's recorded layout identity differs from what this package writes for its ``dims``
     (``ModelDims``; empty: the same transform and fingerprints). ``None``, a manifest written before
-    the identity was recorded, has nothing to differ (``verify`` says it was not checked)."""
+    the identity was recorded, has nothing to differ; one of another probe input has only its transform
+    (``verify`` says what it could not check: :func:`unchecked_identity`)."""
     if record is None:
         return []
     want = layout_identity(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size)
@@ -287,8 +328,11 @@ def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
     if record["transform"] != want["transform"]:
         problems.append(f"layout.transform is {record['transform']!r}, this megamoe-convert writes "
                         f"{want['transform']!r}: convert again with this megamoe-convert")
+    recorded = comparable_fingerprints(record)
+    if recorded is None:  # of another probe input: the transform is all it can be checked by
+        return problems
     for part, value in want["fingerprints"].items():
-        got = record["fingerprints"].get(part)
+        got = recorded.get(part)
         if got != value:
             problems.append(f"layout.fingerprints.{part} is {got}, but this megamoe-convert's layout of the probe "
                             f"expert is {value}: the experts were written with another layout; convert again")
@@ -297,3 +341,13 @@ def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
 
 #: ``verify``'s word for a manifest without a layout identity.
 NOT_RECORDED = "the manifest records no layout identity (written before megamoe-convert recorded one)"
+#: ``verify``'s word for one recorded from another probe input.
+OTHER_INPUT = ("the manifest's layout identity is of another probe input (written by an older megamoe-convert): "
+               "its fingerprints cannot be compared; convert again to record this one's")
+
+
+def unchecked_identity(record: dict[str, Any] | None) -> str | None:
+    """Why ``verify`` cannot check a manifest's recorded layout identity whole, or ``None`` when it can."""
+    if record is None:
+        return NOT_RECORDED
+    return None if comparable_fingerprints(record) is not None else OTHER_INPUT

@@ -34,7 +34,7 @@ from megamoe_convert.output.compare import (
     copied_family_problem,
     numerics_config,
 )
-from megamoe_convert.output.layout_identity import NOT_RECORDED, identity_problems
+from megamoe_convert.output.layout_identity import identity_problems, unchecked_identity
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.writer import file_problems
@@ -179,11 +179,11 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     if family_problem := copied_family_problem(out, manifest):  # install names layers by the family
         report.problem(MANIFEST_NAME, family_problem)
     check_unlisted_files(out, manifest, report)
-    if manifest.layout is None:
-        report.skipped["layout identity"] = NOT_RECORDED
-    else:  # the recorded transform and fingerprints must be what this code writes
+    if manifest.layout is not None:  # the recorded transform and fingerprints must be what this code writes
         report.count("layout identity")
         report.problems += [Problem(MANIFEST_NAME, p) for p in identity_problems(manifest.layout, manifest.dims)]
+    if why_unchecked := unchecked_identity(manifest.layout):
+        report.skipped["layout identity"] = why_unchecked
     check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:
