@@ -46,14 +46,36 @@ for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
 # --------------------------------------------------------------------------------------
 
 def _timed_probe(stats: dict[str, Any], device: Any) -> None:
-    """Wrap the probe's run (``engines/probe.check_layout``) to time it and take its GPU peak."""
+    """Wrap the probe's run (``engines/probe.check_layout``) to time it and take its GPU peak, and its
+    phases (``probe_phases``: the input, this package's layout of it, the engine's code, the comparison)
+    to say where its time goes."""
+    import dataclasses
+
     import torch
 
     from megamoe_convert.engines import probe
 
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def phase(name: str, fn: Any) -> Any:
+        def timed_phase(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync()
+                phases = stats.setdefault("probe_phases", {})
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+        return timed_phase
+
+    for name, attr in (("input", "synthetic_expert"), ("reference", "reference"), ("compare", "difference"),
+                       ("fingerprint", "fingerprints")):
+        setattr(probe, attr, phase(name, getattr(probe, attr)))
     check = probe.check_layout
 
-    def timed(*args: Any, **kwargs: Any) -> Any:
+    def timed(layout_probe: Any, *args: Any, **kwargs: Any) -> Any:
         cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -61,7 +83,7 @@ def _timed_probe(stats: dict[str, Any], device: Any) -> None:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         try:
-            return check(*args, **kwargs)
+            return check(dataclasses.replace(layout_probe, run=phase("engine", layout_probe.run)), *args, **kwargs)
         finally:
             if cuda:
                 torch.cuda.synchronize()
@@ -161,7 +183,10 @@ def summarize(runs: list[dict[str, Any]], expert_bytes: int) -> dict[str, Any]:
     probe_s = statistics.median(r["probe_s"] for r in probed)
     first_load_s = statistics.median(r["install_s"] for r in unprobed)
     gpu = [r["probe_gpu_bytes"] for r in probed if "probe_gpu_bytes" in r]
-    return {"probe_s": probe_s, "first_load_s": first_load_s, "probe_share_of_first_load": probe_s / first_load_s,
+    phases = {name: statistics.median(r["probe_phases"].get(name, 0.0) for r in probed)
+              for name in sorted({n for r in probed for n in r.get("probe_phases", {})})}
+    return {"probe_s": probe_s, "probe_phases_s": phases, "first_load_s": first_load_s,
+            "probe_share_of_first_load": probe_s / first_load_s,
             "probe_gpu_bytes": max(gpu) if gpu else None, "one_expert_bytes": expert_bytes,
             "probe_gpu_bytes_per_expert": max(gpu) / expert_bytes if gpu else None,
             "identical": len({r["fingerprint"] for r in runs}) == 1}

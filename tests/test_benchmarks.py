@@ -166,4 +166,6 @@ def test_bench_probe_smoke_in_vllm_033(tmp_path):
     probed, unprobed = summary["runs"][1], summary["runs"][0]
     assert probed["probe_calls"] >= 1 and "probe_calls" not in unprobed and summary["identical"]
     assert summary["probe_gpu_bytes"] is None and summary["one_expert_bytes"] > 0
+    assert set(summary["probe_phases_s"]) == {"input", "reference", "engine", "compare", "fingerprint"}
+    assert sum(summary["probe_phases_s"].values()) <= summary["probe_s"]
 
