@@ -3,9 +3,10 @@ sparse store files. The rules every writer and every reader of such a folder kee
 
 A ranged pull is one transaction bound to one commit. Before it changes anything in OUT it writes
 its record unfinished (the commit, and the ranges an earlier pull of that same commit left); its
-store files are written like every other file (below OUT, never through a link, a new one under
-its temporary name then renamed, an error naming the file); the finished record (every range,
-and the checksum of the ``manifest.json`` they belong to) is written last. A store file's bytes
+store files are written like every other file, at their offsets (:class:`.writer.OutputFile`:
+below OUT, never through a link, a new one under its temporary name then renamed, an error naming
+the file); the finished record (every range, and the checksum of the ``manifest.json`` they belong
+to) is written last. A store file's bytes
 outside its recorded ranges are holes, which no reader may take for experts, so every reader asks
 :func:`served_ranges` first: no record, a complete folder; an unfinished record, or one of another
 manifest, nothing is served; else only the recorded ranges. Whatever rewrites OUT (a whole pull,
@@ -16,27 +17,17 @@ manifest, nothing is served; else only the recorded ranges. Whatever rewrites OU
 from __future__ import annotations
 
 import bisect
-import errno
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, TypeVar
 
-from megamoe_convert import faults, jsonio
+from megamoe_convert import jsonio
 from megamoe_convert.errors import JsonError
 from megamoe_convert.output.naming import MANIFEST_NAME, STATE_DIR, STORE_DIR, is_shard_path
-from megamoe_convert.output.writer import (
-    check_writable_name,
-    file_checksum,
-    fsync_dir,
-    make_dirs_inside,
-    open_new_file,
-    partial_path,
-    write_json_atomic,
-)
+from megamoe_convert.output.writer import file_checksum, make_dirs_inside, write_json_atomic
 
 E = TypeVar("E", bound=Exception)
 
@@ -181,66 +172,3 @@ def merge(ranges: Iterable[tuple[int, int]]) -> Ranges:
         else:
             merged.append([start, end])
     return [(start, end - start) for start, end in merged]
-
-
-class RangedFile:
-    """One store file of a ranged pull, written at its offsets: a new one (``size`` bytes, holes
-    where nothing is written) under its temporary name and renamed into place by :meth:`commit`,
-    or, ``in_place``, the pull's own earlier file of ``size`` bytes getting more ranges."""
-
-    def __init__(self, final: Path, root: Path, size: int, in_place: bool, fsync: bool = True) -> None:
-        self.final, self.in_place, self.fsync, self._fd = final, in_place, fsync, -1
-        make_dirs_inside(root, final.parent)
-        check_writable_name(final)
-        self.tmp = final if in_place else partial_path(final)
-        if not in_place:
-            self._fd = open_new_file(self.tmp)  # never through a link, a stale one of this name replaced
-        try:
-            if in_place:
-                self._fd = os.open(final, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
-                st = os.fstat(self._fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                    raise OSError(errno.EINVAL, f"not the {size}-byte file an earlier pull wrote")
-            else:
-                os.ftruncate(self._fd, size)
-        except OSError as e:
-            self.abort()
-            raise OSError(e.errno, e.strerror, str(final)) from None
-
-    def write_at(self, data: bytes, offset: int) -> None:
-        try:
-            faults.wrote(len(data))
-            view, done = memoryview(data), 0
-            while done < len(view):
-                done += os.pwrite(self._fd, view[done:], offset + done)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.final)) from None  # name the file in the error
-
-    def commit(self) -> None:
-        try:
-            if self.fsync:
-                os.fsync(self._fd)
-            fd, self._fd = self._fd, -1
-            os.close(fd)
-            if not self.in_place:
-                faults.before_rename(self.final)
-                os.replace(self.tmp, self.final)
-                if self.fsync:
-                    fsync_dir(self.final.parent)
-        except OSError as e:
-            self.abort()
-            raise OSError(e.errno, e.strerror, str(self.final)) from None
-
-    def abort(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if not self.in_place:
-            self.tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "RangedFile":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if self._fd >= 0 or exc_type is not None:
-            self.abort()

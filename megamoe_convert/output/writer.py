@@ -2,7 +2,8 @@
 
 Every output file is written under a hidden temporary name in its final directory,
 checksummed while it is written, flushed to disk and only then renamed into place: a
-reader sees either nothing or the complete file, never a prefix of it.
+reader sees either nothing or the complete file, never a prefix of it. The same writer
+writes a ranged pull's sparse store files at their offsets, new or in place.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Self, Sequence
 
 import torch
 import xxhash
@@ -160,22 +161,95 @@ def open_new_file(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC, 0o644)
 
 
-class AtomicWriter:
-    """Write a file sequentially under a temporary name; :meth:`commit` renames it into place.
+def _naming(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path``: the final file, never the temporary name it was written under."""
+    return OSError(e.errno, e.strerror, str(path))
 
-    ``final`` must lie below ``root`` with no symbolic link in between (:func:`make_dirs_inside`),
-    and neither it nor its temporary name may be a link: nothing is ever written through one.
+
+class OutputFile:
+    """A file the tool writes below ``root``; :meth:`finish` makes it durable.
+
+    A new file is written under its temporary name and renamed into place by :meth:`finish`: a
+    reader sees nothing or all of it. Given its ``size``, it is written at offsets (:meth:`write_at`;
+    what is never written stays a hole, as a ranged pull's store files hold only their ranges), and
+    ``in_place`` opens the tool's own earlier file of that size where it stands to write more of it
+    (no temporary name, nothing renamed). ``final`` must lie below ``root`` with no symbolic link in
+    between (:func:`make_dirs_inside`), and neither it nor its temporary name may be a link: nothing
+    is ever written through one. Every error names ``final``; one before the rename leaves no
+    temporary file.
     """
 
-    def __init__(self, final: Path, root: Path, fsync: bool = True) -> None:
-        self.final = final
-        self.root = root
-        self.fsync = fsync
-        self.tmp = partial_path(final)
+    def __init__(self, final: Path, root: Path, fsync: bool = True, size: int | None = None,
+                 in_place: bool = False) -> None:
+        if in_place and size is None:
+            raise ValueError(f"{final}: written in place only as a file of known size")
+        self.final, self.root, self.fsync, self.in_place = final, root, fsync, in_place
+        self.tmp = final if in_place else partial_path(final)
         self._fd = -1
         make_dirs_inside(root, final.parent)
         check_writable_name(final)
-        self._fd = open_new_file(self.tmp)
+        if not in_place:
+            self._fd = open_new_file(self.tmp)
+        try:
+            if in_place:
+                self._fd = os.open(final, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+                st = os.fstat(self._fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+                    raise OSError(errno.EINVAL, f"not the {size}-byte file an earlier pull wrote")
+            elif size is not None:
+                os.ftruncate(self._fd, size)
+        except OSError as e:
+            self.abort()
+            raise _naming(e, final) from None
+
+    def write_at(self, data: memoryview | bytes, offset: int) -> None:
+        """Write ``data`` at ``offset`` of a file of known size."""
+        try:
+            faults.wrote(len(data))
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as e:
+            raise _naming(e, self.final) from None
+
+    def finish(self) -> None:
+        """fsync, close and (a new file) rename into place, then fsync its folder. An error names
+        the final path and, if it came before the rename, deletes the temporary file."""
+        try:
+            if self.fsync:
+                os.fsync(self._fd)
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+            if not self.in_place:
+                faults.before_rename(self.final)
+                os.replace(self.tmp, self.final)
+                if self.fsync:
+                    fsync_dir(self.final.parent)
+        except OSError as e:
+            self.abort()
+            raise _naming(e, self.final) from None
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if not self.in_place:
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if self._fd >= 0:
+            self.abort()
+
+
+class AtomicWriter(OutputFile):
+    """A new :class:`OutputFile` written in order and checksummed as it is written; :meth:`commit`
+    renames it into place and gives its record."""
+
+    def __init__(self, final: Path, root: Path, fsync: bool = True) -> None:
+        super().__init__(final, root, fsync)
         self._hasher = new_hasher()
         self.size = 0
         self._written_back = 0
@@ -184,7 +258,7 @@ class AtomicWriter:
         try:
             self._write(data)
         except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.final)) from None  # name the file in the error
+            raise _naming(e, self.final) from None
 
     def _write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
@@ -202,34 +276,9 @@ class AtomicWriter:
             self._written_back = self.size
 
     def commit(self) -> FileRecord:
-        """fsync, close and rename into place. An error names the final path and, if it came
-        before the rename, deletes the temporary file."""
-        try:
-            if self.fsync:
-                os.fsync(self._fd)
-            fd, self._fd = self._fd, -1
-            os.close(fd)
-            faults.before_rename(self.final)
-            os.replace(self.tmp, self.final)
-            if self.fsync:
-                fsync_dir(self.final.parent)
-        except OSError as e:
-            self.abort()
-            raise OSError(e.errno, e.strerror, str(self.final)) from None  # name the file in the error
+        """:meth:`finish`, and the file's record."""
+        self.finish()
         return FileRecord(self.final.relative_to(self.root).as_posix(), self.size, self._hasher.hexdigest())
-
-    def abort(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        self.tmp.unlink(missing_ok=True)
-
-    def __enter__(self) -> "AtomicWriter":
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if self._fd >= 0:
-            self.abort()
 
 
 def _libc_sync_file_range() -> Callable[..., int] | None:

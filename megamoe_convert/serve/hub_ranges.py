@@ -30,7 +30,7 @@ from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
-from megamoe_convert.output.writer import file_checksum
+from megamoe_convert.output.writer import OutputFile, file_checksum
 from megamoe_convert.placement import Placement, parse_ranks
 from megamoe_convert.serve import store
 from megamoe_convert.serve.hub import HubError, Pinned, _hub_errors, claim_local_dir, pin, pull_into, select_files
@@ -164,7 +164,7 @@ def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Pl
             url = f"{pinned.repo_id}@{pinned.commit}/{rel}"
             jobs = [(start, n, pool.submit(_fetch, fs, url, start, n, f"{where}/{rel}")) for start, n in fetch]
             head = header_bytes(manifest, layer)
-            with ranged.RangedFile(local_dir / rel, local_dir, manifest.file(rel).size, in_place) as out:
+            with OutputFile(local_dir / rel, local_dir, size=manifest.file(rel).size, in_place=in_place) as out:
                 for start, n, job in jobs:
                     data = job.result()
                     if start == 0 and data[:len(head)] != head:
@@ -172,7 +172,7 @@ def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Pl
                                        "(a corrupted or foreign file)")
                     out.write_at(data, start)
                     fetched += n
-                out.commit()
+                out.finish()
             requests += len(fetch)
             files[rel] = ranged.merge([*(kept.get(rel, []) if in_place else []), *fetch])
     return files, fetched, requests
