@@ -83,11 +83,11 @@ def fingerprint(tensors: list[Any]) -> str:
     """xxh3-128 of the bytes the kernel reads (scales in their storage order), after timing."""
     import xxhash
 
-    from megamoe_convert import layout
+    from megamoe_convert import layout_scales
 
     h = xxhash.xxh3_128()
     for t in tensors:
-        storage = layout.sf_storage(t) if t.dim() == 3 and not t.is_contiguous() else t
+        storage = layout_scales.sf_storage(t) if t.dim() == 3 and not t.is_contiguous() else t
         h.update(storage.contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes())
     return h.hexdigest()
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_convert.layout import (
-    GATE_UP_GRANULARITY,
-    SCALE_BLOCK_K,
-    UTCCP_BLOCK_ROWS,
-    as_bytes,
-    as_fp32,
-    expert_dims,
-    widen_ue8m0_to_fp32,
-)
+from megamoe_convert.layout import GATE_UP_GRANULARITY, UTCCP_BLOCK_ROWS
+from megamoe_convert.layout_checks import SCALE_BLOCK_K, as_bytes, expert_dims
+from megamoe_convert.layout_scales import widen_ue8m0_to_fp32
+from megamoe_convert.layout_sm90 import as_fp32
 
 
 def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
@@ -63,7 +58,7 @@ def untranspose_sf_for_utccp(sf: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_ue8m0(packed: torch.Tensor, blocks: int) -> torch.Tensor:
-    """Inverse of :func:`layout.pack_ue8m0`: ``int32 [E, MN, packed_k]`` -> ``uint8 [E, MN, blocks]``."""
+    """Inverse of :func:`layout_scales.pack_ue8m0`: ``int32 [E, MN, packed_k]`` -> ``uint8 [E, MN, blocks]``."""
     return _int32_as_little_endian_bytes(packed.contiguous())[..., :blocks]
 
 
@@ -75,7 +70,8 @@ def _int32_as_little_endian_bytes(w: torch.Tensor) -> torch.Tensor:
 
 def sm90_inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Undo :func:`layout.sm90_transform_experts`: ``(w13 uint8, w13_scale float32, w2 uint8, w2_scale float32)``."""
+    """Undo :func:`layout_sm90.sm90_transform_experts`:
+    ``(w13 uint8, w13_scale float32, w2 uint8, w2_scale float32)``."""
     (l1_weight, l1_scale), (l2_weight, l2_scale) = l1, l2
     w13 = deinterleave_gate_up(as_bytes(l1_weight, "l1 weight").contiguous())
     return w13, as_fp32(l1_scale), as_bytes(l2_weight, "l2 weight").contiguous(), as_fp32(l2_scale)

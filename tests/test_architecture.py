@@ -17,8 +17,10 @@ ROOT = "megamoe_convert"
 STAGES = {
     "errors": -1,  # the one error family, below everything
     "jsonio": 0, "progress": 0, "ui": 0, "faults": 0, "devices": 0, "interrupts": 0,
+    "layout_checks": 0.5, "layout_scales": 0.75,  # what the transform takes; its scale packing
     "layout": 1, "placement": 1,
-    "layout_inverse": 1.5,  # above layout, which it undoes; below source/, whose format table dequantises with it
+    "layout_sm90": 1.25,  # Hopper's variant, built from layout's interleave
+    "layout_inverse": 1.5,  # above the layout modules, which it undoes; below source/, which dequantises with it
     "source": 2,
     "output": 3,
     "convert": 4, "synth": 4,

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe_convert import layout, layout_inverse
+from megamoe_convert import layout, layout_inverse, layout_scales
 from megamoe_convert.layout import LayoutError, transform_experts
 
 # ----------------------------------------------------------------------------- reference
@@ -111,15 +111,15 @@ def test_l2_weight_bytes_unchanged():
 
 def test_scale_widening_round_trips_every_byte():
     every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    widened = layout.widen_ue8m0_to_fp32(every_byte)
+    widened = layout_scales.widen_ue8m0_to_fp32(every_byte)
     assert widened.dtype == torch.float32
     assert torch.equal(widened.view(torch.int32), torch.arange(256, dtype=torch.int32) << 23)
-    assert torch.equal(layout.narrow_fp32_to_ue8m0(widened), every_byte)
+    assert torch.equal(layout_scales.narrow_fp32_to_ue8m0(widened), every_byte)
 
 
 def test_pack_pads_missing_bytes_with_zero():
     sf = torch.tensor([[[1, 2, 3, 4, 5, 6]]], dtype=torch.uint8)
-    packed = layout.pack_ue8m0(sf)
+    packed = layout_scales.pack_ue8m0(sf)
     assert packed.tolist() == [[[0x04030201, 0x00000605]]]
     assert torch.equal(layout_inverse.unpack_ue8m0(packed, 6), sf)
 
@@ -176,7 +176,7 @@ def test_every_output_byte_is_a_moved_input_byte(d):
         return torch.equal(torch.bincount(a.reshape(-1).long(), minlength=256),
                            torch.bincount(b.reshape(-1).long(), minlength=256))
 
-    sf_bytes = lambda sf: layout.sf_storage(sf).contiguous().view(torch.uint8)  # noqa: E731
+    sf_bytes = lambda sf: layout_scales.sf_storage(sf).contiguous().view(torch.uint8)  # noqa: E731
     # H, I multiples of 128 => K/32 is a multiple of 4: no padding bytes at all.
     assert same_multiset(l1w.view(torch.uint8), w13) and same_multiset(sf_bytes(l1sf), w13_sf)
     assert same_multiset(l2w.view(torch.uint8), w2) and same_multiset(sf_bytes(l2sf), w2_sf)

@@ -13,7 +13,7 @@ import torch
 import xxhash
 from conftest import run_cli
 
-from megamoe_convert import layout
+from megamoe_convert import layout, layout_scales
 from megamoe_convert import verify as verify_module
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source.layers import MoELayer
@@ -222,7 +222,7 @@ def test_deep_gemm_cross_check_compares_bytes(tiny_converted, tiny_ckpt, monkeyp
     a deep_gemm that interleaves differently is reported."""
     def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups):
         assert recipe == (1, 32) and sf.dtype == torch.float32
-        return layout.sf_into_required_layout(layout.narrow_fp32_to_ue8m0(sf))
+        return layout_scales.sf_into_required_layout(layout_scales.narrow_fp32_to_ue8m0(sf))
 
     def transform_weights_for_mega_moe(l1, l2):
         return ((layout.interleave_gate_up(l1[0]), layout.transpose_sf_for_utccp(layout.interleave_gate_up(l1[1]))),

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from megamoe_convert import layout
+from megamoe_convert import layout, layout_scales, layout_sm90
 from megamoe_convert.convert.plan import Plan, Unit
 from megamoe_convert.errors import (
     Cancelled,  # noqa: F401
@@ -126,8 +126,8 @@ def direct_path_supported(dims: Any, device: str) -> bool:
     """The direct path's assumptions: CPU, little-endian int32 words, no scale padding."""
     h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
     return (device == "cpu" and sys.byteorder == "little"
-            and all(not fmt.scaled or fmt.scale_row_bytes(k) % layout.SCALES_PER_WORD == 0 for k in (h, i))
-            and all(layout.tma_aligned_mn(mn) == mn and mn % layout.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
+            and all(not fmt.scaled or fmt.scale_row_bytes(k) % layout_scales.SCALES_PER_WORD == 0 for k in (h, i))
+            and all(layout_scales.tma_aligned_mn(mn) == mn and mn % layout.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
 
 
 def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
@@ -156,10 +156,10 @@ def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int]
 
 def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
                gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
-    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`layout.sf_storage`) of the experts."""
+    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`layout_scales.sf_storage`) of the experts."""
     heights = [reader.ckpt.expert_entry(layer, 0, p, "scale").byte_shape[0] for p in projs]
     blocks = reader.ckpt.expert_entry(layer, 0, projs[0], "scale").byte_shape[1]
-    mn, pk, count = sum(heights), blocks // layout.SCALES_PER_WORD, len(experts)
+    mn, pk, count = sum(heights), blocks // layout_scales.SCALES_PER_WORD, len(experts)
     size = count * mn * blocks
     staging, gathered, out = buf[:size], buf[size:2 * size], buf[2 * size:3 * size]
     flat = staging.numpy().data
@@ -225,9 +225,9 @@ def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[
     """The routed L1/L2 tensors by ``layout``'s tensor operations (any device, any dims)."""
     steps = [
         (("w1", "w3"), "weight", layout.l1_weight),
-        (("w1", "w3"), "scale", lambda sf: layout.sf_storage(layout.l1_sf(sf))),
+        (("w1", "w3"), "scale", lambda sf: layout_scales.sf_storage(layout.l1_sf(sf))),
         (("w2",), "weight", layout.l2_weight),
-        (("w2",), "scale", lambda sf: layout.sf_storage(layout.l2_sf(sf))),
+        (("w2",), "scale", lambda sf: layout_scales.sf_storage(layout.l2_sf(sf))),
     ]
     for projs, kind, transform in steps if reader.ckpt.dims.format.scaled else steps[::2]:
         for experts in _groups(logical_ids, group):
@@ -238,7 +238,7 @@ def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[
 
 def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
                  cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
-    """SGLang's SM90 FP8 layout (``layout.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
+    """SGLang's SM90 FP8 layout (``layout_sm90.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
     everything else (the L2 weight, both FP32 block scales) the checkpoint's bytes in w13 order."""
     steps = [(("w1", "w3"), "weight"), (("w1", "w3"), "scale"), (("w2",), "weight"), (("w2",), "scale")]
     for projs, kind in steps:
@@ -249,7 +249,7 @@ def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[in
                 yield reader.fp32_scales(layer, experts, projs)
             else:
                 stacked = reader.stacked(layer, experts, projs, kind)
-                yield layout.sm90_l1_weight(stacked) if projs == ("w1", "w3") else stacked
+                yield layout_sm90.sm90_l1_weight(stacked) if projs == ("w1", "w3") else stacked
 
 
 #: The same for every rank of a layer (a plan of 65536 ranks asks 65536 times per layer).

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megamoe_convert import layout
+from megamoe_convert import layout, layout_scales
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
@@ -88,7 +88,8 @@ def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k
     weight = ckpt.shared_entry(layer, proj, "weight")
     group = formats.SHARED_FORMAT.scale_group_k
     assert group is not None
-    return layout.expand_block_scales(files.read(ckpt.shared_entry(layer, proj, "scale")), weight.shape[0], k // group)
+    scale = files.read(ckpt.shared_entry(layer, proj, "scale"))
+    return layout_scales.expand_block_scales(scale, weight.shape[0], k // group)
 
 
 def shared_expert_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer) -> Iterator[torch.Tensor]:
@@ -97,6 +98,6 @@ def shared_expert_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer) ->
     w13 = torch.cat([files.read(ckpt.shared_entry(layer, p, "weight")) for p in ("w1", "w3")]).unsqueeze(0)
     yield layout.l1_weight(w13)
     sf13 = torch.cat([_shared_sf(ckpt, files, layer, p, h) for p in ("w1", "w3")]).unsqueeze(0)
-    yield layout.sf_storage(layout.l1_sf(sf13))
+    yield layout_scales.sf_storage(layout.l1_sf(sf13))
     yield layout.l2_weight(files.read(ckpt.shared_entry(layer, "w2", "weight")).unsqueeze(0))
-    yield layout.sf_storage(layout.l2_sf(_shared_sf(ckpt, files, layer, "w2", s).unsqueeze(0)))
+    yield layout_scales.sf_storage(layout.l2_sf(_shared_sf(ckpt, files, layer, "w2", s).unsqueeze(0)))

@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from megamoe_convert import jsonio, layout
+from megamoe_convert import jsonio, layout_scales
 from megamoe_convert.devices import usable_device
 from megamoe_convert.jsonio import Fields, one_line
 from megamoe_convert.layout import KernelWeights
@@ -254,7 +254,7 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
 # --------------------------------------------------------------------------------------
 
 #: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
-#: tensors go, scales in their storage form (``layout.sf_storage`` of the kernel's MN-major view).
+#: tensors go, scales in their storage form (``layout_scales.sf_storage`` of the kernel's MN-major view).
 Destinations = dict[str, torch.Tensor]
 
 
@@ -328,7 +328,7 @@ def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer
 def _kernel_form(d: Destinations, fmt: formats.WeightFormat) -> dict[str, torch.Tensor]:
     """File tensors -> the kernel's views (scales MN-major; an SM90 format's routed scales as stored)."""
     return {key: t if not key.endswith("_sf") else formats.sf_kernel_view(fmt, t) if key in formats.ROUTED_KEYS
-            else layout.sf_from_storage(t) for key, t in d.items()}
+            else layout_scales.sf_from_storage(t) for key, t in d.items()}
 
 
 # --------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import CheckpointError, MegamoeError  # noqa: F401
-from megamoe_convert.layout import check_dims
+from megamoe_convert.layout_checks import check_dims
 from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, parse_range
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily, TensorNames, detect

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megamoe_convert import jsonio, layout, layout_inverse
+from megamoe_convert import jsonio, layout_inverse, layout_scales
 from megamoe_convert.errors import FormatError  # noqa: F401
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
@@ -205,7 +205,7 @@ SHARED_KEYS = ("shared_l1_weight", "shared_l1_sf", "shared_l2_weight", "shared_l
 def sf_kernel_view(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
     """The kernel's view of a rank file's scale tensor: MN-major (a transposed view of the file's
     storage), or for an SM90 format the stored FP32 block scales themselves."""
-    return stored if fmt.kernel == "sm90" else layout.sf_from_storage(stored)
+    return stored if fmt.kernel == "sm90" else layout_scales.sf_from_storage(stored)
 
 
 def tensor_names(prefix: str) -> dict[str, str]:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from megamoe_convert.errors import SynthError  # noqa: F401
-from megamoe_convert.layout import check_dims
+from megamoe_convert.layout_checks import check_dims
 from megamoe_convert.output import preflight
 from megamoe_convert.output.writer import write_json_atomic, write_safetensors
 from megamoe_convert.source import families, formats

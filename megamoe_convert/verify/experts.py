@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megamoe_convert import layout
+from megamoe_convert import layout, layout_sm90
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.layout import KernelWeights
@@ -31,10 +31,10 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     reader = ExpertReader(ckpt, files, device)
     scaled = ckpt.dims.format.scaled
     if ckpt.dims.format.kernel == "sm90":  # SGLang's FP8 layout: only the L1 weight's rows move
-        return layout.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
-                                             reader.fp32_scales(layer, logical_ids, ("w1", "w3")),
-                                             reader.stacked(layer, logical_ids, ("w2",), "weight"),
-                                             reader.fp32_scales(layer, logical_ids, ("w2",)))
+        return layout_sm90.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+                                                  reader.fp32_scales(layer, logical_ids, ("w1", "w3")),
+                                                  reader.stacked(layer, logical_ids, ("w2",), "weight"),
+                                                  reader.fp32_scales(layer, logical_ids, ("w2",)))
     if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
         return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
                                         reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe_convert import layout, layout_inverse
+from megamoe_convert import layout_checks, layout_inverse, layout_scales
 from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.sglang.experts import check_ep_numbers
@@ -90,8 +90,8 @@ class MegaMoEContract(Contract):
         e, h, i = placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size
         expect(module, "w13_weight", torch.int8, (e, 2 * i, h // 2))
         expect(module, "w2_weight", torch.int8, (e, h, i // 2))
-        expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout.SCALE_BLOCK_K))
-        expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout.SCALE_BLOCK_K))
+        expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout_checks.SCALE_BLOCK_K))
+        expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout_checks.SCALE_BLOCK_K))
 
     def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """None: a module with fused shared-expert slots is refused (``refusal``)."""
@@ -122,7 +122,7 @@ class MegaMoEContract(Contract):
 
 def empty_sf_storage(experts: int, mn: int, k: int, module: EngineModule) -> torch.Tensor:
     """Contiguous int32 ``[E, K/128, MN]``: the storage of MN-major packed scales."""
-    return torch.empty((experts, layout.packed_k(k), layout.tma_aligned_mn(mn)), dtype=torch.int32,
+    return torch.empty((experts, layout_scales.packed_k(k), layout_scales.tma_aligned_mn(mn)), dtype=torch.int32,
                        device=module.w13_weight.device)
 
 
