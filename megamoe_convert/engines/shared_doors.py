@@ -13,10 +13,11 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from megamoe_convert.engines.contract import Contract
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -37,6 +38,8 @@ EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?(%s)" % "|".join(
 INSTALLED_ATTR = "megamoe_installed"
 #: A snapshot directory of the HF cache: ``.../models--owner--name/snapshots/<commit>``.
 HF_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
+#: What an engine feeds a model's ``load_weights``: ``(name, tensor)`` pairs.
+Weights = Iterable[tuple[str, torch.Tensor]]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ class ExpertTensorCount:
     tensors came) is a conversion nobody recognised, whose experts would stay zeros:
     :meth:`refusal` says so."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, weights: Weights) -> None:
         self.weights, self.experts, self.tensors = weights, 0, 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -128,8 +131,7 @@ class ExpertTensorCount:
                 f"conversion with --load-format {LOAD_FORMAT}, or rerun the megamoe convert that made it")
 
 
-def without_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], installed: Installed | None = None,
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+def without_expert_tensors(weights: Weights, installed: Installed | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The default safetensors iterator, minus routed-expert tensors and the shared-expert
     tensors ``installed`` put in place from the rank files (``Installed.skip``)."""
     skip = installed.skip if installed else frozenset()
@@ -159,8 +161,7 @@ def served_reference(model: str, revision: str | None) -> str:
     return f"{model}@{revision}" if revision and "@" not in model and not Path(model).exists() else model
 
 
-def load_checked(model: Any, load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any],
-                 weights: Iterable[tuple[str, torch.Tensor]], name: str, engine: str) -> Any:
+def load_checked(model: Any, load: Callable[[Weights], Any], weights: Weights, name: str, engine: str) -> Any:
     """``load(weights)`` for a MegaMoE model that is no recognised conversion: its first load is
     counted, and refused when the engine fed it tensors but not one routed expert
     (:class:`ExpertTensorCount`); later loads (and an installed model's) pass through."""
@@ -172,3 +173,43 @@ def load_checked(model: Any, load: Callable[[Iterable[tuple[str, torch.Tensor]]]
     if getattr(model, INSTALLED_ATTR, None) is None and (refusal := counted.refusal(name, engine)):
         raise InstallError(refusal)
     return loaded
+
+
+def install_once(model: Any, conversion: str, install: Callable[..., Installed]) -> Installed:
+    """The conversion's experts in ``model``: installed here unless the load format or an earlier
+    ``load_weights`` did, so that neither installs them twice."""
+    installed = getattr(model, INSTALLED_ATTR, None)
+    if installed is None:
+        installed = install(model, conversion, serving=True)
+        setattr(model, INSTALLED_ATTR, installed)
+    return installed
+
+
+def load_installing(model: Any, load: Callable[[Weights], Any], weights: Weights, conversion: str | None,
+                    install: Callable[..., Installed], contracts: Sequence[Contract], name: str, engine: str) -> Any:
+    """A MegaMoE model's ``load_weights`` behind either engine's doors: a conversion's experts
+    first (:func:`install_once`), then ``load`` of the rest; a model that is no conversion loads as
+    the engine loads it, its first load refused when the checkpoint held no routed expert
+    (:func:`load_checked`)."""
+    if conversion is not None:
+        return load(without_expert_tensors(weights, install_once(model, conversion, install)))
+    if not any(c.detect(m) for m in model.modules() for c in contracts):
+        return load(weights)
+    return load_checked(model, load, weights, name, engine)
+
+
+def revision_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The revision an engine's config reader was asked for: ``(model, trust_remote_code, revision, ...)``
+    in both engines."""
+    return kwargs.get("revision", args[1] if len(args) > 1 else None)
+
+
+def warn_if_unmarked(model: Any, config: Any, revision: str | None, engine: str) -> bool:
+    """Whether ``config``, read without the marker's section, is of a conversion made before the
+    marker existed (see :func:`is_unmarked_conversion`); if so, it says that ``engine`` without
+    megamoe-convert would serve it without experts."""
+    if not (may_be_conversion(getattr(config, "model_type", None)) and is_unmarked_conversion(model, revision)):
+        return False
+    log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but %s without "
+                "megamoe-convert would serve none; rerun the same megamoe convert", model, engine)
+    return True

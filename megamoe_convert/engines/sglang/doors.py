@@ -27,7 +27,6 @@ cached) is refused by the hooked ``load_weights``: SGLang fed it no routed-exper
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Iterable
 
 import torch
@@ -35,19 +34,15 @@ from torch import nn
 
 from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.engines.shared_doors import (
-    INSTALLED_ATTR,
     conversion_manifest,
-    is_unmarked_conversion,
-    load_checked,
-    may_be_conversion,
+    load_installing,
+    revision_argument,
     served_reference,
-    without_expert_tensors,
+    warn_if_unmarked,
 )
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
-
-log = logging.getLogger(__name__)
 
 #: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; the
 #: ``HookRegistry`` re-points those bindings).
@@ -76,11 +71,8 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
     """``AROUND`` hook of SGLang's ``get_config`` (see the module docstring)."""
     config = get_config(model, *args, **kwargs)
     section = marker.restore(config)
-    revision = kwargs.get("revision", args[1] if len(args) > 1 else None)
-    if section is None and may_be_conversion(getattr(config, "model_type", None)) and \
-            is_unmarked_conversion(model, revision):
-        log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but an SGLang "
-                    "without megamoe-convert would serve none; rerun the same megamoe convert", model)
+    revision = revision_argument(args, kwargs)
+    if section is None and warn_if_unmarked(model, config, revision, "SGLang"):
         section = {"converted_by": marker.TOOL}
         setattr(config, marker.SECTION, section)
     if section is None:
@@ -104,17 +96,9 @@ def conversion_of(model: nn.Module) -> str | None:
 def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
                         weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> Any:
     """``AROUND`` hook of the models' ``load_weights``: a conversion's experts first, then the rest."""
-    out = conversion_of(model)
-    if out is None:  # no conversion: SGLang's loading, checked once that the checkpoint had experts
-        if not any(c.detect(m) for m in model.modules() for c in CONTRACTS):
-            return load_weights(model, weights, *args, **kwargs)
-        name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-        return load_checked(model, lambda w: load_weights(model, w, *args, **kwargs), weights, str(name), "SGLang")
-    installed = getattr(model, INSTALLED_ATTR, None)
-    if installed is None:
-        installed = install_layers(model, out, serving=True)
-        setattr(model, INSTALLED_ATTR, installed)
-    return load_weights(model, without_expert_tensors(weights, installed), *args, **kwargs)
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
+    return load_installing(model, lambda w: load_weights(model, w, *args, **kwargs), weights, conversion_of(model),
+                           install_layers, CONTRACTS, str(name), "SGLang")
 
 
 def architecture_around(get_model_architecture: Callable[..., Any], model_config: Any, *args: Any,

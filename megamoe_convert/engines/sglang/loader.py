@@ -21,9 +21,9 @@ from torch import nn
 from megamoe_convert.engines.sglang import private_hooks
 from megamoe_convert.engines.sglang.install import install_layers
 from megamoe_convert.engines.shared_doors import (
-    INSTALLED_ATTR,
     LOAD_FORMAT,
     as_safetensors_config,
+    install_once,
     without_expert_tensors,
 )
 from megamoe_convert.serve.loader import prepare_gpu_staging
@@ -43,10 +43,7 @@ def experts_first(model_config: Any, model: nn.Module,
     """At the first weight asked for, before any is loaded: the rank's experts (unless the model's
     own ``load_weights`` hook installed the conversion already: :mod:`.doors`); then SGLang's
     weights minus the experts."""
-    installed = getattr(model, INSTALLED_ATTR, None)
-    if installed is None:
-        installed = install_layers(model, model_config.model_path, serving=True)
-        setattr(model, INSTALLED_ATTR, installed)
+    installed = install_once(model, model_config.model_path, install_layers)
     yield from without_expert_tensors(own(), installed)
 
 

@@ -41,10 +41,11 @@ from torch import nn
 from megamoe_convert.engines.shared_doors import (
     INSTALLED_ATTR,
     is_unmarked_conversion,
-    load_checked,
+    load_installing,
     may_be_conversion,
+    revision_argument,
     served_reference,
-    without_expert_tensors,
+    warn_if_unmarked,
 )
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
@@ -102,18 +103,12 @@ def make_model_class(base: Any, draft: bool) -> type:
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             out = getattr(self, CONVERSION_ATTR, None)
-            if getattr(self, INSTALLED_ATTR, None) is not None:
-                return super().load_weights(weights)  # --load-format megamoe installed
-            experts = [m for m in self.modules() if any(c.detect(m) for c in CONTRACTS)]
-            if out is None:  # no conversion: vLLM's loading, checked once that the checkpoint had experts
-                if not experts:
-                    return super().load_weights(weights)
-                return load_checked(self, super().load_weights, weights, getattr(self, MODEL_ATTR, base.__name__),
-                                    "vLLM")
-            names = installed_parameter_names(self, experts)  # before 0.30-0.32 release them
-            installed = install_layers(self, out, serving=True)
-            setattr(self, INSTALLED_ATTR, installed)
-            loaded = super().load_weights(without_expert_tensors(weights, installed))
+            names: set[str] = set()
+            if out is not None and getattr(self, INSTALLED_ATTR, None) is None:  # before 0.30-0.32 release them
+                names = installed_parameter_names(self, [m for m in self.modules()
+                                                         if any(c.detect(m) for c in CONTRACTS)])
+            loaded = load_installing(self, super().load_weights, weights, out, install_layers, CONTRACTS,
+                                     getattr(self, MODEL_ATTR, base.__name__), "vLLM")
             return loaded | names if isinstance(loaded, set) else loaded
 
     MegaMoEModel.__name__ = MegaMoEModel.__qualname__ = base.__name__
@@ -175,10 +170,8 @@ def make_config_parser(base: Any) -> type:
             if marker.restore(config) is not None:
                 refuse_family_vllm_cannot_serve(model, getattr(config, "model_type", None))
                 log.info("megamoe: %s is a megamoe-convert conversion of %s", model, config.architectures)
-            elif may_be_conversion(getattr(config, "model_type", None)) and is_unmarked_conversion(
-                    model, kwargs.get("revision", args[1] if len(args) > 1 else None)):
-                log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but a "
-                            "vLLM without megamoe-convert would serve none; rerun the same megamoe convert", model)
+            else:
+                warn_if_unmarked(model, config, revision_argument(args, kwargs), "vLLM")
             return config_dict, config
 
     return MegaMoEConfigParser
