@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import sglang_harness as h
 import torch
+from layout_probe_common import assert_refused_unless_opted_out
 from sglang.srt.layers.moe import mega_moe
 
 from megamoe_convert.engines import probe
@@ -104,17 +105,13 @@ def test_without_deep_gemm_the_probe_refuses_unless_the_caller_opts_out(sglang_c
     config = h.hf_config(sglang_ckpt)
     with h.patched(0, EP_SIZE, REDUNDANT), mock.patch.dict(sys.modules, {"deep_gemm": None}):
         main = h.build_main_model(config, 0, REDUNDANT)
-        before = _state(main)
-        with pytest.raises(InstallError) as e:
-            install(main, sglang_converted, rank=0)
-        assert _same(_state(main), before)
-        message = str(e.value)
-        assert "\n" not in message and "cannot run the engine's own loading code" in message
-        assert "deep_gemm" in message and "MEGAMOE_LAYOUT_PROBE=0" in message
-        monkeypatch.setenv("MEGAMOE_LAYOUT_PROBE", "0")
-        with caplog.at_level(logging.WARNING):
-            assert install(main, sglang_converted, rank=0) == config.num_hidden_layers
-    assert any("layout probe skipped" in r.getMessage() and "unchecked" in r.getMessage() for r in caplog.records)
+
+        def opted_out() -> int:
+            monkeypatch.setenv("MEGAMOE_LAYOUT_PROBE", "0")
+            return install(main, sglang_converted, rank=0)
+
+        assert_refused_unless_opted_out(lambda: _state(main), _same, lambda: install(main, sglang_converted, rank=0),
+                                        opted_out, config.num_hidden_layers, "deep_gemm", caplog)
 
 
 @pytest.mark.parametrize("family,preset", [("deepseek_v3", "deepseek-v3-tiny"), ("qwen3_moe", "qwen3-moe-tiny")])

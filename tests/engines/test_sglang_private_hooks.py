@@ -5,21 +5,13 @@ class feeds the model what it is given instead of SGLang's own iterator."""
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
 import torch
+from private_names import resolve
 
 from megamoe_convert.engines.sglang import loader, private_hooks
-
-
-def resolve(dotted: str) -> object:
-    module, _, path = dotted.partition(":")
-    found: object = importlib.import_module(module)
-    for part in path.split("."):
-        found = getattr(found, part)
-    return found
 
 
 @pytest.mark.parametrize("dotted", private_hooks.PRIVATE_NAMES)

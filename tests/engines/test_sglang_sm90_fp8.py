@@ -14,9 +14,9 @@ import pytest
 import sglang_fp8_harness as f
 import sglang_harness as h
 import torch
+from sglang_doors_harness import hooked_load_weights, load, parsed, tree_config
 
 from megamoe_convert.convert import ConvertOptions, convert
-from megamoe_convert.engines.sglang import doors as sglang_doors
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.engines.sglang.sm90_fp8 import CONTRACT
 from megamoe_convert.errors import InstallError
@@ -174,51 +174,6 @@ def test_an_mxfp4_conversion_into_fp8_modules_is_refused(fp8, sglang_converted):
 # The doors: every load format serves the experts, or refuses
 # --------------------------------------------------------------------------------------
 
-def plugins() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-
-
-def parsed(path):
-    from sglang.srt.utils.hf_transformers import config as config_py
-
-    plugins()
-    return config_py.get_config(str(path), trust_remote_code=False)
-
-
-def tree_config(ckpt, out):
-    config = f.hf_config(ckpt)
-    section = getattr(parsed(out), marker.SECTION, None)
-    if section is not None:
-        setattr(config, marker.SECTION, section)
-    return config
-
-
-def hooked(cls, seen: list[str]):
-    """``cls.load_weights`` as the plugin leaves it, SGLang's function recording what it is fed."""
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-
-    plugins()
-
-    def load_weights(self, weights, *args, **kwargs):
-        seen.extend(name for name, _ in weights)
-
-    return mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, sglang_doors.load_weights_around,
-                                                           HookType.AROUND))
-
-
-def load(load_format, model, out, config) -> None:
-    """SGLang's own loader for ``--load-format load_format``, as ``DefaultModelLoader.load_model`` runs it."""
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.model_loader.loader import get_model_loader
-
-    plugins()
-    loader = get_model_loader(LoadConfig(load_format=load_format))
-    model_config = types.SimpleNamespace(model_path=str(out), revision=None, hf_config=config)
-    loader.load_weights_and_postprocess(model, loader._get_all_weights(model_config, model), torch.device("cpu"))
-
-
 def test_sglang_reads_the_original_architecture_of_each_family(fp8):
     assert parsed(fp8["deepseek_v3"].converted).architectures == ["DeepseekV3ForCausalLM"]
     assert parsed(fp8["qwen3_moe"].converted).architectures == ["Qwen3MoeForCausalLM"]
@@ -235,7 +190,7 @@ def test_every_load_format_serves_the_pre_baked_experts(fp8, family, load_format
         config = tree_config(paths.ckpt, paths.converted)
         got = {}
         for model in models(family, config, 2):
-            with hooked(type(model), seen):
+            with hooked_load_weights(type(model), seen):
                 load(load_format, model, paths.converted, config)  # SGLang's post-processing runs here too
             got.update(f.experts_of(model))
         assert_as_sglang_builds(got, want)
@@ -250,7 +205,8 @@ def test_a_forgotten_megamoe_backend_is_refused_before_any_expert_is_read(fp8):
     seen: list[str] = []
     with f.patched(0, EP_SIZE, REDUNDANT, moe_a2a_backend="none"):
         model = f.build_main_model("deepseek_v3", tree_config(paths.ckpt, paths.converted), 0, REDUNDANT)
-        with hooked(type(model), seen), pytest.raises(InstallError, match="only with --moe-a2a-backend megamoe"):
+        with hooked_load_weights(type(model), seen), \
+                pytest.raises(InstallError, match="only with --moe-a2a-backend megamoe"):
             load("auto", model, paths.converted, model.config)
     assert not seen
 

@@ -4,22 +4,14 @@ each hook does what the loader, doors and weight cache rely on."""
 
 from __future__ import annotations
 
-import importlib
 import types
 
 import pytest
+from private_names import resolve
 
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.doors import DRAFTS, TARGETS
 from megamoe_convert.engines.vllm.weight_cache import with_conversion
-
-
-def resolve(dotted: str) -> object:
-    module, _, path = dotted.partition(":")
-    found: object = importlib.import_module(module)
-    for part in path.split("."):
-        found = getattr(found, part)
-    return found
 
 
 @pytest.mark.parametrize("dotted", private_hooks.PRIVATE_NAMES)
