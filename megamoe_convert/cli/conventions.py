@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 from typer._click import exceptions as click_exceptions
+from typer._click import utils as click_utils
 
 from megamoe_convert import ui
 from megamoe_convert.cli import signals
@@ -153,9 +154,12 @@ def print_json_error(message: str, exit_code: int) -> None:
 
 
 def run(group: Any, args: list[str], prog_name: str) -> int:
-    """Run the command line; returns the exit code."""
+    """Run the command line; returns the exit code. The command tree is invoked here, not through
+    ``group.main``: that turns a stop (Ctrl-C, SIGTERM) raised while parsing or in a command before
+    its body's error path (its deferred imports, say) into a bare exit 130 with nothing said."""
     try:
-        result = group.main(args, prog_name=prog_name, standalone_mode=False)
+        with group.make_context(prog_name, list(args)) as ctx:
+            result = group.invoke(ctx)
         return result if isinstance(result, int) else 0
     except click_exceptions.UsageError as e:
         e.message = plain_words(e.message)
@@ -165,13 +169,18 @@ def run(group: Any, args: list[str], prog_name: str) -> int:
         return e.exit_code
     except typer.Exit as e:
         return int(getattr(e, "exit_code", 0) or 0)
-    except typer.Abort as e:  # the parser turns a stop (Ctrl-C, SIGTERM) into Abort: say which
-        return _stopped(e.__cause__ if isinstance(e.__cause__, KeyboardInterrupt) else KeyboardInterrupt())
+    except typer.Abort as e:  # a prompt turns a stop (Ctrl-C, SIGTERM) into Abort: say which
+        stop = e.__cause__ or e.__context__
+        return _stopped(stop if isinstance(stop, KeyboardInterrupt) else KeyboardInterrupt())
     except KeyboardInterrupt as e:
         return _stopped(e)
     except click_exceptions.ClickException as e:
         e.show()
         return e.exit_code
+    except BrokenPipeError:  # help or output into a closed pipe (``| head``): exit 1 and nothing more said
+        sys.stdout = click_utils.PacifyFlushWrapper(sys.stdout)
+        sys.stderr = click_utils.PacifyFlushWrapper(sys.stderr)
+        return 1
 
 
 def _stopped(stop: KeyboardInterrupt) -> int:
