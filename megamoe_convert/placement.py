@@ -33,19 +33,9 @@ class Placement:
     physical_to_logical: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        n_physical = len(self.physical_to_logical)
-        if self.ep_size <= 0:
-            raise PlacementError(f"ep_size must be positive, got {self.ep_size}")
-        if n_physical % self.ep_size:
-            raise PlacementError(f"{n_physical} physical experts do not divide over ep_size={self.ep_size} "
-                                 f"(n_routed + num_redundant must be a multiple of the EP size)")
-        bad = [x for x in self.physical_to_logical if not 0 <= x < self.n_logical]
-        if bad:
-            raise PlacementError(f"logical expert id {bad[0]} out of range [0, {self.n_logical})")
-        missing = sorted(set(range(self.n_logical)) - set(self.physical_to_logical))
-        if missing:
-            raise PlacementError(f"logical experts {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
-                                 f"physical slot ({len(missing)} of {self.n_logical} missing)")
+        problem = slots_problem(self.n_logical, self.ep_size, self.physical_to_logical)
+        if problem is not None:
+            raise PlacementError(problem)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -65,10 +55,9 @@ class Placement:
             raise PlacementError(f"{source}: expected a JSON list of integer logical expert ids, one per physical slot")
         if len(ids) > MAX_PHYSICAL_EXPERTS:
             raise PlacementError(f"{source}: {len(ids)} physical slots, at most {MAX_PHYSICAL_EXPERTS} supported")
-        try:
-            return cls(n_logical, ep_size, tuple(ids))
-        except PlacementError as e:
-            raise PlacementError(f"{source}: {e}") from None
+        if (problem := slots_problem(n_logical, ep_size, ids)) is not None:
+            raise PlacementError(f"{source}: {problem}")
+        return cls(n_logical, ep_size, tuple(ids))
 
     @classmethod
     def from_file(cls, path: Path, n_logical: int, ep_size: int) -> "Placement":
@@ -146,18 +135,17 @@ class Placement:
                 "physical_to_logical": list(self.physical_to_logical)}
 
     @classmethod
-    def from_json(cls, data: Any, where: object = "placement", error: type[Exception] = PlacementError) -> "Placement":
+    def from_json(cls, data: Any, where: object = "placement") -> "Placement":
         """:meth:`to_json`'s object, every field checked: the derived ones must agree with the list.
-        A problem is ``error`` (the reader's own class: a manifest's placement is a manifest problem)."""
-        f = jsonio.Fields(where, error)
+        A problem is a :class:`PlacementError` naming ``where`` (the file the object is read from)."""
+        f = jsonio.Fields(where, PlacementError)
         f.obj(data, name="placement")
         ep_size = f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE, name="placement.ep_size")
         n_logical = f.int(data, "n_logical", lo=1, hi=MAX_PHYSICAL_EXPERTS, name="placement.n_logical")
         ids = f.ints(data, "physical_to_logical", name="placement.physical_to_logical", max_len=MAX_PHYSICAL_EXPERTS)
-        try:
-            placement = cls(n_logical, ep_size, tuple(ids))
-        except PlacementError as e:
-            raise f.fail(f"placement: {e}") from None
+        if (problem := slots_problem(n_logical, ep_size, ids)) is not None:
+            raise f.fail(f"placement: {problem}")
+        placement = cls(n_logical, ep_size, tuple(ids))
         derived = placement.to_json()
         for key in ("num_redundant", "experts_per_rank", "default"):
             if key in data and (data[key] != derived[key] or type(data[key]) is not type(derived[key])):
@@ -230,6 +218,24 @@ def _own_count_placement(placement: Placement, n_logical: int) -> Placement:
                              f"{placement.num_redundant} redundant ones: {n_physical} physical experts are not "
                              f"divisible by ep_size={placement.ep_size}")
     return Placement.default(n_logical, placement.ep_size, placement.num_redundant)
+
+
+def slots_problem(n_logical: int, ep_size: int, ids: Sequence[int]) -> str | None:
+    """What makes ``ids`` (one logical expert per physical slot) no placement over ``ep_size`` ranks,
+    or ``None``: the constructors that read a file check first, so their error names the file."""
+    if ep_size <= 0:
+        return f"ep_size must be positive, got {ep_size}"
+    if len(ids) % ep_size:
+        return (f"{len(ids)} physical experts do not divide over ep_size={ep_size} "
+                f"(n_routed + num_redundant must be a multiple of the EP size)")
+    bad = [x for x in ids if not 0 <= x < n_logical]
+    if bad:
+        return f"logical expert id {bad[0]} out of range [0, {n_logical})"
+    missing = sorted(set(range(n_logical)) - set(ids))
+    if missing:
+        return (f"logical experts {missing[:8]}{'...' if len(missing) > 8 else ''} have no "
+                f"physical slot ({len(missing)} of {n_logical} missing)")
+    return None
 
 
 def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:

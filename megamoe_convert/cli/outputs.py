@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megamoe_convert.cli.describe import engine_problems, serve_command
-from megamoe_convert.errors import ManifestError, MegamoeError, UsageError
+from megamoe_convert.errors import ManifestError, MegamoeError, PlacementError, UsageError
 from megamoe_convert.output.manifest import Manifest, is_tool_output
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.resume import read_state_json
@@ -127,7 +127,7 @@ def refuse_as_source(src: str, command: str, ep_size: int | None = None) -> None
 
     try:
         manifest = read_manifest(path)
-    except ManifestError:  # a file named manifest.json that is no megamoe manifest: the source's own, never copied
+    except (ManifestError, PlacementError):  # a manifest.json that is no megamoe manifest: the source's own
         return
     what = (f"a megamoe store of {manifest.family}" if manifest.store else
             f"a megamoe conversion of {manifest.family} for EP {manifest.ep_size} ({manifest.engine})")

@@ -5,7 +5,8 @@ the conversion holds (dims, placement, engine, family, ranks, layers, every file
 and checksum); :meth:`Manifest.from_json` checks every field (through :mod:`jsonio`'s typed
 reads), the seal (:mod:`seal`) and that the manifest agrees with itself
 (:func:`manifest_problems`) before any reader uses it. Every problem is a :class:`ManifestError`
-naming the file and the field.
+naming the file and the field, but the placement's own, which its parser raises as a
+:class:`PlacementError` naming the same file.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any, where: str = MANIFEST_NAME, sealed: bool = True) -> "Manifest":
         """Parse and validate (:func:`manifest_problems`); any problem is a :class:`ManifestError`
-        naming the file and the field. ``sealed=False``: a manifest being assembled (``merge``)."""
+        (a :class:`PlacementError` for the placement object) naming the file and the field.
+        ``sealed=False``: a manifest being assembled (``merge``)."""
         f = jsonio.Fields(where, ManifestError)
         f.obj(data, name="the manifest")
         if data.get("format") != FORMAT_NAME:
@@ -229,7 +231,7 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
                      mtp_n_routed_experts=f.int(dims_data, "mtp_n_routed_experts", lo=1, hi=MAX_PHYSICAL_EXPERTS,
                                                 name="dims.mtp_n_routed_experts")
                      if "mtp_n_routed_experts" in dims_data else 0)
-    placement = Placement.from_json(f.obj(data, "placement"), f.where, ManifestError)
+    placement = Placement.from_json(f.obj(data, "placement"), f.where)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
     engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's

@@ -41,6 +41,7 @@ from megamoe_convert import __version__, jsonio
 from megamoe_convert.errors import (
     HubError,  # noqa: F401
     ManifestError,
+    PlacementError,
 )
 from megamoe_convert.output import ranged
 from megamoe_convert.output.clearing import remove_owned
@@ -306,7 +307,7 @@ def _remove_older(local: Path, manifest: Manifest, drop_store: bool) -> None:
     is ever served under the new manifest; then the older manifest itself."""
     try:
         older = read_manifest(local).files if (local / MANIFEST_NAME).is_file() else []
-    except ManifestError:
+    except (ManifestError, PlacementError):  # no finished conversion's record: nothing of it to remove
         older = []
     new = {r.path: r for r in manifest.files}
     stale = [r for r in older if new.get(r.path) != r]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from megamoe_convert.devices import usable_device
-from megamoe_convert.errors import LoadError, ManifestError, UsageError
+from megamoe_convert.errors import LoadError, ManifestError, PlacementError, UsageError
 from megamoe_convert.output import marker, ranged
 from megamoe_convert.output.compare import (
     check_family,
@@ -163,8 +163,8 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
         numerics_config(ckpt)  # a source whose numbers cannot be computed with: refused first too
     try:
         manifest = read_manifest(out)
-    except ManifestError as e:  # not (or no longer) a finished conversion, or one that contradicts itself
-        for problem in e.problems:
+    except (ManifestError, PlacementError) as e:  # no finished conversion, or one that contradicts itself
+        for problem in e.problems if isinstance(e, ManifestError) else [str(e)]:
             report.problem(MANIFEST_NAME, problem.removeprefix(f"{out / MANIFEST_NAME}: ").removeprefix(f"{out}: "))
         return report
     chosen = manifest.ranks if ranks is None else parse_ranks(ranks, manifest.ep_size)  # default: what was converted
