@@ -134,23 +134,35 @@ def _inspect_conversion(out: Path, as_json: bool) -> None:
         print_json(info)
         return
     sizes = info["sizes"]
-    table = Table(title=f"{info['path']} (a megamoe conversion)", show_header=False)
+    _print_output(info, "a megamoe conversion", [
+        ("converted for", f"{info['engine']}, EP {info['ep_size']}"),
+        ("ranks present", f"{describe_ranks(info['ranks'], info['ep_size'])} of {info['ep_size']}"),
+        ("MoE layers", _describe_layers(info["layers"])),
+        ("experts", f"{info['n_routed_experts']} routed + {info['num_redundant_experts']} redundant, "
+                    f"{info['experts_per_rank']} per rank; placement {info['placement']}"),
+    ], f"{human_bytes(sizes['expert_bytes_per_rank'])} per rank, {human_bytes(sizes['total_bytes'])} in all")
+
+
+def _print_output(info: dict[str, Any], kind: str, rows: list[tuple[str, str]], size: str) -> None:
+    """What a conversion or a store is (its family and format, then ``rows`` of its own kind, then what
+    both record: shared expert, layout identity, coverage and ``size``), and the commands that serve it."""
+    table = Table(title=f"{info['path']} ({kind})", show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("model family / weight format", f"{info['model_family']} / {info['weight_format']}")
-    table.add_row("converted for", f"{info['engine']}, EP {info['ep_size']}")
-    table.add_row("ranks present", f"{describe_ranks(info['ranks'], info['ep_size'])} of {info['ep_size']}")
-    table.add_row("MoE layers", ", ".join(info["layers"]) if len(info["layers"]) <= 8 else
-                  f"{len(info['layers'])} ({info['layers'][0]} .. {info['layers'][-1]})")
-    table.add_row("experts", f"{info['n_routed_experts']} routed + {info['num_redundant_experts']} redundant, "
-                             f"{info['experts_per_rank']} per rank; placement {info['placement']}")
+    for row in rows:
+        table.add_row(*row)
     table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
     table.add_row("layout identity", _describe_layout(info["layout"]))
     table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
-    table.add_row("size", f"{human_bytes(sizes['expert_bytes_per_rank'])} per rank, "
-                          f"{human_bytes(sizes['total_bytes'])} in all")
+    table.add_row("size", size)
     out_console.print(table)
     _print_serve(info["serve"])
+
+
+def _describe_layers(layers: list[str]) -> str:
+    """The MoE layers, each named up to eight, else their count and the first and last."""
+    return ", ".join(layers) if len(layers) <= 8 else f"{len(layers)} ({layers[0]} .. {layers[-1]})"
 
 
 def _print_serve(serve: dict[str, dict[str, Any]]) -> None:
@@ -175,25 +187,14 @@ def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int,
     if as_json:
         print_json(info)
         return
-    table = Table(title=f"{info['path']} (a megamoe store: every logical expert once, for any EP size)",
-                  show_header=False)
-    table.add_column("", style="bold")
-    table.add_column("")
-    table.add_row("model family / weight format", f"{info['model_family']} / {info['weight_format']}")
-    table.add_row("MoE layers", ", ".join(info["layers"]) if len(info["layers"]) <= 8 else
-                  f"{len(info['layers'])} ({info['layers'][0]} .. {info['layers'][-1]})")
-    table.add_row("experts", f"{info['n_routed_experts']} routed, each once (slots, redundant experts and the "
-                             "placement are the server's choice)")
-    for name, how in info["serve"].items():
-        table.add_row(f"EP sizes for {name}" + (f" with {redundant} redundant" if redundant else ""),
-                      ", ".join(map(str, how["ep_sizes"])) or "none")
-    table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
-    table.add_row("layout identity", _describe_layout(info["layout"]))
-    table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
-    table.add_row("size", f"{human_bytes(info['sizes']['expert_bytes_total'])} of experts, "
-                          f"{human_bytes(info['sizes']['total_bytes'])} in all")
-    out_console.print(table)
-    _print_serve(info["serve"])
+    sizes = info["sizes"]
+    _print_output(info, "a megamoe store: every logical expert once, for any EP size", [
+        ("MoE layers", _describe_layers(info["layers"])),
+        ("experts", f"{info['n_routed_experts']} routed, each once (slots, redundant experts and the placement "
+                    "are the server's choice)"),
+        *((f"EP sizes for {name}" + (f" with {redundant} redundant" if redundant else ""),
+           ", ".join(map(str, how["ep_sizes"])) or "none") for name, how in info["serve"].items()),
+    ], f"{human_bytes(sizes['expert_bytes_total'])} of experts, {human_bytes(sizes['total_bytes'])} in all")
     if reads is not None:
         out_console.print(reads_table(reads))
     else:
