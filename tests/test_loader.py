@@ -21,6 +21,7 @@ from megamoe_convert.output.seal import seal
 from megamoe_convert.serve import loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.source import formats
 from megamoe_convert.synth.write import synthesize
 
 
@@ -203,6 +204,49 @@ def test_cuda_load_equals_cpu_load(tiny_converted):
                 assert torch.equal(a, b.cpu())
 
 
+def _into(converted: Path, rank: int, device: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Caller-owned destinations of one rank, filled with a marker byte, in the rank files' form."""
+    manifest = read_manifest(converted)
+    into = {}
+    for layer, record in loader.check_rank_files(converted, manifest, rank, manifest.layers, False).items():
+        entries = loader.check_shard(loader.read_header(converted / record.path), manifest, layer, rank)
+        into[layer.prefix] = {key: _marked(torch.empty(e.shape, dtype=formats.torch_dtype(e.dtype), device=device))
+                              for key, e in entries.items() if key != "logical_ids"}
+    return into
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    t.view(torch.uint8).fill_(0x5A)
+    return t
+
+
+def _untouched(into: dict[str, dict[str, torch.Tensor]]) -> bool:
+    return all(bool((t.view(torch.uint8) == 0x5A).all()) for d in into.values() for t in d.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_before_writes_runs_before_any_byte_lands_and_its_refusal_leaves_every_destination_as_it_was(
+        tiny_converted, device):
+    """An install's probe runs beside the load's reads: nothing is written until it returns, and what
+    it raises stops the load with every destination untouched (on the GPU, with the reads ahead)."""
+    into = _into(tiny_converted, 1, device)
+
+    def refuse():
+        assert _untouched(into)
+        raise MegamoeError("the probe says no")
+
+    with pytest.raises(MegamoeError, match="the probe says no"):
+        load_rank(tiny_converted, 1, into=into, before_writes=refuse)
+    assert _untouched(into)
+    calls = []
+    loaded = load_rank(tiny_converted, 1, into=into, before_writes=lambda: calls.append(_untouched(into)))
+    assert calls and all(calls)  # called (once per GPU lane), each time before any byte had landed
+    for prefix, layer in load_rank(tiny_converted, 1).items():
+        for a, b in zip((*layer.l1, *layer.l2), (*loaded[prefix].l1, *loaded[prefix].l2), strict=True):
+            assert torch.equal(a, b.cpu())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
@@ -257,6 +301,7 @@ def test_cuda_staging_ring_is_page_locked_either_way_and_loads_exact_bytes(tiny_
 import torch
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.source import formats
 ring = staging.shared_ring()
 assert all(b.is_pinned() for b in ring.buffers), "ring buffers are not page-locked"
 assert (ring._mapping is not None) == {fast_pin == "1"}, "the ring was not pinned the requested way"

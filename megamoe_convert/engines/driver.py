@@ -1,6 +1,7 @@
 """The install driver every engine shares: open the conversion once, check every module, run the
 engine's own loading code on one synthetic expert (:mod:`.probe`: its bytes must be the conversion's
-layout), then put each layer's bytes straight into its module's storage.
+layout) beside the load's first reads, then put each layer's bytes straight into its module's
+storage once the probe has passed.
 
 An :class:`Engine` says how to find its MegaMoE modules, which checkpoint layer each one is,
 what its own rank is and what it checks beyond the contract; the driver does the rest, so an
@@ -10,9 +11,10 @@ error in one module never leaves another half-installed.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from torch import nn
 
@@ -21,7 +23,7 @@ from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.output.layout_identity import comparable_fingerprints
 from megamoe_convert.placement import Placement
-from megamoe_convert.serve.loader import ConvertedModel, load_rank, open_converted
+from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer, load_rank, open_converted
 from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
 from megamoe_convert.source.layers import MoELayer
@@ -100,26 +102,37 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         converted = replace(converted, placements=_engine_placements(engine, planned, converted, rank))
     for module, contract, layer in planned:
         engine.check(module, contract, layer, converted, rank)
-    probe_layouts(planned, converted, probe)  # the engine's own bytes, before any module changes
+    # The engine's own bytes, checked before any module changes: the probe runs beside the load's
+    # first reads, and no byte lands in a module until it has passed.
+    probing = layout_probe.in_background(lambda: probe_layouts(planned, converted, probe))
+    try:
+        loaded = _load(planned, converted, rank, verify, probing.result)
+        probing.result()  # a load that wrote nothing still waits for the probe's word
+    finally:
+        wait([probing])
     kinds = {layer.key: contract.shared_kinds(module, converted) for module, contract, layer in planned}
     shared = tuple(key for key, k in kinds.items() if k)
     skip = frozenset(converted.names.shared(layer, proj, kind) for _, _, layer in planned
                      for kind in kinds[layer.key] for proj in SHARED_PROJECTIONS)
-    # Every layer in one pipelined read: the bytes go into each module's own storage, so no
-    # second copy of any layer is made, and the reads never drain between layers.
-    into = {layer.prefix: contract.destinations(module, converted) for module, contract, layer in planned}
-    if converted.manifest.store:
-        placements = converted.placements
-        loaded = load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in placements},
-                            starts={layer: p.experts_start(rank) for layer, p in placements.items()},
-                            into={layer: into[layer.prefix] for layer in placements}, verify=verify)
-    else:
-        loaded = load_rank(converted, rank, verify=verify, into=into)
     for module, contract, layer in planned:
         contract.finish(module, loaded[layer.prefix])
     log.info("megamoe: installed %d MegaMoE layers (%d with their shared expert) for %s EP rank %d from %s",
              len(planned), len(shared), engine.name, rank, converted.path)
     return Installed(tuple(layer.key for _, _, layer in planned), shared, skip)
+
+
+def _load(planned: list[tuple[nn.Module, Contract, MoELayer]], converted: ConvertedModel, rank: int, verify: bool,
+          before_writes: Callable[[], None]) -> dict[str, ExpertLayer]:
+    """Every layer in one pipelined read: the bytes go into each module's own storage, so no second
+    copy of any layer is made, and the reads never drain between layers."""
+    into = {layer.prefix: contract.destinations(module, converted) for module, contract, layer in planned}
+    if not converted.manifest.store:
+        return load_rank(converted, rank, verify=verify, into=into, before_writes=before_writes)
+    placements = converted.placements
+    return load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in placements},
+                      starts={layer: p.experts_start(rank) for layer, p in placements.items()},
+                      into={layer: into[layer.prefix] for layer in placements}, verify=verify,
+                      before_writes=before_writes)
 
 
 def _engine_placements(engine: Engine, planned: list[tuple[nn.Module, Contract, MoELayer]],

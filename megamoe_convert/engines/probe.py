@@ -21,9 +21,10 @@ import logging
 import os
 import re
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata, util
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -41,9 +42,6 @@ from megamoe_convert.output.layout_identity import (
 )
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +111,30 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
                                f"but this engine's own loading code gives {value} for {probe.where}: it was "
                                "written with another layout; convert it again with this megamoe-convert")
     return done
+
+
+def in_background(probes: Callable[[], None]) -> Future[None]:
+    """Run ``probes`` (an install's) on the probe's own thread, beside the load's first reads, in the
+    caller's torch context: its CUDA device, its default device (vLLM loads under ``with
+    torch.device(...)``, and an engine's loader may allocate by default) and its autograd modes."""
+    default = torch.get_default_device()
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run() -> None:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+        with torch.device(default), torch.set_grad_enabled(grad), torch.inference_mode(inference):
+            probes()
+
+    global _thread
+    if _thread is None:
+        _thread = ThreadPoolExecutor(1, thread_name_prefix="megamoe-layout-probe")
+    return _thread.submit(run)
+
+
+#: The probe's thread (made at the first install).
+_thread: ThreadPoolExecutor | None = None
 
 
 def skipped(where: str) -> None:

@@ -287,7 +287,7 @@ def _read_cpu(fd: int, path: Path, entries: dict[str, TensorEntry], dests: Desti
 
 
 def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
-               dests: dict[MoELayer, Destinations]) -> None:
+               dests: dict[MoELayer, Destinations], before_writes: staging.BeforeWrites) -> None:
     """Fill every destination (all on one CUDA device) through the pinned ring."""
     device = next(iter(next(iter(dests.values())).values())).device
     ranges: list[staging.Range] = []
@@ -298,16 +298,16 @@ def _load_cuda(out: Path, files: dict[MoELayer, FileRecord], headers: dict[MoELa
             fds.append(fd)
             ranges += [(fd, headers[layer][key].begin, dest.view(torch.uint8).reshape(-1))
                        for key, dest in dests[layer].items()]
-        staging.fill_device(ranges, device)
+        staging.fill_device(ranges, device, before_writes)
     finally:
         for fd in fds:
             os.close(fd)
 
 
 def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer, dict[str, TensorEntry]],
-          dests: dict[MoELayer, Destinations]) -> None:
+          dests: dict[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
     """Read every layer's file tensors into its destinations: CUDA ones through the pinned ring,
-    CPU ones with one ``preadv`` each."""
+    CPU ones with one ``preadv`` each (``before_writes``: :data:`staging.BeforeWrites`)."""
     by_device: dict[torch.device, dict[MoELayer, Destinations]] = {}
     on_cpu: dict[MoELayer, Destinations] = {}
     for layer, d in dests.items():
@@ -315,7 +315,9 @@ def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer
             part = by_device.setdefault(t.device, {}) if t.device.type == "cuda" else on_cpu
             part.setdefault(layer, {})[key] = t
     for group in by_device.values():
-        _load_cuda(out, {layer: records[layer] for layer in group}, headers, group)
+        _load_cuda(out, {layer: records[layer] for layer in group}, headers, group, before_writes)
+    if on_cpu and before_writes is not None:
+        before_writes()
     for layer, d in on_cpu.items():
         path = out / records[layer].path
         fd = os.open(path, os.O_RDONLY)
@@ -338,7 +340,7 @@ def _kernel_form(d: Destinations, fmt: formats.WeightFormat) -> dict[str, torch.
 def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch.device = "cpu", *,
               layers: str | Iterable[str] | None = None, verify: bool = False,
               ep_size: int | None = None, into: Mapping[str, Destinations] | None = None,
-              ) -> dict[str, ExpertLayer]:
+              before_writes: staging.BeforeWrites = None) -> dict[str, ExpertLayer]:
     """Load one EP rank's MegaMoE expert tensors from a converted directory.
 
     Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
@@ -352,7 +354,9 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
 
     ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,
     e.g. an engine's parameters: the bytes go straight there, on whatever device each lives,
-    and no second copy of a layer is ever allocated. ``device`` is then ignored.
+    and no second copy of a layer is ever allocated. ``device`` is then ignored. ``before_writes``
+    is called before the first byte lands in them, while the reads go ahead: what it raises stops
+    the load with nothing written (an install's layout probe runs meanwhile).
     """
     for name, value in (("rank", rank), ("ep_size", 0 if ep_size is None else ep_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -360,7 +364,7 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     device = usable_device(device)
     converted = open_converted(out, [rank])
     try:  # a file or folder that cannot be read (permissions, I/O error) is a LoadError too
-        return _load_rank(converted, rank, device, layers, verify, ep_size, into)
+        return _load_rank(converted, rank, device, layers, verify, ep_size, into, before_writes)
     except OSError as e:
         raise LoadError(one_line(f"{e.filename or converted.path}: cannot be read ({e.strerror or e})")) from None
 
@@ -372,7 +376,7 @@ STORE_RANK_READER: Callable[..., dict[str, ExpertLayer]] | None = None
 
 def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
                      verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None,
-                     ) -> dict[str, ExpertLayer]:
+                     before_writes: staging.BeforeWrites) -> dict[str, ExpertLayer]:
     """Rank ``rank`` of EP ``ep_size`` from a store, with vLLM's default placement (no redundant slots):
     its slots' experts read out of the store (``serve.store.load_slots`` takes any other placement)."""
     out, manifest = converted.path, converted.manifest
@@ -383,14 +387,15 @@ def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device,
         raise LoadError(f"rank {rank} is out of range for ep_size={ep_size} (ranks 0..{ep_size - 1})")
     assert STORE_RANK_READER is not None, "megamoe_convert.serve.store registers the store reader"
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
-    return STORE_RANK_READER(converted, rank, ep_size, chosen, device, verify, into)
+    return STORE_RANK_READER(converted, rank, ep_size, chosen, device, verify, into, before_writes)
 
 
 def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layers: str | Iterable[str] | None,
-               verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None) -> dict[str, ExpertLayer]:
+               verify: bool, ep_size: int | None, into: Mapping[str, Destinations] | None,
+               before_writes: staging.BeforeWrites = None) -> dict[str, ExpertLayer]:
     out, manifest = converted.path, converted.manifest
     if manifest.store and (ep_size not in (None, 1) or rank != 0):
-        return _load_store_rank(converted, rank, device, layers, verify, ep_size, into)
+        return _load_store_rank(converted, rank, device, layers, verify, ep_size, into, before_writes)
     if ep_size is not None and ep_size != manifest.ep_size:
         raise LoadError(f"{out} was converted for ep_size={manifest.ep_size}, not {ep_size}; "
                         f"convert again with --ep-size {ep_size} (or without --ep-size: a store serves every EP size)")
@@ -411,7 +416,7 @@ def _load_rank(converted: ConvertedModel, rank: int, device: torch.device, layer
         dests = {by_prefix[prefix]: d for prefix, d in into.items()}
         for layer, d in dests.items():
             check_destinations(layer.prefix, d, headers[layer])
-        _fill(out, records, headers, dests)
+        _fill(out, records, headers, dests, before_writes)
     elif device.type == "cuda":
         dests = {layer: _empty_destinations(headers[layer], device) for layer in records}
         _fill(out, records, headers, dests)

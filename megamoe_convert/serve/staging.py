@@ -41,7 +41,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -267,6 +267,11 @@ def prepare_gpu_staging() -> threading.Thread | None:
         return _PINNING
 
 
+#: Called before a load's first write into its destinations (an install's layout probe): it returns
+#: once they may be written, or raises to stop the load with nothing written (``None``: at once).
+BeforeWrites = Callable[[], None] | None
+
+
 @dataclass
 class Piece:
     """One read of a file range into (a slice of) a device tensor."""
@@ -335,19 +340,21 @@ def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
 
 
 def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadPoolExecutor,
-               copier: device_copy.Copier) -> None:
+               copier: device_copy.Copier, before_writes: BeforeWrites = None) -> None:
     """Every piece of ``queue`` to the device, through the lanes: each reads into its own buffers
     and queues their copies on its own stream. Returns once every copy is done; on an error, once
     every lane has stopped reading and its copies are done (no lane writes into a buffer, and no
     copy reads one, after the next load owns it), raising the first error. The lanes' shape is a
-    warm or a cold load's (:func:`lane_shape`), as the load's ends are in the page cache or not."""
+    warm or a cold load's (:func:`lane_shape`), as the load's ends are in the page cache or not.
+    ``before_writes``: each lane calls it before its first device copy (its reads go ahead), and
+    stops with what it raises."""
     shape = ring.last_shape = lane_shape(len(ring.buffers), cold=not in_page_cache(queue.ends))
     events, streams = ring.tools_for(device, shape.parts)
     views, piece_bytes = ring.views(shape.parts), ring.nbytes // shape.parts
     lanes = min(shape.lanes, len(streams))
 
     def lane(i: int) -> None:
-        own, stream, turn = views[i::lanes], streams[i], 0
+        own, stream, turn, cleared = views[i::lanes], streams[i], 0, before_writes is None
         owned_events = events[i::lanes]
         if getattr(_BOUND, "device", None) != device:
             copier.bind(device)
@@ -359,6 +366,9 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
                 copier.wait(event)  # this buffer's last copy is done
                 staged = buffer[:piece.dest.numel()]
                 read_into(piece.fd, piece.file_offset, staged)
+                if not cleared:
+                    before_writes()  # type: ignore[misc]  # None only when cleared
+                    cleared = True
                 copier.copy(piece.dest, staged, stream)
                 copier.record(event, stream)
         except BaseException:
@@ -393,9 +403,10 @@ def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.c
 Range = tuple[int, int, torch.Tensor]
 
 
-def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
+def fill_device(ranges: Iterable[Range], device: torch.device, before_writes: BeforeWrites = None) -> None:
     """Every range into its (one ``device``'s) destination through the process's ring; the
-    copies are done when it returns."""
+    copies are done when it returns. ``before_writes``: called before the first byte lands in a
+    destination (the reads start at once): what it raises stops the load with nothing written."""
     queue = WorkQueue(ranges)
     ring = shared_ring()  # waits for a ring still being pinned in the background
     readers = shared_readers()
@@ -407,4 +418,4 @@ def fill_device(ranges: Iterable[Range], device: torch.device) -> None:
         caller_done.record(torch.cuda.current_stream(index))
         for stream in streams:
             stream.wait_event(caller_done)  # after the caller's work (the destinations' memory may be reused)
-        _lane_copy(queue, ring, index, readers, copier)
+        _lane_copy(queue, ring, index, readers, copier, before_writes)

@@ -179,23 +179,25 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(-1)
 
 
-def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]]) -> None:
+def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]], before_writes: staging.BeforeWrites) -> None:
     """Every read into CUDA destinations (one device) through the process's pinned ring."""
     device = next(iter(jobs[0][2].values())).device
     ranges: list[staging.Range] = []
     for fd, reads, dests in jobs:
         ranges += [(fd, r.file_offset, _flat(dests[r.key])[r.dest_offset:r.dest_offset + r.nbytes]) for r in reads]
-    staging.fill_device(ranges, device)
+    staging.fill_device(ranges, device, before_writes)
 
 
 def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]],
-          dests: dict[MoELayer, Destinations]) -> None:
+          dests: dict[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
     fds: dict[MoELayer, int] = {}
     try:
         cuda: dict[torch.device, list[tuple[int, list[Read], Destinations]]] = {}
         for layer, layer_reads in reads.items():
             fd = fds[layer] = os.open(path_of[layer], os.O_RDONLY)
             on_cpu = [r for r in layer_reads if dests[layer][r.key].device.type != "cuda"]
+            if on_cpu and before_writes is not None:
+                before_writes()
             for read in on_cpu:
                 dest = _flat(dests[layer][read.key])[read.dest_offset:read.dest_offset + read.nbytes]
                 read_into(fd, read.file_offset, dest, path_of[layer])
@@ -203,7 +205,7 @@ def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]],
                 if dests[layer][read.key].device.type == "cuda":
                     cuda.setdefault(dests[layer][read.key].device, []).append((fd, [read], dests[layer]))
         for jobs in cuda.values():
-            _fill_cuda(jobs)
+            _fill_cuda(jobs, before_writes)
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -211,12 +213,13 @@ def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]],
 
 def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]], *, starts: Mapping[MoELayer, int]
                | None = None, device: str | torch.device = "cpu", into: Mapping[MoELayer, Destinations] | None = None,
-               verify: bool = False) -> dict[str, ExpertLayer]:
+               verify: bool = False, before_writes: staging.BeforeWrites = None) -> dict[str, ExpertLayer]:
     """Fill each layer's destinations for local slots holding logical experts ``slots[layer]`` from a store.
 
     ``into``: caller-owned tensors (an engine's), in the rank-file form (scales' storage), of
     ``len(slots[layer])`` experts; without it, new tensors on ``device``. ``starts``: each layer's
-    first physical slot, for the result. Returns ``{prefix: ExpertLayer}`` like :func:`loader.load_rank`.
+    first physical slot, for the result. ``before_writes``: as :func:`loader.load_rank`'s. Returns
+    ``{prefix: ExpertLayer}`` like :func:`loader.load_rank`.
     """
     out, manifest = converted.path, converted.manifest
     if not manifest.store:
@@ -248,7 +251,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
              for layer in slots}
     if served is not None:
         check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()}, served)
-    _fill({layer: out / records[layer].path for layer in slots}, reads, dests)
+    _fill({layer: out / records[layer].path for layer in slots}, reads, dests, before_writes)
     return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer], manifest.dims.format), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
 
@@ -336,13 +339,13 @@ def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ran
 
 def load_store_rank(converted: ConvertedModel, rank: int, ep_size: int, layers: Sequence[MoELayer],
                     device: torch.device, verify: bool, into: Mapping[str, Destinations] | None,
-                    ) -> dict[str, ExpertLayer]:
+                    before_writes: staging.BeforeWrites = None) -> dict[str, ExpertLayer]:
     """``load_rank(store, rank, ep_size=N)``: the rank's slots under vLLM's default placement."""
     placements = store_placements(converted.manifest, ep_size, where=converted.path, error=LoadError)
     by_prefix = {layer.prefix: layer for layer in layers}
     return load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in layers},
                       starts={layer: placements[layer].experts_start(rank) for layer in layers},
-                      device=device, verify=verify,
+                      device=device, verify=verify, before_writes=before_writes,
                       into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
 
 
