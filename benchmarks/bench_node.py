@@ -182,7 +182,8 @@ def schedule(forms: list[str], caches: list[str], rnd: int) -> list[tuple[str, s
     for kind in order:
         for cache in caches:
             if kind == "ceilings":
-                plan += [("disk_read", "cold")] if cache == "cold" else [("host_read", "warm"), ("h2d", "warm")]
+                plan += ([("disk_read", "cold"), ("disk_read_ranks", "cold")] if cache == "cold"
+                         else [("pipe", "warm"), ("host_read", "warm"), ("h2d", "warm")])
             elif kind == "ipc_cache":
                 plan += [] if cache == "cold" else [(kind, "restart")]  # reads nothing from disk
             else:

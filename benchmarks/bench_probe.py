@@ -7,14 +7,16 @@ modules on the GPU (vLLM 0.33's ``DeepGemmMegaMoEExperts``, through ``tests/engi
 only the SM100 check and the process groups are patched) and installs one rank's layers into them:
 
   probed      ``install(model, OUT, rank)``: the probe runs vLLM's own ``weight_loader`` on the
-              synthetic expert first (timed on its own, with the GPU memory it allocates), then
-              the layer loads;
+              synthetic expert (timed on its own, phase by phase, with the GPU memory it
+              allocates) beside the load's first reads, which write nothing until it has passed;
   unprobed    ``install(model, OUT, rank, probe=False)``: the first load alone, the denominator.
 
 The two alternate ``--repeat`` times (each in a fresh process, page cache warm unless ``--cold``).
-Reported: the probe's time and its share of the first load (median), its peak GPU allocation and
-one expert's bytes (routed, the conversion's format and dims), and whether every probed run's
-experts are byte-identical to the unprobed ones.
+Reported (medians): the probe's own time; how long the load's lanes waited for it before their
+first write (``gate_wait_s``: what the probe adds to a GPU load's critical path); the probed and
+unprobed first loads (their difference is the same cost, measured through the runs' noise); its
+peak GPU allocation against one expert's bytes (routed, the conversion's format and dims); and
+whether every probed run's experts are byte-identical to the unprobed ones.
 
 vLLM comes from ``--vllm PATH``: the folder holding ``vllm/`` (a pip install's ``site-packages``), or
 several joined with ``:`` as ``python tests/engine_envs.py vllm==0.33.0`` prints them for the
@@ -93,6 +95,33 @@ def _timed_probe(stats: dict[str, Any], device: Any) -> None:
             stats["probe_calls"] = stats.get("probe_calls", 0) + 1
 
     probe.check_layout = timed
+    _timed_gate(stats)
+
+
+def _timed_gate(stats: dict[str, Any]) -> None:
+    """Wrap the staging's fill to time how long the load's lanes wait for the probe before their first
+    write (``gate_wait_s``, the longest wait): the probe runs beside the first reads, so this, not
+    its own time, is what it adds to the load on the GPU."""
+    import threading
+
+    from megamoe_convert.serve import staging
+
+    fill, lock = staging.fill_device, threading.Lock()
+
+    def timed_fill(ranges: Any, device: Any, before_writes: Any = None) -> None:
+        if before_writes is None:
+            return fill(ranges, device)
+
+        def gate() -> None:
+            start = time.perf_counter()
+            try:
+                before_writes()
+            finally:
+                with lock:
+                    stats["gate_wait_s"] = max(stats.get("gate_wait_s", 0.0), time.perf_counter() - start)
+        return fill(ranges, device, gate)
+
+    staging.fill_device = timed_fill
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +149,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
         install_s = time.perf_counter() - start
     experts = h.experts_of(model)
-    return {"method": args.child, "install_s": install_s, "load_s": install_s - stats.get("probe_s", 0.0), **stats,
+    return {"method": args.child, "install_s": install_s, **stats,
             "fingerprint": _fingerprint([t for m in experts.values() for t in h.kernel_view(m)])}
 
 
@@ -182,11 +211,16 @@ def summarize(runs: list[dict[str, Any]], expert_bytes: int) -> dict[str, Any]:
     unprobed = [r for r in runs if r["method"] == "unprobed"]
     probe_s = statistics.median(r["probe_s"] for r in probed)
     first_load_s = statistics.median(r["install_s"] for r in unprobed)
+    probed_load_s = statistics.median(r["install_s"] for r in probed)
+    waits = [r["gate_wait_s"] for r in probed if "gate_wait_s" in r]
+    gate_wait_s = statistics.median(waits) if waits else None
     gpu = [r["probe_gpu_bytes"] for r in probed if "probe_gpu_bytes" in r]
     phases = {name: statistics.median(r["probe_phases"].get(name, 0.0) for r in probed)
               for name in sorted({n for r in probed for n in r.get("probe_phases", {})})}
     return {"probe_s": probe_s, "probe_phases_s": phases, "first_load_s": first_load_s,
-            "probe_share_of_first_load": probe_s / first_load_s,
+            "probe_share_of_first_load": probe_s / first_load_s, "gate_wait_s": gate_wait_s,
+            "gate_wait_share_of_first_load": gate_wait_s / first_load_s if gate_wait_s is not None else None,
+            "probed_first_load_s": probed_load_s, "added_share_of_first_load": probed_load_s / first_load_s - 1,
             "probe_gpu_bytes": max(gpu) if gpu else None, "one_expert_bytes": expert_bytes,
             "probe_gpu_bytes_per_expert": max(gpu) / expert_bytes if gpu else None,
             "identical": len({r["fingerprint"] for r in runs}) == 1}

@@ -31,8 +31,10 @@ FORMS = {
     "megamoe_store": ("install", "megamoe", False),
     "ipc_cache": ("ipc", "ipc_cache", False),
 }
-#: The ceilings' kinds: the node's disk (cold), and page cache -> pinned and pinned -> device (warm).
-CEILINGS = ("disk_read", "host_read", "h2d")
+#: The ceilings' kinds: the node's disk (cold: one reader of the node's files, and every rank reading
+#: its own at once), and page cache -> pinned -> device with every rank at once (warm: the path as
+#: one pipeline, and its halves timed apart).
+CEILINGS = ("disk_read", "disk_read_ranks", "pipe", "host_read", "h2d")
 #: The Python packages vLLM's iterator for a load format imports.
 FORMAT_PACKAGES = {"fastsafetensors": "fastsafetensors", "instanttensor": "instanttensor",
                    "runai_streamer": "runai_model_streamer"}
@@ -136,7 +138,7 @@ def _cuda_platform():
 def skip_reason(kind: str) -> str | None:
     import torch
 
-    if kind in ("fastsafetensors", "instanttensor", "h2d") and not torch.cuda.is_available():
+    if kind in ("fastsafetensors", "instanttensor", "h2d", "pipe") and not torch.cuda.is_available():
         return "needs a CUDA GPU (it reads onto the device)"
     package = FORMAT_PACKAGES.get(kind)
     if package and importlib.util.find_spec(package) is None:
@@ -224,6 +226,13 @@ def prepare_ceiling(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
 
     if kind == "disk_read":  # the node's files, one reader of 64 threads x 4 MB
         return Prepared(HostRead(shape.node_files(), 64, 4 << 20).run)
+    if kind == "disk_read_ranks":  # this rank's files, every rank at once, 32 threads x 4 MB
+        return Prepared(HostRead(rank_files(shape.per_rank, rank), 32, 4 << 20).run)
+    if kind == "pipe":  # this rank's files to its GPU through pinned buffers, the loader's threads and pieces
+        from bench_load import PipeCopy
+
+        pipe = PipeCopy(rank_files(shape.per_rank, rank), 16, 16 << 20, _device())
+        return Prepared(pipe.run)
     if kind == "host_read":  # this rank's files, the loader's threads and pieces
         return Prepared(HostRead(rank_files(shape.per_rank, rank), 16, 16 << 20).run)
     nbytes = sum(f.stat().st_size for f in rank_files(shape.per_rank, rank))
