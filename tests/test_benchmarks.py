@@ -140,12 +140,12 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
     node, piece = ({(r["form"], r["cache"]): r for r in step["rows"]} for step in result["steps"])
     for rows, forms in ((node, ("auto", "auto_ep_filter", "megamoe_per_rank", "megamoe_store")),
                         (piece, ("auto_ep_filter", "megamoe_store"))):
-        assert sorted(f for f, _ in rows) == sorted([*forms, "host_read", "h2d"] +
+        assert sorted(f for f, _ in rows) == sorted([*forms, "pipe", "host_read", "h2d"] +
                                                     (["instanttensor", "ipc_cache"] if rows is node else []))
         for form in (*forms, "host_read"):
             row = rows[(form, "warm")]
             assert [r["rank"] for r in row["ranks"]] == [0, 1] and row["node_wall_s"] > 0, row
-        assert "needs a CUDA GPU" in rows[("h2d", "warm")]["skipped"]
+        assert "needs a CUDA GPU" in rows[("h2d", "warm")]["skipped"] and "needs a CUDA GPU" in rows[("pipe", "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
