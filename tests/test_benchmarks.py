@@ -145,7 +145,8 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
         for form in (*forms, "host_read"):
             row = rows[(form, "warm")]
             assert [r["rank"] for r in row["ranks"]] == [0, 1] and row["node_wall_s"] > 0, row
-        assert "needs a CUDA GPU" in rows[("h2d", "warm")]["skipped"] and "needs a CUDA GPU" in rows[("pipe", "warm")]["skipped"]
+        for ceiling in ("h2d", "pipe"):
+            assert "needs a CUDA GPU" in rows[(ceiling, "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
