@@ -110,34 +110,35 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def read_regular(path: Path, error: type[E], what: str, max_bytes: int) -> bytes:
+def read_regular(path: Path, error: type[E], what: str, max_bytes: int, hint: str = "") -> bytes:
     """The bytes of ``path``, which must be a regular file of at most ``max_bytes``: the one way
     every input document is opened. It is opened non-blocking, so a FIFO (or a device) under the
-    name is refused instead of blocking forever; its size is checked before anything is read."""
+    name is refused instead of blocking forever; its size is checked before anything is read.
+    ``hint`` ends every error (what to do about it, where the caller knows)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise error(f"{path}: missing {what}") from None
+        raise error(f"{path}: missing {what}{hint}") from None
     except OSError as e:
-        raise error(f"{path}: unreadable {what} ({e.strerror or e})") from None
+        raise error(f"{path}: unreadable {what} ({e.strerror or e}){hint}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: {what} is {_file_kind(st.st_mode)}, not a regular file")
+            raise error(f"{path}: {what} is {_file_kind(st.st_mode)}, not a regular file{hint}")
         if st.st_size > max_bytes:
-            raise error(f"{path}: {what} is {st.st_size} bytes, more than one can hold ({max_bytes})")
+            raise error(f"{path}: {what} is {st.st_size} bytes, more than one can hold ({max_bytes}){hint}")
         os.set_blocking(fd, True)
         chunks, total = [], 0
         while total <= max_bytes and (chunk := os.read(fd, min(16 << 20, max_bytes + 1 - total))):
             chunks.append(chunk)
             total += len(chunk)
     except OSError as e:
-        raise error(f"{path}: unreadable {what} ({e.strerror or e})") from None
+        raise error(f"{path}: unreadable {what} ({e.strerror or e}){hint}") from None
     finally:
         os.close(fd)
     raw = b"".join(chunks)
     if len(raw) > max_bytes:  # it grew while being read
-        raise error(f"{path}: {what} is more than {max_bytes} bytes, more than one can hold")
+        raise error(f"{path}: {what} is more than {max_bytes} bytes, more than one can hold{hint}")
     return raw
 
 

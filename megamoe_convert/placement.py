@@ -41,12 +41,9 @@ class Placement:
     @classmethod
     def default(cls, n_logical: int, ep_size: int, num_redundant: int = 0) -> "Placement":
         """vLLM's default placement: slot ``p`` holds ``p % n_logical``."""
-        check_counts(n_logical, ep_size, num_redundant)
-        n_physical = n_logical + num_redundant
-        if n_physical % ep_size:
-            raise PlacementError(f"n_routed_experts ({n_logical}) + num_redundant_experts ({num_redundant}) = "
-                                 f"{n_physical} is not divisible by ep_size={ep_size}")
-        return cls(n_logical, ep_size, tuple(p % n_logical for p in range(n_physical)))
+        if (problem := default_problem(n_logical, ep_size, num_redundant)) is not None:
+            raise PlacementError(problem)
+        return cls(n_logical, ep_size, tuple(p % n_logical for p in range(n_logical + num_redundant)))
 
     @classmethod
     def from_list(cls, ids: Sequence[Any], n_logical: int, ep_size: int, source: str = "placement") -> "Placement":
@@ -181,9 +178,10 @@ def check_file_fields(extra: dict[str, Any], placement: Placement, engine: str, 
 
 
 def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None,
-                    mtp_like_decoder: bool = False) -> Placement:
+                    mtp_like_decoder: bool = False, where: str = "") -> Placement:
     """The placement ``engine`` builds one layer with, given the decoder layers' ``placement``
-    and the layer's own logical expert count ``n_logical`` (``None``: the decoder layers').
+    and the layer's own logical expert count ``n_logical`` (``None``: the decoder layers');
+    a layer it cannot build is a :class:`PlacementError` led by ``where`` (the layer's name).
 
     vLLM uses one placement for every layer of the decoder's expert count; a layer with its own
     (DeepSeek-V4.1's DSpark MTP layers) gets vLLM's default placement of that count with the
@@ -192,32 +190,38 @@ def layer_placement(engine: str, placement: Placement, is_mtp: bool, n_logical: 
     ``p`` holds logical ``p``; a family whose NextN layer SGLang builds like a decoder layer
     (``mtp_like_decoder``: DeepSeek-V3, GLM-4.5) gets the decoder layers' placement.
     """
-    if engine not in ENGINES:
-        raise PlacementError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
+    problem = layer_placement_problem(engine, placement, is_mtp, n_logical, mtp_like_decoder)
+    if problem is not None:
+        raise PlacementError(f"{where}{problem}")
     n_logical = placement.n_logical if n_logical is None else n_logical
-    if n_logical != placement.n_logical and engine == "vllm":
-        return _own_count_placement(placement, n_logical)
+    if n_logical != placement.n_logical and engine == "vllm":  # the default one, with the decoder's redundant
+        return Placement.default(n_logical, placement.ep_size, placement.num_redundant)
     if engine != "sglang" or not is_mtp or mtp_like_decoder:
         return placement
-    if n_logical % placement.ep_size:
-        raise PlacementError(f"SGLang builds the MTP layer with {n_logical} experts and no redundant "
-                             f"ones, which do not divide over ep_size={placement.ep_size}")
     return Placement.default(n_logical, placement.ep_size)
 
 
-def _own_count_placement(placement: Placement, n_logical: int) -> Placement:
-    """vLLM's placement of a layer with ``n_logical`` experts of its own: the default one, with the
-    decoder layers' redundant experts; refused where vLLM's own assertion would refuse to build it."""
-    if not placement.is_default():
-        raise PlacementError(f"an explicit placement lists the decoder layers' {placement.n_logical} experts, but "
-                             f"vLLM builds the layers with {n_logical} experts of their own with its default one; "
-                             "convert them with the default placement or leave them out (--layers)")
-    n_physical = n_logical + placement.num_redundant
-    if n_physical % placement.ep_size:
-        raise PlacementError(f"vLLM builds the layers with {n_logical} experts of their own with "
-                             f"{placement.num_redundant} redundant ones: {n_physical} physical experts are not "
-                             f"divisible by ep_size={placement.ep_size}")
-    return Placement.default(n_logical, placement.ep_size, placement.num_redundant)
+def layer_placement_problem(engine: str, placement: Placement, is_mtp: bool, n_logical: int | None = None,
+                            mtp_like_decoder: bool = False) -> str | None:
+    """Why ``engine`` cannot build the layer (:func:`layer_placement`), or ``None``: for a caller that
+    says more in the one error it raises (which layers do build, what to run instead)."""
+    if engine not in ENGINES:
+        return f"unknown engine {engine!r} (known: {', '.join(ENGINES)})"
+    n_logical = placement.n_logical if n_logical is None else n_logical
+    if n_logical != placement.n_logical and engine == "vllm":  # vLLM's own assertion would refuse these
+        if not placement.is_default():
+            return (f"an explicit placement lists the decoder layers' {placement.n_logical} experts, but "
+                    f"vLLM builds the layers with {n_logical} experts of their own with its default one; "
+                    "convert them with the default placement or leave them out (--layers)")
+        n_physical = n_logical + placement.num_redundant
+        if n_physical % placement.ep_size:
+            return (f"vLLM builds the layers with {n_logical} experts of their own with "
+                    f"{placement.num_redundant} redundant ones: {n_physical} physical experts are not "
+                    f"divisible by ep_size={placement.ep_size}")
+    elif engine == "sglang" and is_mtp and not mtp_like_decoder and n_logical % placement.ep_size:
+        return (f"SGLang builds the MTP layer with {n_logical} experts and no redundant "
+                f"ones, which do not divide over ep_size={placement.ep_size}")
+    return None
 
 
 def slots_problem(n_logical: int, ep_size: int, ids: Sequence[int]) -> str | None:
@@ -240,14 +244,31 @@ def slots_problem(n_logical: int, ep_size: int, ids: Sequence[int]) -> str | Non
 
 def check_counts(n_logical: int, ep_size: int, num_redundant: int = 0) -> None:
     """Counts must be integers within bounds before anything is built from them."""
+    if (problem := counts_problem(n_logical, ep_size, num_redundant)) is not None:
+        raise PlacementError(problem)
+
+
+def counts_problem(n_logical: int, ep_size: int, num_redundant: int = 0) -> str | None:
+    """What makes the counts no integers within bounds (:func:`check_counts`), or ``None``."""
     for name, value, lo, hi in (("n_routed_experts", n_logical, 1, MAX_PHYSICAL_EXPERTS),
                                 ("ep_size", ep_size, 1, MAX_EP_SIZE),
                                 ("num_redundant_experts", num_redundant, 0, MAX_PHYSICAL_EXPERTS - n_logical)):
         if not isinstance(value, int) or isinstance(value, bool):
-            raise PlacementError(f"{name} must be an integer, got {value!r}")
+            return f"{name} must be an integer, got {value!r}"
         if not lo <= value <= max(lo, hi):
-            raise PlacementError(f"{name}={value} is outside {lo}..{max(lo, hi)} "
-                                 f"(at most {MAX_PHYSICAL_EXPERTS} physical experts, ep_size at most {MAX_EP_SIZE})")
+            return (f"{name}={value} is outside {lo}..{max(lo, hi)} "
+                    f"(at most {MAX_PHYSICAL_EXPERTS} physical experts, ep_size at most {MAX_EP_SIZE})")
+    return None
+
+
+def default_problem(n_logical: int, ep_size: int, num_redundant: int = 0) -> str | None:
+    """Why vLLM's default placement of these counts cannot be built (:meth:`Placement.default`),
+    or ``None``: for a caller that says more in the one error it raises (the EP sizes that work)."""
+    problem = counts_problem(n_logical, ep_size, num_redundant)
+    if problem is None and (n_logical + num_redundant) % ep_size:
+        problem = (f"n_routed_experts ({n_logical}) + num_redundant_experts ({num_redundant}) = "
+                   f"{n_logical + num_redundant} is not divisible by ep_size={ep_size}")
+    return problem
 
 
 def parse_range(part: str, flag: str, example: str, limit: int, error: type[Exception] = PlacementError,

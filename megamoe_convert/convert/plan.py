@@ -21,7 +21,9 @@ from megamoe_convert.placement import (
     Placement,
     PlacementError,
     check_file_fields,
+    default_problem,
     layer_placement,
+    layer_placement_problem,
 )
 from megamoe_convert.source.checkpoint import Checkpoint, parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
@@ -103,35 +105,28 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                                                                  placement_file=options.placement_file,
                                                                  placement=placement)):
             raise ConvertError(f"{ckpt.root}: {problem}")
+    elif (problem := default_problem(n, options.ep_size, options.num_redundant_experts)) is not None:
+        raise PlacementError(f"{problem}; {_sizes_text(ckpt, options, layers)}")
     else:
-        try:
-            placement = Placement.default(n, options.ep_size, options.num_redundant_experts)
-        except PlacementError as e:
-            raise PlacementError(f"{e}; {_sizes_text(ckpt, options, layers)}") from None
+        placement = Placement.default(n, options.ep_size, options.num_redundant_experts)
     for layer in layers:
-        try:
-            layer_placement(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
-                            family.sglang_mtp_like_decoder)
-        except PlacementError as e:
+        problem = layer_placement_problem(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+                                          family.sglang_mtp_like_decoder)
+        if problem is not None:
             failing = _failing(ckpt, options.engine, placement, layers)
             keep = [layer for layer in layers if layer not in failing]
             left_out = ", ".join(layer.key for layer in failing)
             way_out = f"or leave {left_out} out: --layers {layer_spec(keep)}" if keep else ""
-            raise PlacementError(f"{layer.key} ({ckpt.dims.experts_of(layer)} experts): {e}; "
-                                 f"{_sizes_text(ckpt, options, layers)}{'; ' + way_out if way_out else ''}") from None
+            raise PlacementError(f"{layer.key} ({ckpt.dims.experts_of(layer)} experts): {problem}; "
+                                 f"{_sizes_text(ckpt, options, layers)}{'; ' + way_out if way_out else ''}")
     return placement
 
 
 def _failing(ckpt: Checkpoint, engine: str, placement: Placement, layers: Sequence[MoELayer]) -> list[MoELayer]:
     assert ckpt.family is not None
-    failing = []
-    for layer in layers:
-        try:
-            layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
-                            ckpt.family.sglang_mtp_like_decoder)
-        except PlacementError:
-            failing.append(layer)
-    return failing
+    return [layer for layer in layers
+            if layer_placement_problem(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+                                       ckpt.family.sglang_mtp_like_decoder) is not None]
 
 
 def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: Sequence[MoELayer]) -> list[int]:
@@ -219,11 +214,8 @@ class Plan:
         if self.options.store:
             return Placement.default(self.ckpt.dims.experts_of(layer), 1)
         assert self.ckpt.family is not None
-        try:
-            return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
-                                   self.ckpt.family.sglang_mtp_like_decoder)
-        except PlacementError as e:
-            raise PlacementError(f"{layer.key}: {e}") from None
+        return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
+                               self.ckpt.family.sglang_mtp_like_decoder, where=f"{layer.key}: ")
 
     def source_paths(self) -> dict[str, Path]:
         """Every source file read: shards and copied small files."""
@@ -260,11 +252,9 @@ SHARD_BY = ("layer", "rank")
 def parse_shard(spec: str) -> tuple[int, int]:
     """``"2/8"`` -> ``(2, 8)``: part 2 of 8, numbered from 0 (a Kubernetes completion index)."""
     index, sep, count = spec.strip().partition("/")
-    try:
-        i, n = (jsonio.parse_uint(text, "--shard", ConvertError, 0, 1 << 16) for text in (index, count))
-    except ConvertError:
-        raise ConvertError(f"--shard: cannot parse {spec!r} "
-                           "(expected I/N, e.g. 0/8 for the first of 8 parts)") from None
+    if not all(jsonio.is_uint(text) and int(text) <= 1 << 16 for text in (index, count)):
+        raise ConvertError(f"--shard: cannot parse {spec!r} (expected I/N, e.g. 0/8 for the first of 8 parts)")
+    i, n = int(index), int(count)
     if not sep or n < 1 or not 0 <= i < n:
         raise ConvertError(f"--shard {spec}: need 0 <= I < N (parts are numbered from 0, e.g. 0/8 .. 7/8)")
     return i, n

@@ -150,10 +150,8 @@ def _number(text: Any, key: str, where: str, default: float, lo: float, hi: floa
     if value is None or (value == 0 and not isinstance(value, bool) and isinstance(value, (int, float))):
         return default
     f = jsonio.Fields(where, CheckpointError)
-    try:
-        return f.number({key: value}, key, lo=lo, hi=hi, name=f"config field {key!r}", lo_open=lo_open)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e} (a problem of the source checkpoint)") from None
+    return f.number({key: value}, key, lo=lo, hi=hi, name=f"the source checkpoint's config field {key!r}",
+                    lo_open=lo_open)
 
 
 def numerics_config(ckpt: Checkpoint) -> NumericsConfig:

@@ -45,11 +45,8 @@ def read_journal(path: Path) -> dict[str, FileRecord]:
         return {}
     if path.is_symlink():
         raise ConvertError(f"{path}: the journal is a symbolic link; remove it (the files it listed are then redone)")
-    try:
-        raw = jsonio.read_regular(path, ConvertError, "journal", jsonio.MAX_JOURNAL_BYTES)
-    except ConvertError as e:  # the same error, with what to do about it
-        raise ConvertError(f"{e}; nothing was changed: fix or remove it "
-                           "(the files it listed are then redone)") from None
+    raw = jsonio.read_regular(path, ConvertError, "journal", jsonio.MAX_JOURNAL_BYTES,
+                              "; nothing was changed: fix or remove it (the files it listed are then redone)")
     records = (_journal_line(line) for line in raw.splitlines() if line.strip())
     return {r.path: r for r in records if r is not None}
 

@@ -116,11 +116,12 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
             OSError, *_network_errors())
 
 
-def _snapshot(repo_id: str, revision: str | None, **kwargs: Any) -> Path:
+def _snapshot(repo_id: str, revision: str | None, note: str = "", **kwargs: Any) -> Path:
+    """The repo's files through the HF cache; a hub problem is a :class:`HubError` ending with ``note``."""
     try:
         return Path(huggingface_hub.snapshot_download(repo_id, repo_type=REPO_TYPE, revision=revision, **kwargs))
     except _hub_errors() as e:
-        raise HubError(_describe(repo_id, revision, e)) from None
+        raise HubError(_describe(repo_id, revision, e) + note) from None
 
 
 # --------------------------------------------------------------------------------------
@@ -202,8 +203,9 @@ def select_files(manifest: Manifest, ranks: Sequence[int], non_expert: bool = Tr
 
 
 def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, where: str, workers: int = 8,
-                 missing: str = "missing") -> None:
-    """Every record present under ``root`` with its size (and checksum): else :class:`HubError`."""
+                 missing: str = "missing", refusing: str = "") -> None:
+    """Every record present under ``root`` with its size (and checksum): else :class:`HubError`
+    (its message led by ``refusing``, what the caller will not do)."""
 
     def check(record: FileRecord) -> None:
         path = root / record.path
@@ -213,7 +215,7 @@ def verify_files(root: Path, records: Sequence[FileRecord], checksums: bool, whe
         elif problem and problem.startswith("checksum"):
             problem += "; corrupted download or cache: rerun with --force-download"
         if problem:
-            raise HubError(f"{path}: {problem}")
+            raise HubError(f"{refusing}{path}: {problem}")
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(check, records))
@@ -230,15 +232,16 @@ class Pinned:
     where: str
 
 
-def pin(repo_id: str, revision: str | None = None, force_download: bool = False) -> Pinned:
+def pin(repo_id: str, revision: str | None = None, force_download: bool = False, note: str = "") -> Pinned:
     """The manifest alone, through the cache: its snapshot directory is named by the commit, which
-    then pins every other file (and every range) of the pull to that commit."""
+    then pins every other file (and every range) of the pull to that commit (``note`` ends the
+    error when the hub does not give it)."""
     ref = parse_repo_ref(repo_id)
     if ref is None:
         raise HubError(f"{repo_id}: not a Hugging Face repo id (expected owner/name)")
     repo_id, rev = ref
     revision = revision or rev
-    first = _snapshot(repo_id, revision, allow_patterns=[MANIFEST_NAME], force_download=force_download)
+    first = _snapshot(repo_id, revision, note, allow_patterns=[MANIFEST_NAME], force_download=force_download)
     where = f"{repo_id}@{revision or 'main'}"
     if not (first / MANIFEST_NAME).exists():
         raise HubError(f"{where}: no {MANIFEST_NAME}: not a megamoe conversion, or its `megamoe push` did not finish")
@@ -250,15 +253,16 @@ def pin(repo_id: str, revision: str | None = None, force_download: bool = False)
 
 def pull(repo_id: str, ranks: str | Iterable[int] | None = None, local_dir: Path | str | None = None,
          revision: str | None = None, *, non_expert: bool = True, verify: bool = True,
-         force_download: bool = False, max_workers: int = 8, experts: bool = True) -> PullResult:
+         force_download: bool = False, max_workers: int = 8, experts: bool = True, note: str = "") -> PullResult:
     """Download a pushed conversion's manifest, small files, non-expert shards (unless
     ``non_expert=False``) and the shards of ``ranks`` (``"0-7"``, a list, or ``None`` for all);
     then check sizes and (``verify``) checksums of everything downloaded.
 
     ``local_dir=None`` downloads into the HF cache and returns the snapshot directory. Into
-    ``local_dir``, the pull is one transaction bound to the commit (:func:`pull_into`).
+    ``local_dir``, the pull is one transaction bound to the commit (:func:`pull_into`). ``note``
+    ends the error when the hub cannot give the repo at all (:func:`pin`).
     """
-    pinned = pin(repo_id, revision, force_download)
+    pinned = pin(repo_id, revision, force_download, note)
     chosen_ranks = _parse_pull_ranks(ranks, pinned.manifest, pinned.where)
     records, patterns = select_files(pinned.manifest, chosen_ranks, non_expert, experts)
     if local_dir is None:
@@ -370,17 +374,14 @@ def resolve_converted(out_or_repo: Path | str, ranks: Iterable[int] | None = Non
     manifest, the small files and those ranks' shards (``non_expert=True`` adds the non-expert
     shards), sizes checked (``verify``: checksums too), and the snapshot directory returned.
 
-    A hub problem is a :class:`~megamoe_convert.errors.HubError` that also says the name is no local
-    directory; a conversion that came down but cannot be read raises its own class.
+    A repo the hub cannot give is a :class:`~megamoe_convert.errors.HubError` that also says the
+    name is no local directory; any later problem raises its own class.
     """
     path = Path(out_or_repo)
     if path.exists() or parse_repo_ref(str(out_or_repo)) is None:
         return path
-    try:
-        return pull(str(out_or_repo), None if ranks is None else list(ranks), None, revision,
-                    non_expert=non_expert, verify=verify).path
-    except HubError as e:  # the same error, saying the name was tried as a local directory first
-        raise HubError(f"{e} ({out_or_repo} is not a local directory either)") from None
+    return pull(str(out_or_repo), None if ranks is None else list(ranks), None, revision,
+                non_expert=non_expert, verify=verify, note=f" ({out_or_repo} is not a local directory either)").path
 
 
 # --------------------------------------------------------------------------------------
@@ -413,10 +414,7 @@ def push(out: Path | str, repo_id: str, *, revision: str | None = None, private:
     if parse_repo_ref(repo_id) is None or "@" in repo_id:
         raise HubError(f"{repo_id}: not a Hugging Face repo id (expected owner/name; use --revision for a branch)")
     where = f"{repo_id}@{revision or 'main'}"
-    try:
-        verify_files(out, manifest.files, verify, str(out / MANIFEST_NAME))
-    except HubError as e:
-        raise HubError(f"not pushing {out}: {e}") from None
+    verify_files(out, manifest.files, verify, str(out / MANIFEST_NAME), refusing=f"not pushing {out}: ")
     card = model_card(out, manifest, repo_id, revision)
     local_manifest = jsonio.read_regular(out / MANIFEST_NAME, HubError, "manifest", jsonio.MAX_MANIFEST_BYTES)
     message = commit_message or f"megamoe-convert {__version__}: EP {manifest.ep_size} MegaMoE shards"

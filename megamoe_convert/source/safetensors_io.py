@@ -95,10 +95,9 @@ def read_header(path: Path) -> SafetensorsHeader:
     except OSError as e:
         raise SafetensorsError(f"{path}: cannot read: {e.strerror or e}") from None
     fields = jsonio.Fields(path, SafetensorsError)
-    try:
-        header = fields.obj(jsonio.parse(raw, path, SafetensorsError), name="header")
-    except SafetensorsError as e:
-        raise SafetensorsError(f"{path}: corrupted safetensors header ({str(e).removeprefix(f'{path}: ')})") from None
+    corrupted = f"{path}: corrupted safetensors header"
+    header = jsonio.Fields(corrupted, SafetensorsError).obj(jsonio.parse(raw, corrupted, SafetensorsError),
+                                                            name="the header")
     data_start = 8 + header_len
     metadata = fields.obj(header.pop("__metadata__", None) or {}, name="__metadata__")
     for key in metadata:
