@@ -47,6 +47,8 @@ class Placement:
 
     @classmethod
     def from_list(cls, ids: Sequence[Any], n_logical: int, ep_size: int, source: str = "placement") -> "Placement":
+        """A list of logical ids, one per physical slot, for the conversion's counts; a problem of the
+        list is a :class:`PlacementError` naming ``source``."""
         check_counts(n_logical, ep_size)
         if not isinstance(ids, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
             raise PlacementError(f"{source}: expected a JSON list of integer logical expert ids, one per physical slot")
@@ -119,9 +121,11 @@ class Placement:
         start = self.experts_start(rank)
         return self.physical_to_logical[start:start + self.experts_per_rank]
 
-    def check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int, where: str = "") -> None:
+        """Refuse a rank this placement has not (``where`` leads the error: what asked for it)."""
         if not 0 <= rank < self.ep_size:
-            raise PlacementError(f"rank {rank} out of range for ep_size={self.ep_size} (valid: 0..{self.ep_size - 1})")
+            raise PlacementError(f"{where}rank {rank} out of range for ep_size={self.ep_size} "
+                                 f"(valid: 0..{self.ep_size - 1})")
 
     def is_default(self) -> bool:
         return self == Placement.default(self.n_logical, self.ep_size, self.num_redundant)

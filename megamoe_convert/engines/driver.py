@@ -20,7 +20,7 @@ from torch import nn
 
 from megamoe_convert.engines import probe as layout_probe
 from megamoe_convert.engines.contract import Contract
-from megamoe_convert.errors import InstallError, PlacementError
+from megamoe_convert.errors import InstallError
 from megamoe_convert.output.layout_identity import comparable_fingerprints
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer, load_rank, open_converted
@@ -52,10 +52,11 @@ class Engine(Protocol):
     def check(self, module: nn.Module, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None: ...
 
-    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel) -> Placement:
+    def placement(self, module: nn.Module, layer: MoELayer, converted: ConvertedModel, where: str) -> Placement:
         """Serving from a store: the placement the engine built ``module`` with (EP size, redundant
         slots, the logical expert of every physical slot), from its own module and configuration, over
-        the store's logical experts of ``layer``. Refuses numbers that cannot be that."""
+        the store's logical experts of ``layer``. Refuses numbers that cannot be that, in a
+        :class:`PlacementError` led by ``where`` (the module and the store)."""
         ...
 
 
@@ -140,13 +141,10 @@ def _engine_placements(engine: Engine, planned: list[tuple[nn.Module, Contract, 
     """Every module's placement (the engine's), checked against the store's layer dims and ``rank``."""
     placements: dict[MoELayer, Placement] = {}
     for module, _, layer in planned:
-        try:
-            placement = engine.placement(module, layer, converted)
-            placement.check_rank(rank)
-        except PlacementError as e:  # the same error, saying which module and store it was found in
-            raise PlacementError(f"{engine.prefix(module)}: cannot be served from the store {converted.path} "
-                                 f"({layer.key}: {converted.manifest.dims.experts_of(layer)} logical experts): {e}"
-                                 ) from e
+        where = (f"{engine.prefix(module)}: cannot be served from the store {converted.path} "
+                 f"({layer.key}: {converted.manifest.dims.experts_of(layer)} logical experts): ")
+        placement = engine.placement(module, layer, converted, where)
+        placement.check_rank(rank, where)
         if placements.setdefault(layer, placement) != placement:
             raise InstallError(f"{engine.prefix(module)}: a second module of {layer.key} with another placement")
     return placements

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
-from megamoe_convert.placement import Placement
+from megamoe_convert.placement import Placement, counts_problem
 
 if TYPE_CHECKING:
     from megamoe_convert.serve.loader import ConvertedModel
@@ -45,10 +45,11 @@ def module_logical_ids(module: EngineModule) -> tuple[int, ...]:
     return tuple(int(x) for x in table[start:start + module.num_local_experts])
 
 
-def module_placement(module: EngineModule, n_logical: int) -> Placement:
+def module_placement(module: EngineModule, n_logical: int, where: str = "") -> Placement:
     """The placement SGLang built a module with over ``n_logical`` logical experts: its layer's row of
     the expert-location table (``--init-expert-location``, EPLB's redundant slots), or for a module
-    without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``."""
+    without expert location (the NextN/MTP layer, no redundant experts) slot ``p`` holding ``p``.
+    ``where`` leads a refusal."""
     if module.uses_expert_location:
         from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
@@ -57,8 +58,11 @@ def module_placement(module: EngineModule, n_logical: int) -> Placement:
     else:
         table = list(range(module.num_experts))
     if len(table) != module.num_experts:
-        raise PlacementError(f"its expert-location table has {len(table)} slots, the module {module.num_experts}")
-    return Placement.from_list(table, n_logical, module.moe_ep_size, source="SGLang's expert location")
+        raise PlacementError(f"{where}its expert-location table has {len(table)} slots, the module "
+                             f"{module.num_experts}")
+    if (problem := counts_problem(n_logical, module.moe_ep_size)) is not None:
+        raise PlacementError(f"{where}{problem}")
+    return Placement.from_list(table, n_logical, module.moe_ep_size, source=f"{where}SGLang's expert location")
 
 
 def check_ep_numbers(module: EngineModule, where: str, layer: "MoELayer", converted: "ConvertedModel",

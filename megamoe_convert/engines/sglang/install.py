@@ -44,8 +44,8 @@ class SglangEngine:
     def layer_key(self, module: EngineModule, converted: ConvertedModel) -> str:
         return layer_key(module.layer_name)
 
-    def placement(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel) -> Placement:
-        return module_placement(module, converted.manifest.dims.experts_of(layer))
+    def placement(self, module: EngineModule, layer: MoELayer, converted: ConvertedModel, where: str) -> Placement:
+        return module_placement(module, converted.manifest.dims.experts_of(layer), where)
 
     def check(self, module: EngineModule, contract: Contract, layer: MoELayer, converted: ConvertedModel,
               rank: int) -> None:

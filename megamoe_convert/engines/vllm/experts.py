@@ -17,7 +17,7 @@ import torch
 from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.output.shards import rank_shard_specs
-from megamoe_convert.placement import Placement
+from megamoe_convert.placement import Placement, default_problem
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
@@ -70,14 +70,19 @@ def check_ep_numbers(module: EngineModule, layer: MoELayer, converted: Converted
                            "convert with the default placement to serve it with vLLM")
 
 
-def module_placement(module: EngineModule, n_logical: int) -> Placement:
+def module_placement(module: EngineModule, n_logical: int, where: str = "") -> Placement:
     """The placement vLLM built a module with over ``n_logical`` logical experts: its ``num_experts``
     physical slots (EPLB's redundant ones included), ``num_local_experts`` per rank, slot ``p`` holding
-    ``p % n_logical`` (``_map_global_expert_id``; MTP layers alike, with their own numbers)."""
+    ``p % n_logical`` (``_map_global_expert_id``; MTP layers alike, with their own numbers). ``where``
+    leads a refusal."""
     n_physical, local = module.num_experts, module.num_local_experts
     if not isinstance(local, int) or local <= 0 or n_physical % local:
-        raise PlacementError(f"num_experts {n_physical} is not a whole number of ranks of {local} local experts")
-    return Placement.default(n_logical, n_physical // local, n_physical - n_logical)
+        raise PlacementError(f"{where}num_experts {n_physical} is not a whole number of ranks of {local} "
+                             "local experts")
+    ep_size, redundant = n_physical // local, n_physical - n_logical
+    if (problem := default_problem(n_logical, ep_size, redundant)) is not None:
+        raise PlacementError(f"{where}{problem}")
+    return Placement.default(n_logical, ep_size, redundant)
 
 
 def current_ep_rank() -> int:
