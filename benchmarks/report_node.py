@@ -290,13 +290,16 @@ def headline() -> str:
                              f"{t[('auto', 'warm')]:.2f} s warm; the megamoe forms did not run before the run's "
                              "time was up")
             continue
-        best = {c: min(t[("megamoe_store", c)], t[("megamoe_per_rank", c)]) for c in ("cold", "warm")}
-        parts.append(f"{shape_label(step)} ({nbytes / 1e9:.1f} GB of experts for the node): cold "
-                     f"{best['cold']:.1f} s against {t[('auto', 'cold')]:.1f} s for vLLM's `auto` "
-                     f"({t[('auto', 'cold')] / best['cold']:.2f}x; megamoe's reads ran at {nbytes / best['cold'] / 1e9:.2f} "
-                     f"GB/s, the disk's parallel read measured beside it at {nbytes / disk / 1e9:.2f} GB/s), warm "
-                     f"{best['warm']:.2f} s against {t[('auto', 'warm')]:.2f} s ({t[('auto', 'warm')] / best['warm']:.1f}x; "
-                     f"{ceiling / best['warm']:.2f}x of the node's page cache -> pinned -> device ceiling)")
+        def pair(cache: str, digits: int, t: dict = t) -> str:  # the per-rank form's and the store's, and against `auto`
+            ours, auto = [t[(form, cache)] for form in ("megamoe_per_rank", "megamoe_store")], t[("auto", cache)]
+            return (" / ".join(f"{x:.{digits}f}" for x in ours) + f" s against {auto:.{digits}f} s for vLLM's `auto` ("
+                    + " / ".join(f"{auto / x:.1f}x" for x in ours))
+
+        per_rank, store = t[("megamoe_per_rank", "warm")], t[("megamoe_store", "warm")]
+        parts.append(f"{shape_label(step)} ({nbytes / 1e9:.1f} GB of experts for the node), megamoe's per-rank form / "
+                     f"store: cold {pair('cold', 1)}; the disk's parallel read measured beside it took "
+                     f"{disk:.1f} s), warm {pair('warm', 2)}; {ceiling / per_rank:.2f}x / {ceiling / store:.2f}x of the "
+                     "node's page cache -> pinned -> device ceiling)")
     if not parts:
         return ""
     return (f"A whole node's first load, every rank process at once ({len(m['gpus'])} x {m['gpus'][0]}, one "

@@ -8,7 +8,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "probe-h100"
 #: (file, what the first load covers, the run's --experts and --ep-size), smallest first.
-RUNS = (("one-layer.json", "1 MoE layer", 64, 2), ("44-layers.json", "44 MoE layers: a whole Flash rank's (43 + MTP)", 32, 1))
+RUNS = (("44-layers.json", "44 MoE layers: a whole Flash rank's (43 + MTP)", 32, 1),)
 GOAL = 0.05
 
 
