@@ -88,19 +88,19 @@ def _check_depth(data: Any) -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
-def parse(raw: bytes | str, where: object, error: type[E]) -> Any:
-    """Parse ``raw`` strictly; any problem is ``error("WHERE: invalid JSON (why)")``."""
+def parse(raw: bytes | str, where: object, error: type[E], hint: str = "") -> Any:
+    """Parse ``raw`` strictly; any problem is ``error("WHERE: invalid JSON (why)")``, ``hint`` after it."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         data = json.loads(text, parse_constant=_constant, parse_float=_float, parse_int=_int,
                           object_pairs_hook=_object)
         _check_depth(data)
     except RecursionError:
-        raise error(f"{where}: invalid JSON (nested too deeply)") from None
+        raise error(f"{where}: invalid JSON (nested too deeply){hint}") from None
     except UnicodeDecodeError as e:
-        raise error(f"{where}: invalid JSON (not UTF-8 text: byte {e.start})") from None
+        raise error(f"{where}: invalid JSON (not UTF-8 text: byte {e.start}){hint}") from None
     except ValueError as e:  # JSONDecodeError and the hooks' refusals
-        raise error(f"{where}: invalid JSON ({e})") from None
+        raise error(f"{where}: invalid JSON ({e}){hint}") from None
     return data
 
 
@@ -201,13 +201,14 @@ def describe(value: Any) -> str:
 
 
 class Fields:
-    """Checked reads from a parsed JSON document: ``Fields(where, Error).int(data, "size", 0)``."""
+    """Checked reads from a parsed JSON document: ``Fields(where, Error).int(data, "size", 0)``;
+    ``hint`` ends every error (what to do about it, where the caller knows)."""
 
-    def __init__(self, where: object, error: type[Exception]) -> None:
-        self.where, self.error = where, error
+    def __init__(self, where: object, error: type[Exception], hint: str = "") -> None:
+        self.where, self.error, self.hint = where, error, hint
 
     def fail(self, what: str) -> Exception:
-        return self.error(one_line(f"{self.where}: {what}"))
+        return self.error(one_line(f"{self.where}: {what}{self.hint}"))
 
     def _get(self, data: Any, key: str | int, name: str | None) -> tuple[Any, str]:
         label = name or (key if isinstance(key, str) else "value")

@@ -56,22 +56,26 @@ def record_path(out: Path) -> Path:
     return out / STATE_DIR / RANGES_NAME
 
 
-def _parse(data: object, where: Path) -> RangedRecord:
-    """The record's fields, each checked (a :class:`JsonError` names the first that is wrong)."""
-    f = jsonio.Fields(where, JsonError)
+#: What every damaged record's error ends with.
+REFETCH = ": rerun `megamoe pull --ep-size` to fetch the ranges again"
+
+
+def _parse(data: object, where: Path, error: type[E]) -> RangedRecord:
+    """The record's fields, each checked (``error`` names the first that is wrong)."""
+    f = jsonio.Fields(where, error, REFETCH)
     f.obj(data, name="ranged pull record")
     record = RangedRecord(f.str(data, "commit"), f.str(data, "manifest"), f.bool(data, "complete"))
     if record.manifest and not _CHECKSUM.fullmatch(record.manifest):
-        raise JsonError(f"{where}: manifest must be the manifest's checksum (32 hex digits)")
+        raise f.fail("manifest must be the manifest's checksum (32 hex digits)")
     files = f.obj(data, "files")
     for rel, ranges in files.items():
         if not (rel.startswith(f"{STORE_DIR}/") and is_shard_path(rel)) or not isinstance(ranges, list):
-            raise JsonError(f"{where}: {rel!r} is not a store file with a list of ranges")
+            raise f.fail(f"{rel!r} is not a store file with a list of ranges")
         pairs = []
         for item in ranges:
             if (not isinstance(item, list) or len(item) != 2 or any(isinstance(v, bool) or not isinstance(v, int)
                                                                    for v in item) or item[0] < 0 or item[1] < 1):
-                raise JsonError(f"{where}: {rel}: range {str(item)[:40]} is not [offset >= 0, nbytes >= 1]")
+                raise f.fail(f"{rel}: range {str(item)[:40]} is not [offset >= 0, nbytes >= 1]")
             pairs.append((item[0], item[1]))
         record.files[rel] = merge(pairs)
     return record
@@ -89,11 +93,11 @@ def read_record(out: Path, error: type[E], damaged_ok: bool = False) -> RangedRe
                     "remove it (a ranged pull then fetches its ranges again)")
     raw = jsonio.read_regular(path, error, "ranged pull record", jsonio.MAX_STATE_BYTES)
     try:
-        return _parse(jsonio.parse(raw, path, JsonError), path)
-    except JsonError as e:
-        if damaged_ok:
+        return _parse(jsonio.parse(raw, path, error, REFETCH), path, error)
+    except error:
+        if damaged_ok:  # a damaged record: the pull starts over
             return None
-        raise error(f"{e}: rerun `megamoe pull --ep-size` to fetch the ranges again") from None
+        raise
 
 
 def write_record(out: Path, record: RangedRecord, fsync: bool = True) -> None:
