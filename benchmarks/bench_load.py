@@ -206,6 +206,23 @@ def take_all(handle: Any, keep: list[torch.Tensor]) -> int:
     return n
 
 
+class OpenFiles:
+    """One reader thread's file descriptors: each file opened on its first read, all closed together."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def __call__(self, path: Path) -> int:
+        return self.fds.get(path) or self.fds.setdefault(path, os.open(path, os.O_RDONLY))
+
+    def __enter__(self) -> "OpenFiles":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
 class HostRead:
     """The host read limit: the rank's files read from the page cache into pinned buffers by
     ``threads`` threads, ``piece`` bytes a read (what load_rank's readers do, minus the copy)."""
@@ -223,14 +240,9 @@ class HostRead:
         from megamoe_convert.source.safetensors_io import read_into
 
         def worker(k: int) -> None:
-            fds: dict[Path, int] = {}
-            try:
+            with OpenFiles() as fd_of:
                 for path, start, n in self.pieces[k::self.threads]:
-                    fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
-                    read_into(fd, start, self.buffers[k][:n])
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
+                    read_into(fd_of(path), start, self.buffers[k][:n])
 
         with ThreadPoolExecutor(self.threads) as pool:
             list(pool.map(worker, range(self.threads)))
@@ -262,21 +274,16 @@ class PipeCopy:
         from megamoe_convert.source.safetensors_io import read_into
 
         def worker(k: int) -> None:
-            fds: dict[Path, int] = {}
             stream = self.streams[k]
-            try:
+            with OpenFiles() as fd_of:
                 for turn, (path, start, n, at) in enumerate(self.pieces[k::self.threads]):
                     buffer, done = self.buffers[k][turn % 2], self.events[k][turn % 2]
                     done.synchronize()  # its last copy has left it
-                    fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
-                    read_into(fd, start, buffer[:n])
+                    read_into(fd_of(path), start, buffer[:n])
                     with torch.cuda.stream(stream):
                         self.dest[at:at + n].copy_(buffer[:n], non_blocking=True)
                         done.record(stream)
                 stream.synchronize()
-            finally:
-                for fd in fds.values():
-                    os.close(fd)
 
         with ThreadPoolExecutor(self.threads) as pool:
             list(pool.map(worker, range(self.threads)))
