@@ -61,7 +61,7 @@ daemon() {
 }
 
 store() {
-    # Flash dims, 2 MoE layers, rank 0 of EP 8 and EP 16, warm and cold (issue 27's measurement).
+    # Flash dims, 2 MoE layers, rank 0 of EP 8 and EP 16, warm and cold.
     python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16 --no-last-rank --cold \
         --save "$RESULTS/store.json" > "$RESULTS/store.log" 2>&1
     touch "$RESULTS/done"
