@@ -213,7 +213,7 @@ def select_parts(parts: Sequence[Part], prefer: Path | None = None) -> tuple[lis
 
 
 def _ranges(values: list[int]) -> str:
-    from megamoe_convert.source.checkpoint import _ranges as ranges
+    from megamoe_convert.source.layer_spec import _ranges as ranges
     return ranges(values)
 
 

@@ -25,7 +25,8 @@ from megamoe_convert.placement import (
     layer_placement,
     layer_placement_problem,
 )
-from megamoe_convert.source.checkpoint import Checkpoint, parse_layer_spec
+from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.layer_spec import parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.serving import serving_refusal
 
@@ -68,7 +69,7 @@ class ConvertOptions:
 
 
 def select_layers(ckpt: Checkpoint, spec: str | None) -> list[MoELayer]:
-    """``--layers``: ``"0-3,7,mtp"`` style (:func:`checkpoint.parse_layer_spec`)."""
+    """``--layers``: ``"0-3,7,mtp"`` style (:func:`layer_spec.parse_layer_spec`)."""
     return parse_layer_spec(ckpt.layers, spec, ckpt.root, ConvertError)
 
 

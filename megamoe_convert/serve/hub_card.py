@@ -31,7 +31,7 @@ def _source_label(source: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def _ranges(values: Sequence[int]) -> str:
-    from megamoe_convert.source.checkpoint import _ranges as ranges
+    from megamoe_convert.source.layer_spec import _ranges as ranges
     return ranges(list(values))
 
 

@@ -34,8 +34,8 @@ from megamoe_convert.placement import Placement
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import families, formats
-from megamoe_convert.source.checkpoint import parse_layer_spec
 from megamoe_convert.source.families import ModelFamily, TensorNames
+from megamoe_convert.source.layer_spec import parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     SafetensorsHeader,

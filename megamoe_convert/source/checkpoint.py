@@ -20,15 +20,16 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import CheckpointError, MegamoeError  # noqa: F401
+from megamoe_convert.errors import CheckpointError  # noqa: F401
 from megamoe_convert.layout_checks import check_dims
-from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS, parse_range
+from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily, TensorNames, detect
 from megamoe_convert.source.formats import WeightFormat
+from megamoe_convert.source.layer_spec import _ranges
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     DTYPE_BITS,
@@ -412,42 +413,6 @@ class Checkpoint:
         return hashlib.sha256(json.dumps(table).encode()).hexdigest()
 
 
-def parse_layer_spec(available: Sequence[MoELayer], spec: str | None, where: object,
-                     error: type[MegamoeError] = CheckpointError) -> list[MoELayer]:
-    """``"0-3,7,mtp"``-style layer selection (``--layers``, ``load_rank(layers=...)``): decoder
-    indices and ranges, ``layers.K`` / ``mtp.K`` (also as ``....ffn.experts`` prefixes), ``mtp``
-    for every MTP layer. ``None``, ``""`` or ``"all"``: every layer. Each layer must be one of
-    ``available`` (of ``where``), and the selection must not be empty; a problem is ``error``
-    (the caller's class: a conversion's option, a loader's argument)."""
-    if spec is None or spec.strip() in ("", "all"):
-        return list(available)
-    # Ranges are bounded by the last decoder layer before they are expanded.
-    last_decoder = max((layer.index for layer in available if not layer.is_mtp), default=0)
-    chosen: set[MoELayer] = set()
-    for part in (p.strip() for p in spec.split(",")):
-        if part == "mtp":
-            chosen.update(layer for layer in available if layer.is_mtp)
-            continue
-        if part.startswith(("mtp.", "layers.")):
-            try:
-                picked = {MoELayer.parse(part.removesuffix(".ffn.experts"))}
-            except ValueError:
-                raise error(f"--layers: cannot parse {part!r} (expected e.g. 0-3,7,mtp.0)") from None
-        else:
-            decoders = _ranges([layer.index for layer in available if not layer.is_mtp])
-            first, last = parse_range(part, "--layers", "0-3,7,mtp.0", last_decoder, error,
-                                      f" (MoE layers of {where}: {decoders})")
-            picked = {MoELayer(False, i) for i in range(first, last + 1)}
-        missing = sorted(picked - set(available))
-        if missing:
-            raise error(f"--layers: {missing[0].key} is not an MoE layer of {where}")
-        chosen |= picked
-    if not chosen:
-        raise error(f"--layers {spec}: selects no MoE layer of {where} "
-                    f"(it has {', '.join(layer.key for layer in available)})")
-    return sorted(chosen)
-
-
 #: ``.../models--owner--name/snapshots/<commit>``: where huggingface_hub puts a repo's files.
 HUB_SNAPSHOT = re.compile(r"/models--[^/]+/snapshots/([0-9a-f]{40})$")
 
@@ -456,15 +421,3 @@ def hub_snapshot_commit(root: Path) -> str | None:
     """The commit a Hugging Face cache snapshot directory holds, or ``None`` for any other path."""
     match = HUB_SNAPSHOT.search(Path(root).resolve().as_posix())
     return match.group(1) if match else None
-
-
-def _ranges(values: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``'0-2,5'`` for short error messages."""
-    out, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            out.append(f"{start}-{v}" if v != start else f"{v}")
-            start = None
-    return ",".join(out)
