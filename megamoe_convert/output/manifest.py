@@ -41,8 +41,8 @@ from megamoe_convert.placement import (
     layer_placement,
 )
 from megamoe_convert.source import families, formats
-from megamoe_convert.source.checkpoint import MAX_DIM, ModelDims
 from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.model_dims import MAX_DIM, ModelDims
 
 FORMAT_NAME = "megamoe-convert"
 #: Version of this directory format (file names, manifest fields). 2: the manifest carries

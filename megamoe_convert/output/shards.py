@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from megamoe_convert.placement import Placement
 from megamoe_convert.source import formats
-from megamoe_convert.source.checkpoint import ModelDims
 from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.model_dims import ModelDims
 from megamoe_convert.source.safetensors_io import TensorSpec, encode_header
 
 #: Version of the MegaMoE tensor layout (DeepGEMM ``transform_weights_for_mega_moe``).

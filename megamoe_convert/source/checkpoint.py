@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
@@ -24,13 +23,12 @@ from typing import Any
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import CheckpointError  # noqa: F401
-from megamoe_convert.layout_checks import check_dims
-from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily, TensorNames, detect
 from megamoe_convert.source.formats import WeightFormat
 from megamoe_convert.source.layer_spec import _ranges
 from megamoe_convert.source.layers import MoELayer
+from megamoe_convert.source.model_dims import MAX_LAYERS, ModelDims, config_int, dims_from_config
 from megamoe_convert.source.safetensors_io import (
     DTYPE_BITS,
     SafetensorsHeader,
@@ -43,9 +41,6 @@ SINGLE_FILE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 #: Names a converted directory reserves: never copied from a source (``manifest.json`` written last).
 RESERVED_NAMES = re.compile(r"manifest(?:\.part-[0-9]+-of-[0-9]+)?\.json")
-#: Bounds on config.json's sizes and counts, checked before anything is built from them.
-MAX_DIM = 1 << 20
-MAX_LAYERS = 1 << 16
 
 #: Layer numbers are canonical (``3``, never ``03``): one tensor, one name.
 _NUMBER = r"(?:0|[1-9][0-9]{0,8})"
@@ -53,50 +48,6 @@ _NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 #: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
 SHARED_PROJECTIONS = ("w1", "w2", "w3")
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The sizes that fix the MegaMoE layout of every MoE layer."""
-
-    hidden_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    weight_format: str = formats.MXFP4.name  # the routed experts' format (formats.FORMATS)
-    #: Intermediate size of the shared expert pre-baked for fusion into the MegaMoE launch; 0: none.
-    shared_intermediate_size: int = 0
-    #: The MTP layers' own routed expert count (DeepSeek-V4.1's DSpark draft); 0: ``n_routed_experts``.
-    mtp_n_routed_experts: int = 0
-
-    def experts_of(self, layer: "MoELayer") -> int:
-        """The logical experts ``layer`` has: the MTP layers' own count where they have one."""
-        return self.mtp_n_routed_experts if layer.is_mtp and self.mtp_n_routed_experts else self.n_routed_experts
-
-    @property
-    def format(self) -> WeightFormat:
-        return formats.by_name(self.weight_format)
-
-    def expert_byte_shapes(self) -> dict[tuple[str, str], tuple[int, ...]]:
-        """Expected uint8 shape of each ``(projection, kind)`` of one expert."""
-        return formats.checkpoint_byte_shapes(self.format, self.hidden_size, self.moe_intermediate_size)
-
-    def bytes_per_expert(self) -> int:
-        return sum(math.prod(shape) for shape in self.expert_byte_shapes().values())
-
-
-def _config_int(config: Any, key: str, path: Path, default: int | None = None, hi: int = MAX_DIM,
-                name: str | None = None) -> int:
-    """An integer field of config.json (``name``: how errors call it, e.g. ``text_config.num_experts``)."""
-    f = jsonio.Fields(path, CheckpointError)
-    return f.int({key: config.get(key, default)}, key, lo=0, hi=hi, name=f"config field {name or key!r}")
-
-
-def _mtp_experts(family: ModelFamily, text: Any, path: Path, n_routed: int) -> int:
-    """The MTP layers' own expert count (0: the decoder's), as vLLM reads it: the family's key, or
-    the decoder's count when it is absent or 0 (``dspark_n_routed_experts or n_routed_experts``)."""
-    key = family.keys.get("mtp_experts")
-    own = _config_int(text, key, path, 0, hi=MAX_PHYSICAL_EXPERTS, name=family.where(key)) if key else 0
-    return own if own != n_routed else 0
 
 
 def _index_file(name: Any, index_path: Path) -> str:
@@ -137,9 +88,9 @@ class Checkpoint:
             jsonio.read(config_path, CheckpointError, "config.json", jsonio.MAX_CONFIG_BYTES), name="config.json")
         family = detect(config, config_path)
         text = family.text(config, config_path)
-        dims = cls._dims_from_config(family, config, config_path)
-        names = family.names(_config_int(text, family.keys["layers"], config_path, 0, hi=MAX_LAYERS,
-                                         name=family.where(family.keys["layers"])))
+        dims = dims_from_config(family, config, config_path)
+        names = family.names(config_int(text, family.keys["layers"], config_path, 0, hi=MAX_LAYERS,
+                                        name=family.where(family.keys["layers"])))
         weight_map, index_bytes = cls._read_index(root)
         headers = cls._read_headers(root, weight_map)
         ckpt = cls(root, config, dims, weight_map, headers, index_bytes, family=family, names=names)
@@ -158,24 +109,6 @@ class Checkpoint:
         weight_map, index_bytes = cls._read_index(root)
         ckpt = cls(root, {}, ModelDims(0, 0, 0), weight_map, cls._read_headers(root, weight_map), index_bytes)
         return ckpt._collect_tensors()
-
-    @staticmethod
-    def _dims_from_config(family: ModelFamily, config: dict[str, Any], path: Path) -> ModelDims:
-        formats.check_expert_dtype(family.expert_dtype(config), path)
-        text, keys = family.text(config, path), family.keys
-        if keys["hidden"] != "hidden_size" and keys["hidden"] not in text:  # Kimi-K3's latent width
-            raise CheckpointError(f"{path}: no {family.where(keys['hidden'])}: {family.title}'s MegaMoE experts run at "
-                                  "that hidden size")
-        hidden, intermediate, experts = (
-            _config_int(text, keys[k], path, hi=hi, name=family.where(keys[k]))
-            for k, hi in (("hidden", MAX_DIM), ("intermediate", MAX_DIM), ("experts", MAX_PHYSICAL_EXPERTS)))
-        dims = ModelDims(hidden, intermediate, experts,
-                         mtp_n_routed_experts=_mtp_experts(family, text, path, experts))
-        check_dims(dims.hidden_size, dims.moe_intermediate_size, path)
-        if dims.n_routed_experts <= 0:
-            raise CheckpointError(f"{path}: {family.where(keys['experts'])} must be positive, "
-                                  f"got {dims.n_routed_experts}")
-        return dims
 
     @property
     def text_config(self) -> Any:
@@ -291,14 +224,14 @@ class Checkpoint:
         config_path, family, text = self.root / CONFIG_NAME, self.family, self.text_config
         found_decoder = sorted(layer.index for layer in self.layers if not layer.is_mtp)
         found_mtp = sorted(layer.index for layer in self.layers if layer.is_mtp)
-        n_layers = _config_int(text, family.keys["layers"], config_path, len(found_decoder), hi=MAX_LAYERS,
-                               name=family.where(family.keys["layers"]))
-        dense_rule = [_config_int(text, key, config_path, default, hi=MAX_LAYERS, name=family.where(key))
-                      if key else default for key, default in ((family.first_dense_key, 0), (family.freq_key, 1))]
+        n_layers = config_int(text, family.keys["layers"], config_path, len(found_decoder), hi=MAX_LAYERS,
+                              name=family.where(family.keys["layers"]))
+        dense_rule = [config_int(text, key, config_path, default, hi=MAX_LAYERS, name=family.where(key))
+                     if key else default for key, default in ((family.first_dense_key, 0), (family.freq_key, 1))]
         want_decoder = family.moe_layer_indices(n_layers, *dense_rule)
         mtp_key = family.keys["mtp_layers"]
-        want_mtp = list(range(_config_int(text, mtp_key, config_path, len(found_mtp), hi=MAX_LAYERS,
-                                          name=family.where(mtp_key))))
+        want_mtp = list(range(config_int(text, mtp_key, config_path, len(found_mtp), hi=MAX_LAYERS,
+                                         name=family.where(mtp_key))))
         if not self.layers:
             raise self._no_experts()
         if found_decoder != want_decoder:
