@@ -27,7 +27,8 @@ from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import ManifestError, MegamoeError
 from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, push, resolve_source
+from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, resolve_source
+from megamoe_convert.serve.hub_push import push
 from megamoe_convert.serve.loader import load_rank
 
 REPO_ID = "team/tiny-ep4"

@@ -17,7 +17,8 @@ from megamoe_convert.convert.run import convert
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import store
 from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, pull, push
+from megamoe_convert.serve.hub import HubError, pull
+from megamoe_convert.serve.hub_push import push
 from megamoe_convert.serve.hub_ranges import pull_ranges
 from megamoe_convert.serve.loader import open_converted
 

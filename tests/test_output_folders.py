@@ -14,7 +14,8 @@ from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import pull, push
+from megamoe_convert.serve.hub import pull
+from megamoe_convert.serve.hub_push import push
 from megamoe_convert.serve.hub_ranges import pull_ranges
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.synth.write import synthesize

@@ -23,7 +23,8 @@ from megamoe_convert.errors import MegamoeError
 from megamoe_convert.placement import Placement
 from megamoe_convert.serve import store
 from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, pull, push
+from megamoe_convert.serve.hub import HubError, pull
+from megamoe_convert.serve.hub_push import push
 from megamoe_convert.serve.hub_ranges import pull_ranges
 from megamoe_convert.serve.loader import load_rank, open_converted
 from megamoe_convert.synth.write import synthesize
