@@ -18,7 +18,7 @@ from megamoe_convert import layout_inverse
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.seal import seal
-from megamoe_convert.serve import loader
+from megamoe_convert.serve import load_checks, loader
 from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import formats
@@ -208,8 +208,8 @@ def _into(converted: Path, rank: int, device: str) -> dict[str, dict[str, torch.
     """Caller-owned destinations of one rank, filled with a marker byte, in the rank files' form."""
     manifest = read_manifest(converted)
     into = {}
-    for layer, record in loader.check_rank_files(converted, manifest, rank, manifest.layers, False).items():
-        entries = loader.check_shard(loader.read_header(converted / record.path), manifest, layer, rank)
+    for layer, record in load_checks.check_rank_files(converted, manifest, rank, manifest.layers, False).items():
+        entries = load_checks.check_shard(loader.read_header(converted / record.path), manifest, layer, rank)
         into[layer.prefix] = {key: _marked(torch.empty(e.shape, dtype=formats.torch_dtype(e.dtype), device=device))
                               for key, e in entries.items() if key != "logical_ids"}
     return into

@@ -40,7 +40,7 @@ from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Phases, Progress
-from megamoe_convert.serve.loader import check_logical_ids, check_shard
+from megamoe_convert.serve.load_checks import check_logical_ids, check_shard
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache, SafetensorsError, read_header
 from megamoe_convert.verify import deep_gemm as gemm_check
