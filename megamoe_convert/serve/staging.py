@@ -16,7 +16,7 @@ process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves, so the ring is pinned
 the fast way: one anonymous mapping backed by transparent huge pages, its buffers faulted in and
-registered with CUDA (``cudaHostRegister``) by several threads at once, several times faster than
+registered with CUDA (``cudaHostRegister``) by several threads at once (:mod:`.pinning`), several times faster than
 the CUDA allocator's ``cudaHostAlloc`` (measurements: ``docs/benchmarks.md``). Where registering
 fails, the ring falls back to ``torch``'s pinned allocator. Engines start the pinning in the
 background when their loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
@@ -46,7 +46,7 @@ from typing import Callable, Iterable
 import torch
 
 from megamoe_convert import jsonio
-from megamoe_convert.serve import device_copy
+from megamoe_convert.serve import device_copy, pinning
 from megamoe_convert.source.safetensors_io import read_into
 
 
@@ -77,50 +77,6 @@ CUDART = bool(_setting("CUDART", 1, 0, 1))
 #: ``False`` (``MEGAMOE_FAST_PIN=0``) pins the ring with torch's allocator (``cudaHostAlloc``)
 #: instead of registering huge pages.
 FAST_PIN = bool(_setting("FAST_PIN", 1, 0, 1))
-
-_HUGE_PAGE = 2 << 20
-_PIN_THREADS = 8
-
-
-def _huge_page_block(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """``nbytes`` of anonymous memory aligned to a huge page, asking the kernel for huge pages
-    (fewer pages to fault in and lock). Returns the tensor and the mapping that owns it."""
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # transparent huge pages off: ordinary pages, still registered in parallel
-            pass
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % _HUGE_PAGE
-    return whole[start:start + nbytes], mapping
-
-
-def _register(buffers: list[torch.Tensor]) -> bool:
-    """Fault in and page-lock every buffer, several at once. Runs in its own threads, so a failed
-    registration's CUDA error stays in them (CUDA's last error is per thread), never reaching the
-    engine's. False if any buffer could not be registered (those that were are released)."""
-    cudart = torch.cuda.cudart()
-    pinned = [False] * len(buffers)
-
-    def pin(first: int) -> None:
-        for i in range(first, len(buffers), _PIN_THREADS):
-            buffers[i].fill_(0)  # fault the pages in here, in parallel, not one by one inside the driver
-            pinned[i] = int(cudart.cudaHostRegister(buffers[i].data_ptr(), buffers[i].numel(), 0)) == 0
-
-    # Plain threads, joined here: they finish even while the interpreter is shutting down.
-    threads = [threading.Thread(target=pin, args=(i,), name="megamoe-pin") for i in range(_PIN_THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if all(pinned):
-        return True
-    for buffer, ok in zip(buffers, pinned, strict=True):
-        if ok:
-            cudart.cudaHostUnregister(buffer.data_ptr())
-    return False
-
 
 @dataclass(frozen=True)
 class LaneShape:
@@ -162,11 +118,11 @@ class PinnedRing:
 
     def _registered(self, count: int, nbytes: int) -> list[torch.Tensor] | None:
         try:
-            block, mapping = _huge_page_block(count * nbytes)
+            block, mapping = pinning.huge_page_block(count * nbytes)
         except (OSError, ValueError):
             return None
         buffers = [block[i * nbytes:(i + 1) * nbytes] for i in range(count)]
-        if not _register(buffers):
+        if not pinning.register(buffers):
             return None  # the mapping goes with the last view of it
         self._mapping = mapping
         return buffers
