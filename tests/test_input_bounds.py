@@ -18,6 +18,7 @@ from damage import EP2, RANK0, copy, one_line_refusal, problems
 
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert.source.layers import MoELayer
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,14 @@ def test_unicode_and_odd_digits_are_refused_in_one_line(src, ep2, tmp_path, spec
     one_line_refusal(run_cli("convert", src, tmp_path / "o", "--ep-size", 2, "--shard", f"{spec}/2", check=False),
                      "--shard")
     assert not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_a_layer_key_with_other_digits_is_no_layer_key():
+    """Layer numbers are ASCII and canonical: one tensor, one name (``layers.1٣`` is not ``layers.13``)."""
+    for key in ("layers.1٣", "layers.٣", "mtp.01", "layers.+1", "layers.1_0"):
+        with pytest.raises(ValueError, match="not a layer key"):
+            MoELayer.parse(key)
+    assert MoELayer.parse("layers.13") == MoELayer(False, 13) and MoELayer.parse("mtp.0") == MoELayer(True, 0)
 
 
 # ----------------------------------------------------------------------------- unreadable files

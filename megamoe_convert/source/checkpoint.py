@@ -42,10 +42,6 @@ CONFIG_NAME = "config.json"
 #: Names a converted directory reserves: never copied from a source (``manifest.json`` written last).
 RESERVED_NAMES = re.compile(r"manifest(?:\.part-[0-9]+-of-[0-9]+)?\.json")
 
-#: Layer numbers are canonical (``3``, never ``03``): one tensor, one name.
-_NUMBER = r"(?:0|[1-9][0-9]{0,8})"
-
-
 #: A shared expert's linears: gate, down, up (``layers.7.ffn.shared_experts.w1.weight``, ``.scale``).
 SHARED_PROJECTIONS = ("w1", "w2", "w3")
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import FamilyError  # noqa: F401
+from megamoe_convert.source.layers import NUMBER
 
 if TYPE_CHECKING:
     from megamoe_convert.source.layers import MoELayer
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 KINDS = ("weight", "scale", "weight_scale_2", "input_scale")
 #: The project's names of an expert's projections: gate, down, up.
 PROJECTIONS = ("w1", "w2", "w3")
-_NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class TensorNames:
         out = []
         for template, is_mtp in blocks:
             head, _, tail = template.partition("{index}")
-            out.append((re.compile(rf"^{re.escape(head)}(?P<index>{_NUMBER}){re.escape(tail)}\.experts\."), is_mtp))
+            out.append((re.compile(rf"^{re.escape(head)}(?P<index>{NUMBER}){re.escape(tail)}\.experts\."), is_mtp))
         return out
 
     def _layer_of(self, name: str) -> tuple["MoELayer", str] | None:
@@ -190,7 +190,7 @@ class TensorNames:
             return None
         layer, tail = found
         projs = {name: proj for proj, name in self.family.projections.items()}
-        m = re.fullmatch(rf"(?P<expert>{_NUMBER})\.(?P<proj>{'|'.join(map(re.escape, projs))})\.(?P<suffix>\w+)", tail)
+        m = re.fullmatch(rf"(?P<expert>{NUMBER})\.(?P<proj>{'|'.join(map(re.escape, projs))})\.(?P<suffix>\w+)", tail)
         if m is None:
             return None
         kinds = {suffix: kind for kind, suffix in self.family.kinds.items()}

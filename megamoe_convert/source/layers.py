@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_NUMBER = r"(?:0|[1-9]\d{0,8})"
+#: A layer or expert number as names hold it: canonical (``3``, never ``03``), ASCII digits only.
+NUMBER = r"(?:0|[1-9][0-9]{0,8})"
 
 
 @dataclass(frozen=True, order=True)
@@ -19,7 +20,7 @@ class MoELayer:
     @classmethod
     def parse(cls, key: str) -> "MoELayer":
         kind, _, number = key.partition(".")
-        if kind not in ("layers", "mtp") or not re.fullmatch(_NUMBER, number):
+        if kind not in ("layers", "mtp") or not re.fullmatch(NUMBER, number):
             raise ValueError(f"not a layer key: {key!r} (expected 'layers.N' or 'mtp.N')")
         return cls(kind == "mtp", int(number))
 
