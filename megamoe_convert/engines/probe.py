@@ -133,8 +133,16 @@ def in_background(probes: Callable[[], None]) -> Future[None]:
     return _thread.submit(run)
 
 
-#: The probe's thread (made at the first install).
+#: The probe's thread (made at the first install; a forked child, which has none, makes its own).
 _thread: ThreadPoolExecutor | None = None
+
+
+def _forget_thread() -> None:
+    global _thread
+    _thread = None
+
+
+os.register_at_fork(after_in_child=_forget_thread)
 
 
 def skipped(where: str) -> None:

@@ -300,7 +300,7 @@ def identity_from_json(record: Any, f: jsonio.Fields) -> dict[str, Any]:
             fingerprints_read[part] = value
     proven = f.obj(record, "proven", name="layout.proven") if "proven" in record else {}
     return {"transform": f.str(record, "transform", name="layout.transform"),
-            "input": f.str(record, "input", name="layout.input") if "input" in record else None,
+            **({"input": f.str(record, "input", name="layout.input")} if "input" in record else {}),
             "seed": f.int(record, "seed", name="layout.seed"), "fingerprints": fingerprints_read,
             "proven": {str(name): [f.str(v, -1, name=f"layout.proven.{name}") for v in
                                    f.list(proven, name, name=f"layout.proven.{name}", max_len=256)]

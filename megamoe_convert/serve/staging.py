@@ -266,6 +266,10 @@ class WorkQueue:
         """Hand out nothing more (a load failed)."""
         with self._lock:
             self._at = len(self._ranges)
+            self.aborted = True
+
+    #: Set once the load failed: a lane that held a piece (waiting to write it) drops it.
+    aborted = False
 
 
 #: The device each reader thread's CUDA runtime has current (set once per thread, not per load).
@@ -325,6 +329,8 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
                 if not cleared:
                     before_writes()  # type: ignore[misc]  # None only when cleared
                     cleared = True
+                    if queue.aborted:  # the load failed while this lane waited: it writes nothing
+                        break
                 copier.copy(piece.dest, staged, stream)
                 copier.record(event, stream)
         except BaseException:

@@ -179,11 +179,12 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     if family_problem := copied_family_problem(out, manifest):  # install names layers by the family
         report.problem(MANIFEST_NAME, family_problem)
     check_unlisted_files(out, manifest, report)
-    if manifest.layout is not None:  # the recorded transform and fingerprints must be what this code writes
-        report.count("layout identity")
+    if manifest.layout is not None:  # the recorded transform (and fingerprints, of this input) must be this code's
         report.problems += [Problem(MANIFEST_NAME, p) for p in identity_problems(manifest.layout, manifest.dims)]
     if why_unchecked := unchecked_identity(manifest.layout):
         report.skipped["layout identity"] = why_unchecked
+    else:
+        report.count("layout identity")
     check_marker(out, report)
     check_rank_shards(out, manifest, report, chosen)
     if ckpt is not None:
