@@ -314,7 +314,7 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
     lanes = min(shape.lanes, len(streams))
 
     def lane(i: int) -> None:
-        own, stream, turn, cleared = views[i::lanes], streams[i], 0, before_writes is None
+        own, stream, turn, gate = views[i::lanes], streams[i], 0, before_writes
         owned_events = events[i::lanes]
         if getattr(_BOUND, "device", None) != device:
             copier.bind(device)
@@ -326,9 +326,9 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
                 copier.wait(event)  # this buffer's last copy is done
                 staged = buffer[:piece.dest.numel()]
                 read_into(piece.fd, piece.file_offset, staged)
-                if not cleared:
-                    before_writes()  # type: ignore[misc]  # None only when cleared
-                    cleared = True
+                if gate is not None:  # this lane's first write: once the gate opens
+                    gate()
+                    gate = None
                     if queue.aborted:  # the load failed while this lane waited: it writes nothing
                         break
                 copier.copy(piece.dest, staged, stream)
