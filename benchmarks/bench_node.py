@@ -25,8 +25,10 @@ rank at once reading its files into pinned buffers, ``host_read``, and copying i
 pinned memory to its GPU, ``h2d``; the ceiling is the slower). Shapes: one node holding every
 rank (EP = N) and one node of a larger deployment (ranks 0..N-1 of EP 4N). Threads: torch and
 OpenMP as vLLM 0.33 sets them for its workers' start-up (``startup_omp_num_threads``: the CPUs
-shared among the node's workers). The next measurement's processes start while one runs, so
-their imports (vLLM's take tens of seconds) overlap. Rows land in ``--save`` after each one.
+shared among the node's workers). Measurements run in batches (``--batch``): a batch's processes
+import and build together (vLLM's imports take tens of seconds), then its measurements run one at
+a time, each on a quiet host, as a node's ranks start with nothing importing beside them. Rows
+land in ``--save`` after each one.
 
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --work /tmp/node --save r.json
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --quick   # CPU smoke run
@@ -57,8 +59,8 @@ from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
 # --------------------------------------------------------------------------------------
 
 class Ranks:
-    """One measurement's rank processes: spawned early (their imports overlap the measurement
-    before), each reporting ready on its protocol pipe, then released at once."""
+    """One measurement's rank processes: spawned with the rest of their batch, each reporting
+    ready on its protocol pipe, then released at once."""
 
     def __init__(self, kind: str, shape: Shape, args: argparse.Namespace, fingerprint: bool) -> None:
         self.kind, self.shape = kind, shape
@@ -88,10 +90,19 @@ class Ranks:
                                f"{Path(proc.err_path).read_text()[-3000:]}")  # type: ignore[attr-defined]
         return line
 
-    def ready(self) -> None:
-        for proc in self.procs:
-            if self._line(proc).strip() != "ready":
-                raise RuntimeError(f"{self.kind}: expected 'ready'")
+    #: Why the processes never became ready (:meth:`settle`), or ``None``.
+    error: str | None = None
+
+    def settle(self) -> None:
+        """Wait until every rank is built and ready; a failure is kept (:attr:`error`), the
+        processes stopped, for its measurement to report in its turn."""
+        try:
+            for proc in self.procs:
+                if self._line(proc).strip() != "ready":
+                    raise RuntimeError(f"{self.kind}: expected 'ready'")
+        except RuntimeError as e:
+            self.error = str(e)[-1500:]
+            self.kill()
 
     def go(self, timeout: float) -> list[dict[str, Any]]:
         for proc in self.procs:  # every rank is blocked on its stdin: one write each releases them
@@ -191,57 +202,82 @@ def schedule(forms: list[str], caches: list[str], rnd: int) -> list[tuple[str, s
     return plan[::-1] if rnd % 2 else plan
 
 
+def batch_size(shape: Shape, args: argparse.Namespace) -> int:
+    """How many measurements' processes start together: ``--batch``, or fewer where their rank
+    processes would not fit beside each other in a GPU's memory (each holds about its rank's files)."""
+    if not args.gpus:
+        return args.batch
+    import torch
+
+    per_process = 1.25 * shape.file_bytes() / shape.n
+    fits = int(0.75 * torch.cuda.get_device_properties(0).total_memory // per_process)
+    return max(1, min(args.batch, fits))
+
+
+def measure(kind: str, cache: str, ranks: Ranks, shape: Shape, label: str,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement: the page cache dropped (cold) or filled with the form's files (warm), then
+    every rank released at once."""
+    if ranks.error is not None:
+        return {"form": kind, "cache": cache, "failed": ranks.error}
+    dropped = drop_page_cache() if cache == "cold" else False
+    if cache == "warm":
+        warm(shape.files_of(kind))
+    try:
+        reports = ranks.go(args.form_timeout)
+    except (RuntimeError, json.JSONDecodeError) as e:
+        return {"form": kind, "cache": cache, "failed": str(e)[-1500:]}
+    if "skipped" in reports[0]:
+        return {"form": kind, "cache": cache, "skipped": reports[0]["skipped"]}
+    row = node_row(kind, cache, reports, shape, dropped)
+    print(f"{label} {cache:7s} {kind:17s} node {row['node_wall_s']:7.3f}s slowest "
+          f"{row['slowest_rank_s']:7.3f}s read {row['read_bytes'] / 1e9:6.2f} GB", flush=True)
+    return row
+
+
+def late(step: tuple[str, str], rows: list[dict[str, Any]], args: argparse.Namespace) -> bool:
+    """Whether the run's deadline passed before ``step`` (then a row says so)."""
+    if time.time() <= args.deadline:
+        return False
+    rows.append({"form": step[0], "cache": step[1], "skipped": "the run's deadline passed"})
+    return True
+
+
 def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> list[dict[str, Any]]:
+    """The shape's plan in batches: a batch's processes import and build together, then its
+    measurements run one at a time, each on a quiet host (the others wait, built, for their turn),
+    as a node's ranks start with nothing else importing beside them."""
     rows: list[dict[str, Any]] = []
     forms = args.slice_forms if shape.ep_size != shape.n else args.forms
     held = daemons(shape, args) if "ipc_cache" in forms else []
     plan = schedule(forms, args.caches, rnd)
+    size = batch_size(shape, args)
+    batch: list[tuple[str, str, Ranks]] = []
     try:
-        upcoming = Ranks(plan[0][0], shape, args, fingerprint=rnd == 0) if plan else None  # imports meanwhile
-        try:
-            daemons_ready(held)
-        except RuntimeError as e:
-            held = []
-            plan = [(kind, cache) for kind, cache in plan if kind != "ipc_cache"]
-            rows.append({"form": "ipc_cache", "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"})
-            if upcoming is not None and upcoming.kind == "ipc_cache":
-                upcoming.kill()
-                upcoming = Ranks(plan[0][0], shape, args, rnd == 0) if plan else None
-        for i, (kind, cache) in enumerate(plan):
-            current = upcoming
-            assert current is not None
-            try:
-                current.ready()
-            except RuntimeError as e:
-                rows.append({"form": kind, "cache": cache, "failed": str(e)[-1500:]})
+        at = 0
+        while at < len(plan) and not late(plan[at], rows, args):
+            batch = [(kind, cache, Ranks(kind, shape, args, rnd == 0)) for kind, cache in plan[at:at + size]]
+            if at == 0 and held:  # the daemons load while the first batch imports
+                try:
+                    daemons_ready(held)
+                except RuntimeError as e:
+                    rows.append({"form": "ipc_cache", "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"})
+                    plan = plan[:size] + [p for p in plan[size:] if p[0] != "ipc_cache"]
+                    for kind, _, ranks in batch:
+                        if kind == "ipc_cache":
+                            ranks.kill()
+                    batch = [b for b in batch if b[0] != "ipc_cache"]
+            for _, _, ranks in batch:
+                ranks.settle()
+            for kind, cache, ranks in batch:
+                if late((kind, cache), rows, args):
+                    return rows  # the batch's processes are stopped below
+                rows.append({**measure(kind, cache, ranks, shape, f"{shape.name} r{rnd}", args), "batch": at // size})
                 save(rows)
-                current.kill()
-                upcoming = Ranks(plan[i + 1][0], shape, args, rnd == 0) if i + 1 < len(plan) else None
-                continue
-            if time.time() > args.deadline:
-                current.kill()
-                rows.append({"form": kind, "cache": cache, "skipped": "the run's deadline passed"})
-                break
-            upcoming = Ranks(plan[i + 1][0], shape, args, rnd == 0) if i + 1 < len(plan) else None
-            dropped = drop_page_cache() if cache == "cold" else False
-            if cache == "warm":
-                warm(shape.files_of(kind))
-            try:
-                reports = current.go(args.form_timeout)
-            except (RuntimeError, json.JSONDecodeError) as e:
-                rows.append({"form": kind, "cache": cache, "failed": str(e)[-1500:]})
-                save(rows)
-                continue
-            if "skipped" in reports[0]:
-                rows.append({"form": kind, "cache": cache, "skipped": reports[0]["skipped"]})
-            else:
-                rows.append(node_row(kind, cache, reports, shape, dropped))
-                print(f"{shape.name} r{rnd} {cache:7s} {kind:17s} node {rows[-1]['node_wall_s']:7.3f}s slowest "
-                      f"{rows[-1]['slowest_rank_s']:7.3f}s read {rows[-1]['read_bytes'] / 1e9:6.2f} GB", flush=True)
-            save(rows)
-        if upcoming is not None:
-            upcoming.kill()
+            batch, at = [], at + size
     finally:
+        for _, _, ranks in batch:
+            ranks.kill()
         for proc in held:
             proc.kill()
             proc.wait()
@@ -320,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slice-forms", default="", help="the forms timed in the slice shape (default: --forms)")
     p.add_argument("--caches", default="cold,warm")
     p.add_argument("--budget-s", type=float, default=0, help="start nothing new after this many seconds")
+    p.add_argument("--batch", type=int, default=3,
+                   help="measurements whose processes import together, then run one at a time on a quiet "
+                        "host (fewer where their ranks would not fit a GPU's memory together)")
     p.add_argument("--form-timeout", type=float, default=150, help="stop a measurement that runs longer (s)")
     p.add_argument("--save", type=Path)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny dims, 2 rank processes, warm, "

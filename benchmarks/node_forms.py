@@ -259,6 +259,7 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
             prepared = prepare(kind, rank, shape, stack)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+        ready_unix = time.time()
         protocol.write("ready\n")
         if sys.stdin.readline().strip() != "go":
             return
@@ -272,7 +273,7 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
         seconds, end_unix = time.perf_counter() - t0, time.time()
         report = {"rank": rank, "seconds": seconds, "start_unix": start_unix, "end_unix": end_unix,
                   "read_bytes": io_read_bytes() - read_before, "import_s": imported,
-                  "ready_s": t0 - start}
+                  "ready_s": t0 - start, "ready_unix": ready_unix}
         if fingerprint and prepared.model is not None:
             from bench_daemon import kernel_fingerprint
 

@@ -149,6 +149,14 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
             assert "needs a CUDA GPU" in rows[(ceiling, "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
+    # a measurement is released only once every process of its batch is built and idle
+    for step in result["steps"]:
+        batches = {row["batch"] for row in step["rows"]}
+        assert len(batches) > 1, step["rows"]
+        for batch in batches:
+            timed = [row for row in step["rows"] if row["batch"] == batch and "ranks" in row]
+            built = max(r["ready_unix"] for row in timed for r in row["ranks"])
+            assert all(min(r["start_unix"] for r in row["ranks"]) > built for row in timed), timed
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
     assert len(result["identical"]) == 4 and all(result["identical"].values()), result["identical"]
 
