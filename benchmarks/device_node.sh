@@ -9,6 +9,7 @@
 #   benchmarks/device_node.sh setup            # unpack, install, what the machine is
 #   benchmarks/device_node.sh job SECONDS [FLAGS]  # bench_node.py [FLAGS] in the background, nothing new after SECONDS
 #   benchmarks/device_node.sh wait DEST [S]    # wait (at most S seconds) for the job, copy its results to DEST
+#   benchmarks/device_node.sh run [FLAGS]      # bench_node.py [FLAGS] now, in the foreground
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=/tmp/node-results
@@ -42,5 +43,6 @@ case "${1:-}" in
     setup) setup ;;
     job) shift; job "${1:-900}" "${@:2}" ;;
     wait) wait_for "$2" "${3:-560}" ;;
-    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]" >&2; exit 2 ;;
+    run) shift; python3 /tmp/tree/benchmarks/bench_node.py --work "$WORK" "$@" ;;
+    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]" >&2; exit 2 ;;
 esac
