@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
     args.sockets = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # short: a Unix socket's path is bounded
     results: dict[str, Any] = {"benchmark": "node", "machine": machine(args), "setup": [], "steps": [],
-                               "forms": args.forms, "ceilings": list(CEILINGS)}
+                               "forms": args.forms, "ceilings": list(CEILINGS), "warm_reads": args.warm_reads}
 
     def save(_: Any = None) -> None:
         if args.save:

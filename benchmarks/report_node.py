@@ -24,13 +24,90 @@ def load_all() -> list[tuple[str, dict[str, Any]]]:
     return [(p.parent.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("node-*/node.json"))]
 
 
+#: The files a form's load (and a warm row's fill) reads; every other kind reads the rank files.
+FILES = {**dict.fromkeys(("auto", "auto_ep_filter", "fastsafetensors", "instanttensor", "runai_streamer"), "source"),
+         "megamoe_store": "store", "ipc_cache": None}
+
+
+def unprimed(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(step, row) of each warm row that ran right after its files' first read into the page cache: a
+    run that read a warm row's files once before it (``warm_reads`` 1, or not recorded) where no step
+    since the last drop had read them. Those rows are not comparable with the warm rows whose files
+    were read before and read again (every warm row of a run with ``warm_reads`` 2), so they are
+    shown apart and left out of the medians."""
+    if result.get("warm_reads", 1) >= 2:
+        return []
+    found = []
+    for step in result["steps"]:
+        cached: set[str | None] = set()  # the files read since the last drop, as the rows ran
+        for row in step["rows"]:
+            files = FILES.get(row["form"], "ranks")
+            if row["cache"] == "cold":
+                cached = {files}
+            elif row["cache"] == "warm":
+                if files not in cached and row["form"] != "h2d" and "node_wall_s" in row:  # h2d reads no file
+                    found.append((step, row))
+                cached.add(files)
+    return found
+
+
 def by_shape(result: dict[str, Any]) -> dict[str, dict[tuple[str, str], list[dict[str, Any]]]]:
-    """shape -> (form, cache) -> its rows over the rounds."""
+    """shape -> (form, cache) -> its rows over the rounds (:func:`unprimed` rows left out)."""
+    apart = {id(row) for _, row in unprimed(result)}
     shapes: dict[str, dict[tuple[str, str], list[dict[str, Any]]]] = {}
     for step in result["steps"]:
         for row in step["rows"]:
-            shapes.setdefault(step["shape"], {}).setdefault((row["form"], row["cache"]), []).append(row)
+            if id(row) not in apart:
+                shapes.setdefault(step["shape"], {}).setdefault((row["form"], row["cache"]), []).append(row)
     return shapes
+
+
+def method_notes(result: dict[str, Any]) -> str:
+    """What a run did differently from the method described above, and its rows shown apart."""
+    notes = []
+    if not any("batch" in row for step in result["steps"] for row in step["rows"]):
+        notes.append("This run predates the batches: each measurement ran while the next one's processes "
+                     "imported and built beside it, so its rows are not comparable with a batched run's.")
+    if apart := unprimed(result):
+        rows = "; ".join(f"`{step['shape']}` round {step['round']}, {NAMES.get(row['form'], row['form'])}: "
+                         f"{row['node_wall_s']:.3f} s" for step, row in apart)
+        notes.append("This run read a warm row's files once before it. Its warm rows that ran right after "
+                     "that first read (no step since the last drop had read those files) are left out of the "
+                     f"medians, as not comparable with the rest: {rows}.")
+    return "".join(f"\n{note}\n" for note in notes)
+
+
+def warm_reads_table() -> str:
+    """The warm rows of a run alternating one and two reads of their files before each row
+    (``benchmarks/results/node-*-warm-reads/readsN-I.json``: N reads, I-th run), beside the pipe ceiling."""
+    found = sorted(RESULTS.glob("node-*-warm-reads/reads*-*.json"),
+                   key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    if not found:
+        return ""
+    lines = ["| run | warm reads before each row | `megamoe` per-rank s | `megamoe` store s | pipeline ceiling s |",
+             "|---:|---:|---:|---:|---:|"]
+    kinds = ("megamoe_per_rank", "megamoe_store", "pipe")
+    times: dict[tuple[str, str], list[float]] = {}
+    for path in found:
+        result = json.loads(path.read_text())
+        got = {row["form"]: row.get("node_wall_s") for step in result["steps"] for row in step["rows"]}
+        cells = [f"{got[k]:.3f}" if got.get(k) else "-" for k in kinds]
+        reads, run = path.stem.removeprefix("reads").split("-")  # the reads are in the name: older runs lack the key
+        lines.append(f"| {run} | {reads} | " + " | ".join(cells) + " |")
+        for k in kinds:
+            if got.get(k):
+                times.setdefault((reads, k), []).append(got[k])
+    medians = "; ".join(f"{reads} read{'s' if reads != '1' else ''}: " + " / ".join(
+        f"{statistics.median(times[reads, k]):.3f}" for k in kinds if (reads, k) in times) + " s"
+        for reads in sorted({r for r, _ in times}))
+    step = json.loads(found[0].read_text())["steps"][0]
+    m = json.loads(found[0].read_text())["machine"]
+    return (f"\n#### One read or two before a warm row ({len(m['gpus'])} x {m['gpus'][0]}, "
+            f"{shape_label(step)}, one round a run)\n\nFresh runs of `bench_node.py --caches warm`, the page cache "
+            "dropped before each, alternating one and two reads of a warm row's files just before it "
+            "(`--warm-reads`); the megamoe rows' files came from the disk with the first read, the ceiling's "
+            "were read by the rows before it:\n\n" + "\n".join(lines) + f"\n\nMedians, per-rank form / store / "
+            f"ceiling: {medians}.\n")
 
 
 def wall(rows: list[dict[str, Any]]) -> float | None:
@@ -172,8 +249,11 @@ first load: vLLM's own loader for `--load-format auto` (with and without `--enab
 the per-rank form and from the store (`install()`, the staging started when the loader is made);
 and an engine restart through `--load-format ipc_cache` mapping what one weight-cache daemon per
 rank holds. Torch and OpenMP threads as vLLM 0.33 sets them for its workers' start-up (the CPUs
-shared among the node's workers). Cold: `drop_caches` before each; warm: the form's files in the page
-cache. Node time: from the release to the last rank's end. Beside every row, in the same rounds:
+shared among the node's workers). Measurements run in batches: a batch's processes import and build
+together, then its measurements run one at a time, each released on a quiet host with nothing
+importing beside it. Cold: `drop_caches` before each; warm: the form's files read twice just before
+it (read before and read again, whatever the step before left in the page cache). Node time: from
+the release to the last rank's end. Beside every row, in the same rounds:
 the disk's parallel read of the node's bytes (cold: the faster of one process reading the node's
 files, 64 threads x 4 MB, and every rank reading its own at once, 32 threads x 4 MB each) and the
 node's page cache -> pinned -> device ceiling with every rank at once (warm: each rank's files
@@ -215,9 +295,11 @@ read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on
         table = growth(result, result["forms"])
         parts.append(f"\n{table}\n" if table.startswith("How") else
                      f"\nHow each form's node time grows with the MoE layers:\n\n{table}\n")
+        parts.append(method_notes(result))
         parts.append(goal_lines(result))
         parts.append(f"\nIdentical kernel bytes across forms (per shape and rank): "
                      f"{all(result.get('identical', {}).values()) if result.get('identical') else 'not checked'}.\n")
+    parts.append(warm_reads_table())
     return "".join(parts)
 
 
@@ -249,6 +331,14 @@ def goal_lines(result: dict[str, Any]) -> str:
                          f"least at {(expert_bytes(rows) or 0) / fastest / 1e9:.2f} "
                          "GB/s with more reads in flight, so a cold ratio above 1 says the ceiling reader, not the "
                          "disk, was the limit.")
+    for shape, rows in by_shape(result).items():
+        if shape.endswith(f"-l{top}") or not all(wall(rows.get((f, c), [])) for f in OURS for c in ("cold", "warm")):
+            continue
+        _, ratios = shape_table(rows, result["forms"])
+        cold, warm = (" / ".join(f"{ratios[f].get(k, float('nan')):.2f}x" for f in OURS)
+                      for k in ("cold_vs_disk", "warm_vs_ceiling"))
+        lines.append(f"- `{shape}` (a smaller checkpoint), per-rank form / store: cold {cold} of "
+                     f"the disk's parallel read, warm {warm} of the node's ceiling.")
     return "\nAt node level, against the limits measured beside them (largest checkpoint):\n\n" + "\n".join(lines) + "\n"
 
 
