@@ -88,7 +88,7 @@ def fingerprint(tensors: list[Any]) -> str:
     h = xxhash.xxh3_128()
     for t in tensors:
         storage = layout_scales.sf_storage(t) if t.dim() == 3 and not t.is_contiguous() else t
-        h.update(storage.contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        h.update(storage.contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy())  # hashed in place
     return h.hexdigest()
 
 
