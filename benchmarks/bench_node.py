@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import subprocess
 import sys
 import tempfile
@@ -53,88 +52,7 @@ for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
     sys.path.insert(0, str(path))
 
 from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
-
-# --------------------------------------------------------------------------------------
-# Processes: one per rank, released together
-# --------------------------------------------------------------------------------------
-
-class Ranks:
-    """One measurement's rank processes: spawned with the rest of their batch, each reporting
-    ready on its protocol pipe, then released at once."""
-
-    def __init__(self, kind: str, shape: Shape, args: argparse.Namespace, fingerprint: bool) -> None:
-        self.kind, self.shape = kind, shape
-        ranks = [0] if kind == "disk_read" else list(range(args.n))
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
-               "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
-                                              str(REPO / "tests" / "engines")])}
-        self.procs = []
-        for rank in ranks:
-            cmd = [sys.executable, __file__, "--child", kind, "--rank", str(rank), "--shape", shape.to_json()]
-            if fingerprint:
-                cmd.append("--fingerprint")
-            err = open(args.work / "logs" / f"{shape.name}-{kind}-r{rank}-{time.time_ns()}.err", "w")
-            gpu = {"CUDA_VISIBLE_DEVICES": str(rank % args.gpus)} if args.gpus else {}
-            self.procs.append(subprocess.Popen(cmd, env={**env, **gpu}, stdin=subprocess.PIPE,
-                                               stdout=subprocess.PIPE, stderr=err, text=True))
-            self.procs[-1].err_path = err.name  # type: ignore[attr-defined]
-
-    def _line(self, proc: subprocess.Popen, timeout: float = 900) -> str:
-        if not select.select([proc.stdout], [], [], timeout)[0]:
-            self.kill()
-            raise RuntimeError(f"{self.kind}: no answer within {timeout:.0f} s (stopped)")
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            proc.wait()
-            raise RuntimeError(f"{self.kind} rank process ended ({proc.returncode}):\n"
-                               f"{Path(proc.err_path).read_text()[-3000:]}")  # type: ignore[attr-defined]
-        return line
-
-    #: Why the processes never became ready (:meth:`settle`), or ``None``.
-    error: str | None = None
-
-    def settle(self) -> None:
-        """Wait until every rank is built and ready; a failure is kept (:attr:`error`), the
-        processes stopped, for its measurement to report in its turn."""
-        try:
-            for proc in self.procs:
-                if self._line(proc).strip() != "ready":
-                    raise RuntimeError(f"{self.kind}: expected 'ready'")
-        except RuntimeError as e:
-            self.error = str(e)[-1500:]
-            self.kill()
-
-    def go(self, timeout: float) -> list[dict[str, Any]]:
-        for proc in self.procs:  # every rank is blocked on its stdin: one write each releases them
-            proc.stdin.write("go\n")  # type: ignore[union-attr]
-            proc.stdin.flush()  # type: ignore[union-attr]
-        deadline = time.time() + timeout
-        reports = [json.loads(self._line(proc, max(1.0, deadline - time.time()))) for proc in self.procs]
-        for proc in self.procs:
-            proc.wait()
-        return reports
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
-
-
-def drop_page_cache() -> bool:
-    from bench_convert import drop_page_cache as drop
-
-    return drop()
-
-
-def warm(files: list[Path], reads: int) -> None:
-    """``files`` read ``reads`` times: with two, a warm row finds its files read before and read again,
-    whether they were in the page cache already or the first read brought them from the disk (a
-    load right after that first read ran slower than one after a second)."""
-    from bench_startup import warm as read_all
-
-    for _ in range(reads):
-        read_all(files)
-
+from node_procs import Ranks, daemons, daemons_ready, drop_page_cache, stop, warm  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # One shape: its forms and ceilings, interleaved
@@ -152,36 +70,6 @@ def node_row(kind: str, cache: str, reports: list[dict[str, Any]], shape: Shape,
     if cache == "cold":
         row["dropped"] = dropped
     return row
-
-
-def daemons(shape: Shape, args: argparse.Namespace) -> list[subprocess.Popen]:
-    """One vLLM weight-cache daemon per rank, loading the per-rank form (``megamoe preload``'s path)."""
-    procs = []
-    for rank in range(args.n):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("PYTHONPATH", ""), str(REPO),
-                                                             str(REPO / "tests" / "engines")])}
-        if args.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = str(rank % args.gpus)
-        err = open(args.work / "logs" / f"{shape.name}-daemon-r{rank}.err", "w")
-        cmd = [sys.executable, str(REPO / "benchmarks" / "bench_daemon.py"), "--role", "daemon", "--model",
-               str(shape.per_rank), "--rank", str(rank), "--ep-size", str(shape.ep_size),
-               "--socket-dir", shape.socket_dir(rank)]
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        proc.err_path = err.name  # type: ignore[attr-defined]
-        procs.append(proc)
-    return procs
-
-
-def daemons_ready(procs: list[subprocess.Popen]) -> None:
-    from bench_daemon import first_json
-
-    try:
-        for proc in procs:
-            first_json(proc, 600)
-    except RuntimeError:
-        for proc in procs:
-            proc.kill()
-        raise
 
 
 #: The forms a round times first, the ceilings right after them: a run cut short by its budget
@@ -206,16 +94,17 @@ def schedule(forms: list[str], caches: list[str], rnd: int) -> list[tuple[str, s
     return plan[::-1] if rnd % 2 else plan
 
 
-def batch_size(shape: Shape, args: argparse.Namespace) -> int:
+def batch_size(shape: Shape, args: argparse.Namespace, with_daemons: bool) -> int:
     """How many measurements' processes start together: ``--batch``, or fewer where their rank
-    processes would not fit beside each other in a GPU's memory (each holds about its rank's files)."""
+    processes (each holding about its rank's files, several to a GPU where ranks outnumber GPUs)
+    would not fit a GPU's memory beside each other and the weight-cache daemons."""
     if not args.gpus:
         return args.batch
     import torch
 
-    per_process = 1.25 * shape.file_bytes() / shape.n
-    fits = int(0.75 * torch.cuda.get_device_properties(0).total_memory // per_process)
-    return max(1, min(args.batch, fits))
+    per_measurement = 1.25 * shape.file_bytes() / shape.n * -(-args.n // args.gpus)  # on one GPU
+    room = 0.75 * torch.cuda.get_device_properties(0).total_memory - (per_measurement if with_daemons else 0)
+    return max(1, min(args.batch, int(room // per_measurement)))
 
 
 def measure(kind: str, cache: str, ranks: Ranks, shape: Shape, label: str,
@@ -229,7 +118,8 @@ def measure(kind: str, cache: str, ranks: Ranks, shape: Shape, label: str,
         warm(shape.files_of(kind), args.warm_reads)
     try:
         reports = ranks.go(args.form_timeout)
-    except (RuntimeError, json.JSONDecodeError) as e:
+    except (RuntimeError, OSError, ValueError) as e:  # a rank that ended (a broken pipe) or wrote no report
+        ranks.kill()  # no rank of it goes on loading beside the next measurement
         return {"form": kind, "cache": cache, "failed": str(e)[-1500:]}
     if "skipped" in reports[0]:
         return {"form": kind, "cache": cache, "skipped": reports[0]["skipped"]}
@@ -247,30 +137,38 @@ def late(step: tuple[str, str], rows: list[dict[str, Any]], args: argparse.Names
     return True
 
 
+def spawn(steps: list[tuple[str, str]], shape: Shape, args: argparse.Namespace, rnd: int,
+          into: list[tuple[str, str, Ranks]]) -> None:
+    """Each step's rank processes, appended to ``into`` as they start (a caller that stops ``into``
+    on an error stops every one that started)."""
+    for kind, cache in steps:
+        into.append((kind, cache, Ranks(kind, shape, args.work, args.gpus, args.n, args.threads, rnd == 0)))
+
+
 def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> list[dict[str, Any]]:
     """The shape's plan in batches: a batch's processes import and build together, then its
     measurements run one at a time, each on a quiet host (the others wait, built, for their turn),
     as a node's ranks start with nothing else importing beside them."""
     rows: list[dict[str, Any]] = []
     forms = args.slice_forms if shape.ep_size != shape.n else args.forms
-    held = daemons(shape, args) if "ipc_cache" in forms else []
+    held = daemons(shape, args.work, args.gpus, args.n) if "ipc_cache" in forms else []
     plan = schedule(forms, args.caches, rnd)
-    size = batch_size(shape, args)
+    size = batch_size(shape, args, bool(held))
     batch: list[tuple[str, str, Ranks]] = []
     try:
         at = 0
         while at < len(plan) and not late(plan[at], rows, args):
-            batch = [(kind, cache, Ranks(kind, shape, args, rnd == 0)) for kind, cache in plan[at:at + size]]
+            spawn(plan[at:at + size], shape, args, rnd, batch)
             if at == 0 and held:  # the daemons load while the first batch imports
                 try:
                     daemons_ready(held)
-                except RuntimeError as e:
+                except (RuntimeError, ValueError) as e:
                     rows.append({"form": "ipc_cache", "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"})
                     plan = plan[:size] + [p for p in plan[size:] if p[0] != "ipc_cache"]
                     for kind, _, ranks in batch:
                         if kind == "ipc_cache":
                             ranks.kill()
-                    batch = [b for b in batch if b[0] != "ipc_cache"]
+                    batch[:] = [b for b in batch if b[0] != "ipc_cache"]
             for _, _, ranks in batch:
                 ranks.settle()
             for kind, cache, ranks in batch:
@@ -278,14 +176,19 @@ def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> lis
                     return rows  # the batch's processes are stopped below
                 rows.append({**measure(kind, cache, ranks, shape, f"{shape.name} r{rnd}", args), "batch": at // size})
                 save(rows)
-            batch, at = [], at + size
+            stop_all(batch)
+            at += size
     finally:
-        for _, _, ranks in batch:
-            ranks.kill()
-        for proc in held:
-            proc.kill()
-            proc.wait()
+        stop_all(batch)
+        stop(held)
     return rows
+
+
+def stop_all(batch: list[tuple[str, str, Ranks]]) -> None:
+    """Stop every process of ``batch`` (those that ended are reaped) and empty it."""
+    for _, _, ranks in batch:
+        ranks.kill()
+    batch.clear()
 
 
 # --------------------------------------------------------------------------------------
@@ -343,6 +246,12 @@ def identical(results: dict[str, Any]) -> dict[str, bool]:
     return {key: len(v) == 1 for key, v in prints.items()}
 
 
+def positive(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -360,11 +269,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slice-forms", default="", help="the forms timed in the slice shape (default: --forms)")
     p.add_argument("--caches", default="cold,warm")
     p.add_argument("--budget-s", type=float, default=0, help="start nothing new after this many seconds")
-    p.add_argument("--batch", type=int, default=3,
+    p.add_argument("--batch", type=positive, default=3,
                    help="measurements whose processes import together, then run one at a time on a quiet "
                         "host (fewer where their ranks would not fit a GPU's memory together)")
-    p.add_argument("--warm-reads", type=int, default=2,
-                   help="reads of a warm row's files just before it (see warm())")
+    p.add_argument("--warm-reads", type=positive, default=2,
+                   help="reads of a warm row's files just before it (node_procs.warm)")
     p.add_argument("--form-timeout", type=float, default=150, help="stop a measurement that runs longer (s)")
     p.add_argument("--save", type=Path)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny dims, 2 rank processes, warm, "

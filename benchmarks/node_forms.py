@@ -40,6 +40,14 @@ FORMAT_PACKAGES = {"fastsafetensors": "fastsafetensors", "instanttensor": "insta
                    "runai_streamer": "runai_model_streamer"}
 
 
+def files_read(kind: str) -> str | None:
+    """Which files a form or ceiling reads: the ``source`` checkpoint (vLLM's loaders), the ``store``,
+    the node's ``ranks`` files (the per-rank form and the ceilings), or none (an ``ipc_cache`` restart)."""
+    if FORMS.get(kind, ("",))[0] == "vllm":
+        return "source"
+    return {"megamoe_store": "store", "ipc_cache": None}.get(kind, "ranks")
+
+
 def rank_files(out: Path, rank: int) -> list[Path]:
     return sorted(out.glob(f"rank-{rank:05d}-of-*/*.safetensors"))
 
@@ -81,11 +89,12 @@ class Shape:
 
     def files_of(self, kind: str) -> list[Path]:
         """The files ``kind`` reads (the page cache is filled with them for a warm run)."""
-        if FORMS.get(kind, ("",))[0] == "vllm":
+        group = files_read(kind)
+        if group == "source":
             return sorted(self.src.glob("*.safetensors"))
-        if kind == "megamoe_store":
+        if group == "store":
             return sorted(self.store.rglob("*.safetensors"))
-        return [] if kind == "ipc_cache" else self.node_files()
+        return [] if group is None else self.node_files()
 
     def socket_dir(self, rank: int) -> str:
         path = Path(self.sockets) / f"{self.name}-{rank}"

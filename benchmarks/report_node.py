@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from node_forms import files_read
+
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The goals at node level: cold against the disk's parallel read, warm against the node's ceiling.
 COLD_GOAL, WARM_GOAL = 0.9, 0.8
@@ -24,28 +26,23 @@ def load_all() -> list[tuple[str, dict[str, Any]]]:
     return [(p.parent.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("node-*/node.json"))]
 
 
-#: The files a form's load (and a warm row's fill) reads; every other kind reads the rank files.
-FILES = {**dict.fromkeys(("auto", "auto_ep_filter", "fastsafetensors", "instanttensor", "runai_streamer"), "source"),
-         "megamoe_store": "store", "ipc_cache": None}
-
-
 def unprimed(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(step, row) of each warm row that ran right after its files' first read into the page cache: a
-    run that read a warm row's files once before it (``warm_reads`` 1, or not recorded) where no step
-    since the last drop had read them. Those rows are not comparable with the warm rows whose files
-    were read before and read again (every warm row of a run with ``warm_reads`` 2), so they are
+    run that read a warm row's files once before it (``warm_reads`` 1, or not recorded) where no row
+    that ran since the last drop had read them. Those rows are not comparable with the warm rows whose
+    files were read before and read again (every warm row of a run with ``warm_reads`` 2), so they are
     shown apart and left out of the medians."""
     if result.get("warm_reads", 1) >= 2:
         return []
     found = []
     for step in result["steps"]:
         cached: set[str | None] = set()  # the files read since the last drop, as the rows ran
-        for row in step["rows"]:
-            files = FILES.get(row["form"], "ranks")
+        for row in (r for r in step["rows"] if "node_wall_s" in r):  # a row that did not run read nothing
+            files = files_read(row["form"])
             if row["cache"] == "cold":
                 cached = {files}
             elif row["cache"] == "warm":
-                if files not in cached and row["form"] != "h2d" and "node_wall_s" in row:  # h2d reads no file
+                if files not in cached and row["form"] != "h2d":  # h2d's timing reads no file
                     found.append((step, row))
                 cached.add(files)
     return found
@@ -68,12 +65,19 @@ def method_notes(result: dict[str, Any]) -> str:
     if not any("batch" in row for step in result["steps"] for row in step["rows"]):
         notes.append("This run predates the batches: each measurement ran while the next one's processes "
                      "imported and built beside it, so its rows are not comparable with a batched run's.")
-    if apart := unprimed(result):
+    once = "This run read a warm row's files once just before it (later runs read them twice)."
+    if not (apart := unprimed(result)) and result.get("warm_reads", 1) < 2:
+        notes.append(once)
+    if apart:
+        everything = {}  # the medians with the rows left out put back
+        for step in result["steps"]:
+            for row in step["rows"]:
+                everything.setdefault((step["shape"], row["form"], row["cache"]), []).append(row)
         rows = "; ".join(f"`{step['shape']}` round {step['round']}, {NAMES.get(row['form'], row['form'])}: "
-                         f"{row['node_wall_s']:.3f} s" for step, row in apart)
-        notes.append("This run read a warm row's files once before it. Its warm rows that ran right after "
-                     "that first read (no step since the last drop had read those files) are left out of the "
-                     f"medians, as not comparable with the rest: {rows}.")
+                         f"{row['node_wall_s']:.3f} s (with it, the median would be "
+                         f"{wall(everything[step['shape'], row['form'], 'warm']):.3f} s)" for step, row in apart)
+        notes.append(f"{once} Its warm rows that ran right after that first read (no row since the last drop had read "
+                     f"those files) are left out of the medians, as not comparable with the rest: {rows}.")
     return "".join(f"\n{note}\n" for note in notes)
 
 
@@ -90,9 +94,11 @@ def warm_reads_table() -> str:
     times: dict[tuple[str, str], list[float]] = {}
     for path in found:
         result = json.loads(path.read_text())
-        got = {row["form"]: row.get("node_wall_s") for step in result["steps"] for row in step["rows"]}
+        rows = {(row["form"], row["cache"]): [row] for step in result["steps"] for row in step["rows"]}
+        got = {k: wall(rows.get((k, "warm"), [])) for k in kinds[:2]} | {"pipe": _scaled(rows, "pipe", "warm")}
         cells = [f"{got[k]:.3f}" if got.get(k) else "-" for k in kinds]
-        reads, run = path.stem.removeprefix("reads").split("-")  # the reads are in the name: older runs lack the key
+        reads, run = path.stem.removeprefix("reads").split("-")  # the reads are in the name too: older runs lack the key
+        reads = str(result.get("warm_reads", reads))
         lines.append(f"| {run} | {reads} | " + " | ".join(cells) + " |")
         for k in kinds:
             if got.get(k):
@@ -103,10 +109,12 @@ def warm_reads_table() -> str:
     step = json.loads(found[0].read_text())["steps"][0]
     m = json.loads(found[0].read_text())["machine"]
     return (f"\n#### One read or two before a warm row ({len(m['gpus'])} x {m['gpus'][0]}, "
-            f"{shape_label(step)}, one round a run)\n\nFresh runs of `bench_node.py --caches warm`, the page cache "
-            "dropped before each, alternating one and two reads of a warm row's files just before it "
-            "(`--warm-reads`); the megamoe rows' files came from the disk with the first read, the ceiling's "
-            "were read by the rows before it:\n\n" + "\n".join(lines) + f"\n\nMedians, per-rank form / store / "
+            f"{shape_label(step)}, one round a run)\n\nFresh runs of `bench_node.py`, the page cache dropped before "
+            "each (`for r in 1 2 1 2; do sync; echo 3 > /proc/sys/vm/drop_caches; benchmarks/device_node.sh run "
+            "--layers 2 --rounds 1 --shapes node --caches warm --forms megamoe_per_rank,megamoe_store --batch 5 "
+            "--warm-reads $r --save ...; done`), alternating one and two reads of a warm row's files just before it; "
+            "the megamoe rows' files came from the disk with the first read, the ceiling's were read by the rows "
+            "before it (the ceiling scaled to the experts' bytes, as above):\n\n" + "\n".join(lines) + f"\n\nMedians, per-rank form / store / "
             f"ceiling: {medians}.\n")
 
 
@@ -173,8 +181,15 @@ def shape_label(step: dict[str, Any]) -> str:
     return f"{where} (EP {ep}), {step['layers']} MoE layers"
 
 
-def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[str]) -> tuple[str, dict]:
+def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[str], rounds: int = 1,
+                ) -> tuple[str, dict]:
+    """The shape's table (a form's time that rests on fewer of the ``rounds`` says on how many) and its ratios."""
     disk, ceiling = ceilings(rows)
+
+    def of(rs: list[dict[str, Any]]) -> str:
+        n = sum(1 for x in rs if "node_wall_s" in x)
+        return f" ({n} of {rounds} rounds)" if n < rounds else ""
+
     base = {c: wall(rows.get(("auto", c), [])) for c in ("cold", "warm")}
     lines = ["| form | cold: node s | cold: x of disk | cold: vs `auto` | cold: GB read | warm: node s "
              "| warm: x of ceiling | warm: vs `auto` | slowest rank cold / warm s |",
@@ -202,9 +217,9 @@ def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[s
         gb = statistics.median(x["read_bytes"] for x in cold if "read_bytes" in x) / 1e9 if tc else None
         slow = [statistics.median(x["slowest_rank_s"] for x in rs if "slowest_rank_s" in x) if wall(rs) else None
                 for rs in (cold, warm)]
-        cells = [f"{tc:.2f}" if tc else why(cold), f"{r['cold_vs_disk']:.2f}x" if "cold_vs_disk" in r else "-",
+        cells = [f"{tc:.2f}{of(cold)}" if tc else why(cold), f"{r['cold_vs_disk']:.2f}x" if "cold_vs_disk" in r else "-",
                  f"{r['cold_vs_auto']:.2f}x" if "cold_vs_auto" in r else "-", f"{gb:.2f}" if gb is not None else "-",
-                 f"{tw:.3f}" if tw else why(warm), f"{r['warm_vs_ceiling']:.2f}x" if "warm_vs_ceiling" in r else "-",
+                 f"{tw:.3f}{of(warm)}" if tw else why(warm), f"{r['warm_vs_ceiling']:.2f}x" if "warm_vs_ceiling" in r else "-",
                  f"{r['warm_vs_auto']:.2f}x" if "warm_vs_auto" in r else "-",
                  " / ".join(f"{s:.3f}" if s else "-" for s in slow)]
         lines.append(f"| {NAMES[form]} | " + " | ".join(cells) + " |")
@@ -287,11 +302,13 @@ read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on
             if step["shape"] in seen:
                 continue
             seen.add(step["shape"])
-            table, _ = shape_table(shapes[step["shape"]], result["forms"])
             rounds = sum(1 for s in result["steps"] if s["shape"] == step["shape"])
+            table, _ = shape_table(shapes[step["shape"]], result["forms"], rounds)
+            left = sum(1 for s, _ in unprimed(result) if s["shape"] == step["shape"])
             nbytes = expert_bytes(shapes[step["shape"]])
             size = f"{nbytes / 1e9:.2f} GB of routed experts for the node" if nbytes else "no megamoe row"
-            parts.append(f"\n#### {shape_label(step)}: {size}, {rounds} round(s)\n\n{table}\n")
+            apart = f", {left} warm row(s) of them left out (below)" if left else ""
+            parts.append(f"\n#### {shape_label(step)}: {size}, {rounds} round(s){apart}\n\n{table}\n")
         table = growth(result, result["forms"])
         parts.append(f"\n{table}\n" if table.startswith("How") else
                      f"\nHow each form's node time grows with the MoE layers:\n\n{table}\n")
@@ -304,57 +321,40 @@ read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on
 
 
 def goal_lines(result: dict[str, Any]) -> str:
-    """Whether the megamoe forms reach the node's limits, shape by shape (largest checkpoint)."""
+    """Whether the megamoe forms reach the node's limits, shape by shape (the largest checkpoint's
+    shapes are the goals'; the smaller ones' show how far a shorter load gets)."""
     lines = []
     top = max(s["layers"] for s in result["steps"])
     for shape, rows in by_shape(result).items():
-        if not shape.endswith(f"-l{top}"):
-            continue
-        disk, ceiling = ceilings(rows)
+        disk, _ = ceilings(rows)
         _, ratios = shape_table(rows, result["forms"])
         got = {f: ratios.get(f, {}) for f in OURS}
+        smaller = "" if shape.endswith(f"-l{top}") else " (a smaller checkpoint)"
         if not disk or not any(got.values()):
-            lines.append(f"- `{shape}`: the megamoe forms and the ceilings did not run before the run's time was up: "
-                         "goals not measured for this shape.")
+            lines.append(f"- `{shape}`{smaller}: the megamoe forms and the ceilings did not run before the run's "
+                         "time was up: goals not measured for this shape.")
             continue
-        fastest = min(wall(r) or float("inf") for (f, c), r in rows.items()
-                      if c == "cold" and f not in ("disk_read", "disk_read_ranks"))
         for form, r in got.items():
             cold, warm = r.get("cold_vs_disk", float("nan")), r.get("warm_vs_ceiling", float("nan"))
-            lines.append(f"- `{shape}`, {NAMES[form]}: cold {cold:.2f}x of the disk's parallel read "
+            lines.append(f"- `{shape}`{smaller}, {NAMES[form]}: cold {cold:.2f}x of the disk's parallel read "
                          f"(goal {COLD_GOAL}x: {'met' if cold >= COLD_GOAL else '**not met**'}), warm "
                          f"{warm:.2f}x of the node's ceiling (goal {WARM_GOAL}x: "
                          f"{'met' if warm >= WARM_GOAL else '**not met**'}).")
+        fastest = min(wall(r) or float("inf") for (f, c), r in rows.items()
+                      if c == "cold" and f not in ("disk_read", "disk_read_ranks"))
         if fastest < disk:
             lines.append(f"- `{shape}`: the disk ceiling's readers took {disk:.2f} s at best, "
                          f"slower than the fastest cold form ({fastest:.2f} s): the disk reads the node's bytes at "
                          f"least at {(expert_bytes(rows) or 0) / fastest / 1e9:.2f} "
                          "GB/s with more reads in flight, so a cold ratio above 1 says the ceiling reader, not the "
                          "disk, was the limit.")
-    for shape, rows in by_shape(result).items():
-        if shape.endswith(f"-l{top}") or not all(wall(rows.get((f, c), [])) for f in OURS for c in ("cold", "warm")):
-            continue
-        _, ratios = shape_table(rows, result["forms"])
-        cold, warm = (" / ".join(f"{ratios[f].get(k, float('nan')):.2f}x" for f in OURS)
-                      for k in ("cold_vs_disk", "warm_vs_ceiling"))
-        lines.append(f"- `{shape}` (a smaller checkpoint), per-rank form / store: cold {cold} of "
-                     f"the disk's parallel read, warm {warm} of the node's ceiling.")
-    return "\nAt node level, against the limits measured beside them (largest checkpoint):\n\n" + "\n".join(lines) + "\n"
+    return "\nAt node level, against the limits measured beside them:\n\n" + "\n".join(lines) + "\n"
 
 
-def goals() -> list[tuple[str, str, float, float]]:
-    """(shape, form, cold x of disk, warm x of ceiling) for the megamoe forms, largest checkpoint."""
-    out = []
-    for _, result in load_all():
-        top = max(s["layers"] for s in result["steps"])
-        for shape, rows in by_shape(result).items():
-            if not shape.endswith(f"-l{top}"):
-                continue
-            _, ratios = shape_table(rows, result["forms"])
-            for form in OURS:
-                r = ratios.get(form, {})
-                out.append((shape, form, r.get("cold_vs_disk", float("nan")), r.get("warm_vs_ceiling", float("nan"))))
-    return out
+def started(result: dict[str, Any]) -> float:
+    """When a run's first measurement began (the newest run leads the headline)."""
+    return min((r["start_unix"] for step in result["steps"] for row in step["rows"] for r in row.get("ranks", [])),
+               default=0.0)
 
 
 def headline() -> str:
@@ -362,7 +362,7 @@ def headline() -> str:
     runs = load_all()
     if not runs:
         return ""
-    name, result = runs[-1]
+    name, result = max(runs, key=lambda run: started(run[1]))
     m = result["machine"]
     top = max(s["layers"] for s in result["steps"])
     parts = []

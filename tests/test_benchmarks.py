@@ -34,7 +34,7 @@ def test_every_script_has_a_test():
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
-              "bench_node.py", "node_forms.py", "device_node.sh", "report_node.py"}
+              "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
     # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
     assert set(scripts) == tested, set(scripts) ^ tested
@@ -149,16 +149,46 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
             assert "needs a CUDA GPU" in rows[(ceiling, "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
-    # a measurement is released only once every process of its batch is built and idle
+    # a measurement is released only once every process of its batch is built and idle, and a batch's
+    # processes start only once the batch before it has ended: nothing imports beside a measurement
     for step in result["steps"]:
-        batches = {row["batch"] for row in step["rows"]}
+        batches = sorted({row["batch"] for row in step["rows"]})
         assert len(batches) > 1, step["rows"]
+        ended = 0.0
         for batch in batches:
             timed = [row for row in step["rows"] if row["batch"] == batch and "ranks" in row]
-            built = max(r["ready_unix"] for row in timed for r in row["ranks"])
+            if not timed:
+                continue
+            ranks = [r for row in timed for r in row["ranks"]]
+            built = max(r["ready_unix"] for r in ranks)
             assert all(min(r["start_unix"] for r in row["ranks"]) > built for row in timed), timed
+            assert min(r["start_unix"] - r["ready_s"] for r in ranks) > ended, timed  # when each process began
+            ended = max(r["end_unix"] for r in ranks)
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
     assert len(result["identical"]) == 4 and all(result["identical"].values()), result["identical"]
+
+
+def test_node_report_sets_apart_warm_rows_run_right_after_their_files_first_read():
+    """Of a run that read a warm row's files once before it, a warm row whose files no row since the
+    last drop had read (a row that did not run reads nothing) is left out of the medians and named in
+    the notes; a run that read them twice sets none apart."""
+    sys.path.insert(0, str(BENCH))
+    import report_node
+
+    def row(form: str, cache: str, seconds: float = 1.0) -> dict:
+        return {"form": form, "cache": cache, "node_wall_s": seconds}
+
+    rows = [row("megamoe_store", "cold"), row("megamoe_per_rank", "warm", 2.0), row("megamoe_per_rank", "cold"),
+            row("megamoe_per_rank", "warm"), row("disk_read", "cold"), row("pipe", "warm"), row("h2d", "warm"),
+            {"form": "auto", "cache": "cold", "failed": "ended"}, row("auto", "warm", 3.0)]
+    result = {"steps": [{"shape": "node-l8", "round": 1, "rows": rows}]}
+    assert [r for _, r in report_node.unprimed(result)] == [rows[1], rows[8]]
+    assert report_node.by_shape(result)["node-l8"][("megamoe_per_rank", "warm")] == [rows[3]]
+    assert ("auto", "warm") not in report_node.by_shape(result)["node-l8"]
+    notes = report_node.method_notes(result)
+    assert "left out of the medians" in notes and "2.000 s" in notes and "3.000 s" in notes, notes
+    twice = {**result, "warm_reads": 2}
+    assert report_node.unprimed(twice) == [] and "left out" not in report_node.method_notes(twice)
 
 
 def test_bench_probe_smoke_in_vllm_033(tmp_path):
