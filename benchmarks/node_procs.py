@@ -87,9 +87,7 @@ class Ranks:
         return reports
 
     def kill(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait()
+        stop(self.procs)
 
 
 def daemons(shape: Shape, work: Path, gpus: int, n: int) -> list[subprocess.Popen]:

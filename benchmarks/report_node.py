@@ -48,9 +48,9 @@ def unprimed(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any
     return found
 
 
-def by_shape(result: dict[str, Any]) -> dict[str, dict[tuple[str, str], list[dict[str, Any]]]]:
-    """shape -> (form, cache) -> its rows over the rounds (:func:`unprimed` rows left out)."""
-    apart = {id(row) for _, row in unprimed(result)}
+def by_shape(result: dict[str, Any], set_apart: bool = True) -> dict[str, dict[tuple[str, str], list[dict[str, Any]]]]:
+    """shape -> (form, cache) -> its rows over the rounds (:func:`unprimed` rows left out, unless not ``set_apart``)."""
+    apart = {id(row) for _, row in unprimed(result)} if set_apart else set()
     shapes: dict[str, dict[tuple[str, str], list[dict[str, Any]]]] = {}
     for step in result["steps"]:
         for row in step["rows"]:
@@ -69,13 +69,10 @@ def method_notes(result: dict[str, Any]) -> str:
     if not (apart := unprimed(result)) and result.get("warm_reads", 1) < 2:
         notes.append(once)
     if apart:
-        everything = {}  # the medians with the rows left out put back
-        for step in result["steps"]:
-            for row in step["rows"]:
-                everything.setdefault((step["shape"], row["form"], row["cache"]), []).append(row)
+        everything = by_shape(result, set_apart=False)  # the medians with the rows left out put back
         rows = "; ".join(f"`{step['shape']}` round {step['round']}, {NAMES.get(row['form'], row['form'])}: "
                          f"{row['node_wall_s']:.3f} s (with it, the median would be "
-                         f"{wall(everything[step['shape'], row['form'], 'warm']):.3f} s)" for step, row in apart)
+                         f"{wall(everything[step['shape']][row['form'], 'warm']):.3f} s)" for step, row in apart)
         notes.append(f"{once} Its warm rows that ran right after that first read (no row since the last drop had read "
                      f"those files) are left out of the medians, as not comparable with the rest: {rows}.")
     return "".join(f"\n{note}\n" for note in notes)
@@ -106,8 +103,8 @@ def warm_reads_table() -> str:
     medians = "; ".join(f"{reads} read{'s' if reads != '1' else ''}: " + " / ".join(
         f"{statistics.median(times[reads, k]):.3f}" for k in kinds if (reads, k) in times) + " s"
         for reads in sorted({r for r, _ in times}))
-    step = json.loads(found[0].read_text())["steps"][0]
-    m = json.loads(found[0].read_text())["machine"]
+    first = json.loads(found[0].read_text())
+    step, m = first["steps"][0], first["machine"]
     return (f"\n#### One read or two before a warm row ({len(m['gpus'])} x {m['gpus'][0]}, "
             f"{shape_label(step)}, one round a run)\n\nFresh runs of `bench_node.py`, the page cache dropped before "
             "each (`for r in 1 2 1 2; do sync; echo 3 > /proc/sys/vm/drop_caches; benchmarks/device_node.sh run "
@@ -297,6 +294,7 @@ read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on
         parts.append(f"\n### {name}: {len(m['gpus'])} x {m['gpus'][0] if m['gpus'] else 'CPU'}, {m['cpus']} CPUs, "
                      f"{m['rank_processes']} rank processes, OpenMP threads {m['omp_threads']}, torch {m['torch']}\n")
         shapes = by_shape(result)
+        left_out = [step["shape"] for step, _ in unprimed(result)]
         seen = set()
         for step in result["steps"]:
             if step["shape"] in seen:
@@ -304,7 +302,7 @@ read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on
             seen.add(step["shape"])
             rounds = sum(1 for s in result["steps"] if s["shape"] == step["shape"])
             table, _ = shape_table(shapes[step["shape"]], result["forms"], rounds)
-            left = sum(1 for s, _ in unprimed(result) if s["shape"] == step["shape"])
+            left = left_out.count(step["shape"])
             nbytes = expert_bytes(shapes[step["shape"]])
             size = f"{nbytes / 1e9:.2f} GB of routed experts for the node" if nbytes else "no megamoe row"
             apart = f", {left} warm row(s) of them left out (below)" if left else ""
