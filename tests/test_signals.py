@@ -38,3 +38,27 @@ def test_sigterm_at_any_moment_exits_143_with_one_line(tiny_ckpt, tmp_path, dela
     assert len(said) == 1 and err.strip().splitlines()[-1] == said[0], err
     out = tmp_path / "out"
     assert not list(out.rglob("*.partial")) and not (out / "manifest.json").exists()  # nothing half-written
+
+
+def test_a_stop_landing_in_an_import_waits_for_it_then_ends_the_command(tmp_path):
+    """An exception raised through an extension's C++ initialiser aborts the process (SIGABRT), so a
+    stop in an import is held until the import is done, then ends the command like any other."""
+    (tmp_path / "stopped_while_imported.py").write_text(
+        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('import finished', flush=True)\n")
+    script = (
+        "import sys, typer\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from megamoe_convert.cli import signals\n"
+        "from megamoe_convert.cli._run import run_command\n"
+        "signals.install()\n"
+        "def command():\n"
+        "    try:\n"
+        "        run_command(lambda: __import__('stopped_while_imported'))\n"
+        "    except typer.Exit as e:\n"
+        "        return e.exit_code\n"
+        "    return 0\n"
+        "sys.exit(signals.stoppable(command))\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines() == ["import finished"], proc.stdout
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip().splitlines() == ["terminated (SIGTERM): rerun the same command"], proc.stderr

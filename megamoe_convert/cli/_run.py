@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import typer
 
+from megamoe_convert import interrupts
 from megamoe_convert.cli import conventions, signals
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.jsonio import one_line
@@ -37,7 +38,9 @@ def run_command(body: Callable[[], Any]) -> Any:
     """Run a command body; expected failures become one line on stderr (and a JSON object on stdout
     under ``--json``) and exit code 2. Ctrl-C and SIGTERM stop cleanly with a resume hint: 130 / 143."""
     try:
-        return body()
+        result = body()
+        interrupts.check()  # a stop recorded, not raised, in the body's last import: the work may be cut short
+        return result
     except KeyboardInterrupt as e:
         _stopped(signals.exit_code(e))
     except HANDLED_ERRORS as e:

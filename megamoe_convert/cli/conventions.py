@@ -22,7 +22,7 @@ import typer
 from typer._click import exceptions as click_exceptions
 from typer._click import utils as click_utils
 
-from megamoe_convert import ui
+from megamoe_convert import interrupts, ui
 from megamoe_convert.cli import signals
 
 HELP_OPTIONS = ["-h", "--help"]
@@ -160,6 +160,7 @@ def run(group: Any, args: list[str], prog_name: str) -> int:
     try:
         with group.make_context(prog_name, list(args)) as ctx:
             result = group.invoke(ctx)
+        interrupts.check()  # a stop recorded, not raised, in an import no command body ran
         return result if isinstance(result, int) else 0
     except click_exceptions.UsageError as e:
         e.message = plain_words(e.message)

@@ -22,12 +22,26 @@ class Terminated(KeyboardInterrupt):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     interrupts.request(Terminated)
-    raise Terminated()
+    if not _importing(frame):
+        raise Terminated()
 
 
 def _on_sigint(signum: int, frame: Any) -> None:
     interrupts.request(KeyboardInterrupt)  # remembered too: a KeyboardInterrupt raised in a finalizer is dropped
-    raise KeyboardInterrupt
+    if not _importing(frame):
+        raise KeyboardInterrupt
+
+
+def _importing(frame: Any) -> bool:
+    """Whether the stop landed in an import. There it is only recorded, and raised by the next
+    :func:`megamoe_convert.interrupts.check` once the import is done: an extension module's
+    initialiser (torch's C++ ``_c10d_init``, say) may be on the stack, and an exception raised
+    through its C++ aborts the whole process (SIGABRT, a C++ message) instead of unwinding."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def install() -> None:
