@@ -153,7 +153,7 @@ def role_engine(args: argparse.Namespace) -> None:
     load_general_plugins()
     # The entry point's own call, for a checkout run without `pip install` (no entry points there):
     # an engine with megamoe-convert installed runs it through load_general_plugins above.
-    from megamoe_convert.vllm_integration import register
+    from megamoe_convert.engines.vllm.plugin import register
 
     register()
     from vllm.model_executor.model_loader.weight_cache import ipc_loader
@@ -179,8 +179,8 @@ def role_install(args: argparse.Namespace) -> None:
     import torch
     import vllm_harness  # noqa: F401  (vLLM's modules: imported, as in the other roles, before the clock)
 
+    from megamoe_convert.engines.vllm import install
     from megamoe_convert.serve.loader import prepare_gpu_staging
-    from megamoe_convert.vllm_integration import install
 
     imported = time.perf_counter()
     dev = device()

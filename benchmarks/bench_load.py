@@ -107,8 +107,8 @@ def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> t
     """vLLM's way: read everything, keep this rank's experts, transform on the device."""
     from safetensors import safe_open
 
-    from megamoe_convert import layout, layout_scales
-    from megamoe_convert.placement import Placement
+    from megamoe_convert.layout import scales, transform
+    from megamoe_convert.layout.placement import Placement
     from megamoe_convert.source.layers import MoELayer
 
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -145,11 +145,11 @@ def baseline_vllm(src: Path, rank: int, ep_size: int, device: torch.device) -> t
                     p["w2" if proj == "w2" else "w13"][slot, rows].copy_(data)
                 else:
                     p["w2_s" if proj == "w2" else "w13_s"][slot, rows].copy_(
-                        layout_scales.widen_ue8m0_to_fp32(data.to(device)))
+                        scales.widen_ue8m0_to_fp32(data.to(device)))
     result = {}
     for key, p in params.items():  # finalize_weights: DeepGEMM's transform, on the device
-        l1, l2 = layout.transform_experts(p["w13"], layout_scales.narrow_fp32_to_ue8m0(p["w13_s"]),
-                                          p["w2"], layout_scales.narrow_fp32_to_ue8m0(p["w2_s"]))
+        l1, l2 = transform.transform_experts(p["w13"], scales.narrow_fp32_to_ue8m0(p["w13_s"]),
+                                          p["w2"], scales.narrow_fp32_to_ue8m0(p["w2_s"]))
         result[MoELayer.parse(key).prefix] = (l1, l2)
     params.clear()
     sync(device)

@@ -14,7 +14,7 @@ releases every rank at once; each times its first load. The forms:
             over the source checkpoint; ``auto_ep_filter`` with the rank's expert ids from vLLM's
             ``compute_local_expert_ids`` (``--enable-ep-weight-filter``);
   megamoe_per_rank, megamoe_store
-            ``megamoe_convert.vllm_integration.install`` from the per-rank form / the store, the
+            ``megamoe_convert.engines.vllm.install`` from the per-rank form / the store, the
             staging started when the loader is made (``--load-format megamoe``);
   ipc_cache an engine restart: vLLM's ``IpcModelLoader`` mapping the experts of one weight-cache
             daemon per rank (``megamoe preload``'s, started once per shape; bench_daemon.py).

@@ -128,7 +128,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import vllm_harness as h
 
-    from megamoe_convert.vllm_integration import install
+    from megamoe_convert.engines.vllm import install
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":

@@ -7,7 +7,7 @@ MegaMoE expert modules on the GPU (``DeepGemmMegaMoEExperts`` of vLLM 0.33, or 0
 ``DeepseekV4MegaMoEExperts``, through ``tests/engines/vllm_harness.py``: only the SM100 check
 and the process groups are patched) and loads them once:
 
-  ours          ``megamoe_convert.vllm_integration.install(model, OUT, rank)``: each layer
+  ours          ``megamoe_convert.engines.vllm.install(model, OUT, rank)``: each layer
                 read straight into the module's parameters;
   vllm033       vLLM 0.33's own path: ``safetensors_weights_iterator`` over the source
                 checkpoint in file order -> the model's ``load_weights`` (its own name
@@ -83,11 +83,11 @@ def fingerprint(tensors: list[Any]) -> str:
     """xxh3-128 of the bytes the kernel reads (scales in their storage order), after timing."""
     import xxhash
 
-    from megamoe_convert import layout_scales
+    from megamoe_convert.layout import scales
 
     h = xxhash.xxh3_128()
     for t in tensors:
-        storage = layout_scales.sf_storage(t) if t.dim() == 3 and not t.is_contiguous() else t
+        storage = scales.sf_storage(t) if t.dim() == 3 and not t.is_contiguous() else t
         h.update(storage.contiguous().cpu().view(-1).view(__import__("torch").uint8).numpy())  # hashed in place
     return h.hexdigest()
 
@@ -96,8 +96,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import vllm_harness as h
 
+    from megamoe_convert.engines.vllm import install
     from megamoe_convert.serve.loader import prepare_gpu_staging
-    from megamoe_convert.vllm_integration import install
 
     _, code, ep_filter, with_redundant = METHODS[args.child]
     redundant = args.redundant if with_redundant else 0

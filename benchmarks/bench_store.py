@@ -64,7 +64,7 @@ def destinations(store_dir: Path, ep_size: int, rank: int, device: str) -> tuple
     """The rank's destination tensors by layer (shapes from the store's dims), its slots, and its bytes."""
     import torch
 
-    from megamoe_convert.placement import Placement
+    from megamoe_convert.layout.placement import Placement
     from megamoe_convert.serve import store
     from megamoe_convert.serve.loader import open_converted
     from megamoe_convert.source import formats
@@ -83,7 +83,7 @@ def destinations(store_dir: Path, ep_size: int, rank: int, device: str) -> tuple
 
 def store_ranges(store_dir: Path, ep_size: int, rank: int) -> list[tuple[Path, int, int]]:
     """``(file, offset, nbytes)`` of every range the rank reads from the store (default placement)."""
-    from megamoe_convert.placement import Placement
+    from megamoe_convert.layout.placement import Placement
     from megamoe_convert.serve import store
     from megamoe_convert.serve.loader import open_converted
 
@@ -299,9 +299,9 @@ def ranks_of(args: argparse.Namespace, ep: int) -> list[int]:
 
 def on_disk(store_dir: Path, ep: int) -> dict[str, int]:
     """The store's expert bytes, and the per-rank form's for every rank of ``ep`` (exact sizes)."""
+    from megamoe_convert.layout.placement import Placement
     from megamoe_convert.output.manifest import read_manifest
     from megamoe_convert.output.shards import rank_shard_size
-    from megamoe_convert.placement import Placement
 
     manifest = read_manifest(store_dir)
     store_bytes = sum(manifest.file(manifest.expert_file(layer)).size for layer in manifest.layers)

@@ -190,7 +190,7 @@ def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
     import torch
     import vllm_harness as h
 
-    from megamoe_convert.vllm_integration import install
+    from megamoe_convert.engines.vllm import install
 
     if torch.cuda.is_available():
         from megamoe_convert.serve.loader import prepare_gpu_staging
@@ -211,7 +211,7 @@ def prepare_ipc(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack)
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
 
-    from megamoe_convert.vllm_integration import register
+    from megamoe_convert.engines.vllm.plugin import register
 
     load_general_plugins()
     register()  # the entry point's own call, for a checkout run without `pip install`

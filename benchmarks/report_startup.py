@@ -143,7 +143,7 @@ def section(png: str) -> str:
 `benchmarks/device_startup.sh`. Every run is a new process that imports, builds vLLM's real MegaMoE
 expert modules on the GPU (vLLM's own classes through `tests/engines/vllm_harness.py`; only the SM100
 check and the process groups are patched) and loads them once; the figure is that first load. **ours**
-is `megamoe_convert.vllm_integration.install(model, OUT, rank)` into `DeepGemmMegaMoEExperts` (0.33);
+is `megamoe_convert.engines.vllm.install(model, OUT, rank)` into `DeepGemmMegaMoEExperts` (0.33);
 the baselines are vLLM's own code: `safetensors_weights_iterator` over the source checkpoint in file
 order (with `local_expert_ids`, i.e. `--enable-ep-weight-filter`, or without) -> the model's
 `load_weights` -> the experts' `weight_loader`; for 0.32, the same into `DeepseekV4MegaMoEExperts`

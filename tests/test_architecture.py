@@ -17,16 +17,13 @@ ROOT = "megamoe_convert"
 STAGES = {
     "errors": -1,  # the one error family, below everything
     "jsonio": 0, "progress": 0, "ui": 0, "faults": 0, "devices": 0, "interrupts": 0,
-    "layout_checks": 0.5, "layout_scales": 0.75,  # what the transform takes; its scale packing
-    "layout": 1, "placement": 1,
-    "layout_sm90": 1.25,  # Hopper's variant, built from layout's interleave
-    "layout_inverse": 1.5,  # above the layout modules, which it undoes; below source/, which dequantises with it
     "source": 2,
+    "layout": 2.5,  # the transform, its checks, scales, inverse, identity and placement: pure functions
     "output": 3,
     "convert": 4, "synth": 4,
     "serve": 5,
+    "hub": 5.5,  # pulls, pushes and byte ranges of a store on the hub, above the loading it plans for
     "engines": 6, "verify": 6,
-    "vllm_integration": 7, "loader": 7,  # the public faces kept at their documented names
     "cli": 8,
 }
 MAX_LINES = 520
@@ -118,20 +115,11 @@ def test_modules_are_readable_in_one_sitting() -> None:
 
 
 @pytest.mark.parametrize("dotted", [
-    "megamoe_convert.loader.load_rank", "megamoe_convert.loader.LoadError", "megamoe_convert.layout.transform_experts",
-    "megamoe_convert.vllm_integration.install", "megamoe_convert.vllm_integration.register",
-    "megamoe_convert.engines.sglang.install", "megamoe_convert.engines.vllm.plugin.register",
-    "megamoe_convert.engines.sglang.plugin.register",
-    "megamoe_convert.cli.main", "megamoe_convert.convert.convert", "megamoe_convert.synth.synthesize",
+    "megamoe_convert.load_rank", "megamoe_convert.load_slots", "megamoe_convert.transform_experts",
+    "megamoe_convert.engines.vllm.install", "megamoe_convert.engines.sglang.install",
+    "megamoe_convert.engines.vllm.plugin.register", "megamoe_convert.engines.sglang.plugin.register",
+    "megamoe_convert.cli.main",
 ])
-def test_documented_names_still_import(dotted: str) -> None:
+def test_public_names_import(dotted: str) -> None:
     module, _, name = dotted.rpartition(".")
     assert callable(getattr(importlib.import_module(module), name))
-
-
-def test_old_loader_name_is_the_same_module() -> None:
-    """Patching or reading through the documented name reaches the real loader's state."""
-    import megamoe_convert.loader as documented
-    from megamoe_convert.serve import loader
-
-    assert documented is loader

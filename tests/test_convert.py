@@ -1,7 +1,7 @@
 """`megamoe convert` end to end: real CLI subprocesses on synthesized checkpoints on disk.
 
 The reference for every rank shard is computed from the source with the plain
-``safetensors`` library (an independent reader) and ``layout.transform_experts``.
+``safetensors`` library (an independent reader) and ``transform.transform_experts``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from conftest import REPO, output_files, run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megamoe_convert import layout
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert as convert_library
+from megamoe_convert.layout import transform
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.output import marker
-from megamoe_convert.placement import Placement
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import read_header
 from megamoe_convert.synth.write import synthesize
@@ -42,7 +42,7 @@ def expected_layer(src_tensors: dict[str, torch.Tensor], prefix: str, ids: tuple
     def stack(projs, kind):
         return torch.stack([torch.cat([src_tensors[f"{prefix}.{e}.{p}.{kind}"].view(torch.uint8) for p in projs])
                             for e in ids])
-    return layout.transform_experts(stack(("w1", "w3"), "weight"), stack(("w1", "w3"), "scale"),
+    return transform.transform_experts(stack(("w1", "w3"), "weight"), stack(("w1", "w3"), "scale"),
                                     stack(("w2",), "weight"), stack(("w2",), "scale"))
 
 

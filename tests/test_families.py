@@ -14,7 +14,7 @@ from safetensors import safe_open
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import MegamoeError
-from megamoe_convert.placement import PlacementError
+from megamoe_convert.layout.placement import PlacementError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError

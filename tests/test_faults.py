@@ -29,12 +29,11 @@ from safetensors.torch import load_file, save_file
 
 from megamoe_convert.cli._run import run_command
 from megamoe_convert.convert.fleet import auto_merge, merge
-from megamoe_convert.errors import ManifestError, MegamoeError, OutputBusy, PlacementError
+from megamoe_convert.errors import LoadError, ManifestError, MegamoeError, OutputBusy, PlacementError
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import part_name
 from megamoe_convert.output.seal import seal
 from megamoe_convert.output.writer import AtomicWriter, partial_path
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth.write import synthesize

@@ -113,7 +113,7 @@ def test_a_store_is_said_served_and_loaded_at_any_ep_size(clone):
     assert len(store["reads"]["ranks"]) == 4
     same = subprocess.run([sys.executable, "-c", """
 import sys, torch
-from megamoe_convert.loader import load_rank
+from megamoe_convert import load_rank
 a, b = load_rank("store", rank=3, ep_size=4), load_rank("out", rank=3, ep_size=4)
 assert a.keys() == b.keys()
 for k in a:

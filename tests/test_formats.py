@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from megamoe_convert import layout_inverse
+from megamoe_convert.layout import inverse
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint
@@ -87,16 +87,16 @@ def test_the_shared_expert_is_pre_baked_from_its_fp8_block_checkpoint(tiny_ckpt,
                for p in ("w1", "w2", "w3") for k in ("weight", "scale")}
     for rank in (0, 3):
         (l1w, l1sf), (l2w, l2sf) = load_rank(tiny_converted, rank)[layer.prefix].shared
-        w13 = layout_inverse.deinterleave_gate_up(l1w.view(torch.uint8).unsqueeze(0))[0]
+        w13 = inverse.deinterleave_gate_up(l1w.view(torch.uint8).unsqueeze(0))[0]
         assert torch.equal(w13, torch.cat([raw["w1", "weight"], raw["w3", "weight"]]))
         assert torch.equal(l2w.view(torch.uint8), raw["w2", "weight"])
-        sf13 = layout_inverse.unpack_ue8m0(
-            layout_inverse.deinterleave_gate_up(layout_inverse.untranspose_sf_for_utccp(l1sf.unsqueeze(0))), H // 32)[0]
+        sf13 = inverse.unpack_ue8m0(
+            inverse.deinterleave_gate_up(inverse.untranspose_sf_for_utccp(l1sf.unsqueeze(0))), H // 32)[0]
         for half, proj in enumerate(("w1", "w3")):
             block = raw[proj, "scale"]
             for r, c in ((0, 0), (s - 1, H // 32 - 1), (77, 5)):
                 assert sf13[half * s + r, c] == block[r // 128, c // 4]
-        sf2 = layout_inverse.unpack_ue8m0(layout_inverse.untranspose_sf_for_utccp(l2sf.unsqueeze(0)), s // 32)[0]
+        sf2 = inverse.unpack_ue8m0(inverse.untranspose_sf_for_utccp(l2sf.unsqueeze(0)), s // 32)[0]
         assert torch.equal(sf2, raw["w2", "scale"].repeat_interleave(128, 0).repeat_interleave(4, 1))
 
 

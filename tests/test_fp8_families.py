@@ -13,7 +13,7 @@ import torch
 from conftest import run_cli
 from safetensors import safe_open
 
-from megamoe_convert import layout_inverse, layout_sm90
+from megamoe_convert.layout import inverse, sm90
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import Checkpoint
@@ -89,21 +89,21 @@ def test_inspect_names_the_family_and_its_layers(ckpts, preset):
 
 
 def test_the_sm90_layout_interleaves_only_the_l1_weight():
-    """layout_sm90.sm90_transform_experts against the spec written out by hand, on random bytes."""
+    """sm90.sm90_transform_experts against the spec written out by hand, on random bytes."""
     e, h, i = 2, 256, 128
     gen = torch.Generator().manual_seed(0)
     w13 = torch.randint(0, 256, (e, 2 * i, h), dtype=torch.uint8, generator=gen)
     s13 = torch.rand((e, 2 * i // 128, h // 128), generator=gen)
     w2 = torch.randint(0, 256, (e, h, i), dtype=torch.uint8, generator=gen)
     s2 = torch.rand((e, h // 128, i // 128), generator=gen)
-    l1, l2 = layout_sm90.sm90_transform_experts(w13.view(torch.float8_e4m3fn), s13, w2.view(torch.float8_e4m3fn), s2)
+    l1, l2 = sm90.sm90_transform_experts(w13.view(torch.float8_e4m3fn), s13, w2.view(torch.float8_e4m3fn), s2)
     for b in range(i // 8):
         for j in range(8):
             assert torch.equal(l1.weight.view(torch.uint8)[:, 16 * b + j], w13[:, 8 * b + j])
             assert torch.equal(l1.weight.view(torch.uint8)[:, 16 * b + 8 + j], w13[:, i + 8 * b + j])
     assert l1.weight.dtype == torch.float8_e4m3fn and l1.weight.is_contiguous()
     assert torch.equal(l1.sf, s13) and torch.equal(l2.weight.view(torch.uint8), w2) and torch.equal(l2.sf, s2)
-    back = layout_inverse.sm90_inverse_transform_experts(l1, l2)
+    back = inverse.sm90_inverse_transform_experts(l1, l2)
     assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
                for a, b in zip(back, (w13, s13, w2, s2), strict=True))
 

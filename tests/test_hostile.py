@@ -23,12 +23,11 @@ from typer.testing import CliRunner
 
 from megamoe_convert.cli import app
 from megamoe_convert.cli._run import HANDLED_ERRORS
-from megamoe_convert.errors import ManifestError, MegamoeError
+from megamoe_convert.errors import LoadError, ManifestError, MegamoeError
+from megamoe_convert.layout.placement import Placement, PlacementError
 from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.resume import OutputState
 from megamoe_convert.output.seal import seal
-from megamoe_convert.placement import Placement, PlacementError
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify

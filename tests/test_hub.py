@@ -25,10 +25,9 @@ from typer.testing import CliRunner
 from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.errors import ManifestError, MegamoeError
-from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, parse_repo_ref, pull, resolve_source
-from megamoe_convert.serve.hub_push import push
+from megamoe_convert.errors import LoadError, ManifestError, MegamoeError
+from megamoe_convert.hub.pull import HubError, parse_repo_ref, pull, resolve_source
+from megamoe_convert.hub.push import push
 from megamoe_convert.serve.loader import load_rank
 
 REPO_ID = "team/tiny-ep4"
@@ -218,7 +217,7 @@ def test_load_rank_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
 def test_install_by_repo_id_pulls_just_that_rank(pushed, tiny_converted):
     from vllm_stand_in import STAND_INS, experts_of, stand_in_model
 
-    from megamoe_convert.vllm_integration import install
+    from megamoe_convert.engines.vllm import install
 
     model = stand_in_model(STAND_INS["kernel_layout"], 2)
     assert install(model, f"{REPO_ID}@ep4", rank=2, probe=False) == 3  # a stand-in has no loading code to probe

@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.placement import Placement
+from megamoe_convert.errors import LoadError
+from megamoe_convert.hub.pull import HubError, pull
+from megamoe_convert.hub.push import push
+from megamoe_convert.hub.ranges import pull_ranges
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve import store
-from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, pull
-from megamoe_convert.serve.hub_push import push
-from megamoe_convert.serve.hub_ranges import pull_ranges
 from megamoe_convert.serve.loader import open_converted
 
 REPO_ID = "megamoe-test/tiny-store"

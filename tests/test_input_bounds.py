@@ -16,8 +16,8 @@ import pytest
 from conftest import REPO, run_cli
 from damage import EP2, RANK0, copy, one_line_refusal, problems
 
-from megamoe_convert.errors import MegamoeError
-from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert import load_rank
+from megamoe_convert.errors import LoadError, MegamoeError
 from megamoe_convert.source.layers import MoELayer
 
 
@@ -109,7 +109,7 @@ def test_unreadable_rank_file_and_folder_are_refused_and_verify_goes_on(ep2, src
     (out / "rank-00001-of-00002").chmod(0)
     try:
         code = ("from megamoe_convert.errors import MegamoeError\n"
-                "from megamoe_convert.loader import load_rank\n"
+                "from megamoe_convert import load_rank\n"
                 f"for rank, verify in ((0, True), (0, False), (1, False)):\n"
                 f"    try: load_rank({str(out)!r}, rank, verify=verify)\n"
                 "    except MegamoeError as e: print('refused |', e)\n")

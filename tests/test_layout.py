@@ -1,4 +1,4 @@
-"""The MegaMoE layout transform against the spec (shared/docs/megamoe-layout.md).
+"""The MegaMoE layout transform against the spec (shared/docs/megamoe-transform.md).
 
 The reference below is written independently of megamoe_convert.layout: plain loops over
 row indices with the spec's formulas, numpy only, no reshapes shared with the code.
@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megamoe_convert import layout, layout_inverse, layout_scales
-from megamoe_convert.layout import LayoutError, transform_experts
+from megamoe_convert.layout import inverse, scales, transform
+from megamoe_convert.layout.transform import LayoutError, transform_experts
 
 # ----------------------------------------------------------------------------- reference
 
@@ -111,17 +111,17 @@ def test_l2_weight_bytes_unchanged():
 
 def test_scale_widening_round_trips_every_byte():
     every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    widened = layout_scales.widen_ue8m0_to_fp32(every_byte)
+    widened = scales.widen_ue8m0_to_fp32(every_byte)
     assert widened.dtype == torch.float32
     assert torch.equal(widened.view(torch.int32), torch.arange(256, dtype=torch.int32) << 23)
-    assert torch.equal(layout_scales.narrow_fp32_to_ue8m0(widened), every_byte)
+    assert torch.equal(scales.narrow_fp32_to_ue8m0(widened), every_byte)
 
 
 def test_pack_pads_missing_bytes_with_zero():
     sf = torch.tensor([[[1, 2, 3, 4, 5, 6]]], dtype=torch.uint8)
-    packed = layout_scales.pack_ue8m0(sf)
+    packed = scales.pack_ue8m0(sf)
     assert packed.tolist() == [[[0x04030201, 0x00000605]]]
-    assert torch.equal(layout_inverse.unpack_ue8m0(packed, 6), sf)
+    assert torch.equal(inverse.unpack_ue8m0(packed, 6), sf)
 
 
 def test_accepts_every_one_byte_storage_dtype():
@@ -159,7 +159,7 @@ dims = st.tuples(st.integers(1, 3), st.sampled_from([128, 256, 384]), st.sampled
 def test_inverse_of_transform_is_identity(d):
     experts, hidden, inter, seed = d
     inputs = random_experts(experts, hidden, inter, seed)
-    back = layout_inverse.inverse_transform_experts(*transform_experts(*inputs))
+    back = inverse.inverse_transform_experts(*transform_experts(*inputs))
     for original, recovered in zip(inputs, back, strict=True):
         assert recovered.dtype == torch.uint8
         assert torch.equal(original, recovered)
@@ -176,7 +176,7 @@ def test_every_output_byte_is_a_moved_input_byte(d):
         return torch.equal(torch.bincount(a.reshape(-1).long(), minlength=256),
                            torch.bincount(b.reshape(-1).long(), minlength=256))
 
-    sf_bytes = lambda sf: layout_scales.sf_storage(sf).contiguous().view(torch.uint8)  # noqa: E731
+    sf_bytes = lambda sf: scales.sf_storage(sf).contiguous().view(torch.uint8)  # noqa: E731
     # H, I multiples of 128 => K/32 is a multiple of 4: no padding bytes at all.
     assert same_multiset(l1w.view(torch.uint8), w13) and same_multiset(sf_bytes(l1sf), w13_sf)
     assert same_multiset(l2w.view(torch.uint8), w2) and same_multiset(sf_bytes(l2sf), w2_sf)
@@ -189,13 +189,14 @@ def test_row_permutations_are_bijections():
     """Track positions through the row permutations: each input row lands exactly once."""
     for rows in (128, 256, 512):
         ids = torch.arange(rows, dtype=torch.int64).reshape(1, rows, 1)
-        for perm in (layout.interleave_gate_up, layout.transpose_sf_for_utccp):
+        for perm in (transform.interleave_gate_up, transform.transpose_sf_for_utccp):
             out = perm(ids).reshape(-1)
             assert sorted(out.tolist()) == list(range(rows))
         inter = rows // 2
-        assert layout.interleave_gate_up(ids).reshape(-1).tolist() == [ref_interleave_source_row(r, inter)
+        assert transform.interleave_gate_up(ids).reshape(-1).tolist() == [ref_interleave_source_row(r, inter)
                                                                         for r in range(rows)]
-        assert layout.transpose_sf_for_utccp(ids).reshape(-1).tolist() == [ref_utccp_source_row(r) for r in range(rows)]
+        utccp = transform.transpose_sf_for_utccp(ids).reshape(-1).tolist()
+        assert utccp == [ref_utccp_source_row(r) for r in range(rows)]
 
 
 @settings(max_examples=15, deadline=None)
@@ -227,7 +228,7 @@ def ref_dequant(packed: np.ndarray, sf: np.ndarray) -> np.ndarray:
 
 def test_dequantise_checkpoint_matches_reference():
     w13, w13_sf, w2, w2_sf = random_experts(2, 256, 128, seed=11, scale_range=(100, 150))
-    d13, d2 = layout_inverse.dequantize_checkpoint(w13, w13_sf, w2, w2_sf)
+    d13, d2 = inverse.dequantize_checkpoint(w13, w13_sf, w2, w2_sf)
     for e in range(2):
         np.testing.assert_array_equal(d13[e].numpy(), ref_dequant(w13[e].numpy(), w13_sf[e].numpy()))
         np.testing.assert_array_equal(d2[e].numpy(), ref_dequant(w2[e].numpy(), w2_sf[e].numpy()))
@@ -237,13 +238,13 @@ def test_dequantise_checkpoint_matches_reference():
 def test_dequantised_transformed_equals_dequantised_checkpoint(dtype):
     inputs = random_experts(3, 384, 256, seed=5, scale_range=(100, 150))
     l1, l2 = transform_experts(*inputs)
-    from_layout = layout_inverse.dequantize_transformed(l1, l2, dtype=dtype)
-    from_ckpt = layout_inverse.dequantize_checkpoint(*inputs, dtype=dtype)
+    from_layout = inverse.dequantize_transformed(l1, l2, dtype=dtype)
+    from_ckpt = inverse.dequantize_checkpoint(*inputs, dtype=dtype)
     for a, b in zip(from_layout, from_ckpt, strict=True):
         assert a.dtype == dtype and torch.equal(a, b)
     # w1 / w3 halves are the gate and up matrices of the checkpoint, in order.
     inter = 256
-    w1 = layout_inverse.dequantize_fp4(inputs[0][:, :inter], inputs[1][:, :inter], dtype)
+    w1 = inverse.dequantize_fp4(inputs[0][:, :inter], inputs[1][:, :inter], dtype)
     assert torch.equal(from_layout[0][:, :inter], w1)
 
 
@@ -260,13 +261,13 @@ def test_cuda_gives_the_same_bytes_as_cpu():
         assert b.device.type == "cuda"
         assert a.stride() == b.stride() and a.dtype == b.dtype
         assert torch.equal(a, b.cpu())
-    back = layout_inverse.inverse_transform_experts(*gpu)
+    back = inverse.inverse_transform_experts(*gpu)
     assert all(torch.equal(x, y.cpu()) for x, y in zip(inputs, back, strict=True))
 
 
 TRANSFORM_PEAK_SCRIPT = """
 import torch
-from megamoe_convert import layout
+from megamoe_convert.layout import transform
 E, H, I = 8, 4096, 2048
 inputs = [torch.empty(shape, dtype=torch.uint8).random_() for shape in
           ((E, 2 * I, H // 2), (E, 2 * I, H // 32), (E, H, I // 2), (E, H, I // 32))]
@@ -274,7 +275,7 @@ def status(key):
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 before = status("VmRSS")
-out = layout.transform_experts(*inputs)
+out = transform.transform_experts(*inputs)
 print((status("VmHWM") - before) / sum(t.numel() for t in inputs))
 """
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import run_cli
 
 from megamoe_convert.errors import ManifestError
-from megamoe_convert.output import layout_identity as identity
+from megamoe_convert.layout import identity
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source import formats

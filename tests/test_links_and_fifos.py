@@ -13,8 +13,8 @@ import pytest
 from conftest import run_cli
 from damage import EP2, RANK0, converted, copy, one_line_refusal, problems, sources  # noqa: F401 (fixtures)
 
+from megamoe_convert import load_rank
 from megamoe_convert.errors import MegamoeError
-from megamoe_convert.loader import load_rank
 
 # ----------------------------------------------------------------------------- links
 

@@ -14,12 +14,11 @@ import torch
 from conftest import REPO, run_cli
 from test_convert import assert_rank_matches_source
 
-from megamoe_convert import layout_inverse
-from megamoe_convert.errors import MegamoeError
+from megamoe_convert.errors import LoadError, MegamoeError
+from megamoe_convert.layout import inverse
 from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.seal import seal
 from megamoe_convert.serve import load_checks, loader
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import formats
 from megamoe_convert.synth.write import synthesize
@@ -76,7 +75,7 @@ def test_cpu_tensors_are_writable_private_maps(tiny_converted, tmp_path):
 
 LAZY_SCRIPT = """
 import sys, psutil, torch
-from megamoe_convert.loader import load_rank
+from megamoe_convert import load_rank
 import megamoe_convert.convert  # imported by the shard check; keep import costs out of the measurement
 proc = psutil.Process()
 base = proc.memory_info().rss
@@ -266,9 +265,9 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
     assert total > 2 * loader.RING_BUFFERS * loader.RING_BUFFER_BYTES
     # Dequantised from the GPU tensors == dequantised from the CPU ones (same bytes, same math).
     l1, l2 = gpu["layers.0.ffn.experts"].l1, gpu["layers.0.ffn.experts"].l2
-    d_gpu = layout_inverse.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
+    d_gpu = inverse.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
     c = cpu["layers.0.ffn.experts"]
-    d_cpu = layout_inverse.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
+    d_cpu = inverse.dequantize_transformed((c.l1.weight[:2], c.l1.sf[:2]), (c.l2.weight[:2], c.l2.sf[:2]))
     assert all(torch.equal(x.cpu(), y) for x, y in zip(d_gpu, d_cpu, strict=True))
 
 

@@ -12,11 +12,10 @@ from hub_fake import FakeHub
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.errors import MegamoeError
-from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import pull
-from megamoe_convert.serve.hub_push import push
-from megamoe_convert.serve.hub_ranges import pull_ranges
+from megamoe_convert.errors import LoadError, MegamoeError
+from megamoe_convert.hub.pull import pull
+from megamoe_convert.hub.push import push
+from megamoe_convert.hub.ranges import pull_ranges
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.synth.write import synthesize
 
@@ -84,7 +83,7 @@ def test_a_pull_from_the_cache_that_runs_out_of_disk_names_the_file_and_leaves_n
 
     import huggingface_hub
 
-    from megamoe_convert.serve import hub
+    from megamoe_convert.hub import pull as hub
 
     out = tmp_path / "ep2"
     convert(tiny_ckpt, out, ConvertOptions(ep_size=2, fsync=False))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megamoe_convert.placement import Placement, PlacementError, layer_placement, parse_ranks
+from megamoe_convert.layout.placement import Placement, PlacementError, layer_placement, parse_ranks
 
 
 def vllm_default_slot(rank: int, slot: int, experts_per_rank: int, n_logical: int) -> int:

@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from megamoe_convert import load_rank
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.engines import probe
 from megamoe_convert.errors import InstallError
-from megamoe_convert.loader import load_rank
-from megamoe_convert.output import layout_identity as identity
+from megamoe_convert.layout import identity
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache
@@ -273,7 +273,7 @@ def test_an_install_into_modules_whose_code_cannot_run_the_probe_is_refused_unle
     naming the opt-out, nothing changed; with ``probe=False`` installed, and the skip logged."""
     from vllm_stand_in import STAND_INS, experts_of, stand_in_model
 
-    from megamoe_convert.vllm_integration import install
+    from megamoe_convert.engines.vllm import install
 
     for cls in STAND_INS.values():
         model = stand_in_model(cls, 3)

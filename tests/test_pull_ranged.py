@@ -19,13 +19,12 @@ from hub_fake import FakeHub
 from megamoe_convert import faults
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.errors import MegamoeError
-from megamoe_convert.placement import Placement
+from megamoe_convert.errors import LoadError, MegamoeError
+from megamoe_convert.hub.pull import HubError, pull
+from megamoe_convert.hub.push import push
+from megamoe_convert.hub.ranges import pull_ranges
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve import store
-from megamoe_convert.serve.errors import LoadError
-from megamoe_convert.serve.hub import HubError, pull
-from megamoe_convert.serve.hub_push import push
-from megamoe_convert.serve.hub_ranges import pull_ranges
 from megamoe_convert.serve.loader import load_rank, open_converted
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify

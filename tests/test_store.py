@@ -12,9 +12,9 @@ import torch
 from conftest import output_files, run_cli
 from safetensors import safe_open
 
-from megamoe_convert.placement import Placement
+from megamoe_convert.errors import LoadError
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve import store
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import load_rank, open_converted
 from megamoe_convert.source import safetensors_io
 
@@ -221,7 +221,7 @@ def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, comma
     converted = open_converted(tiny_store)
     assert data["store_expert_bytes"] == sum(f.size for f in converted.manifest.files if f.path.startswith("experts/"))
     counter = CountingReads(monkeypatch)
-    from megamoe_convert.placement import layer_placement
+    from megamoe_convert.layout.placement import layer_placement
     engine = "sglang" if extra else "vllm"
     for rank, row in enumerate(data["ranks"]):
         placements = {layer: layer_placement(engine, Placement.default(8, 4, 4), layer.is_mtp, 8)

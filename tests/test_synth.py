@@ -9,8 +9,8 @@ import torch
 from conftest import run_cli
 from safetensors import safe_open
 
-from megamoe_convert.layout_checks import check_dims
 from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.model_dims import check_dims
 from megamoe_convert.synth.tensors import load_preset
 from megamoe_convert.synth.write import synthesize
 

@@ -13,8 +13,8 @@ import torch
 import xxhash
 from conftest import run_cli
 
-from megamoe_convert import layout, layout_scales
 from megamoe_convert import verify as verify_module
+from megamoe_convert.layout import scales, transform
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import read_header
@@ -222,11 +222,12 @@ def test_deep_gemm_cross_check_compares_bytes(tiny_converted, tiny_ckpt, monkeyp
     a deep_gemm that interleaves differently is reported."""
     def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups):
         assert recipe == (1, 32) and sf.dtype == torch.float32
-        return layout_scales.sf_into_required_layout(layout_scales.narrow_fp32_to_ue8m0(sf))
+        return scales.sf_into_required_layout(scales.narrow_fp32_to_ue8m0(sf))
 
     def transform_weights_for_mega_moe(l1, l2):
-        return ((layout.interleave_gate_up(l1[0]), layout.transpose_sf_for_utccp(layout.interleave_gate_up(l1[1]))),
-                (l2[0], layout.transpose_sf_for_utccp(l2[1])))
+        l1_sf = transform.transpose_sf_for_utccp(transform.interleave_gate_up(l1[1]))
+        return ((transform.interleave_gate_up(l1[0]), l1_sf),
+                (l2[0], transform.transpose_sf_for_utccp(l2[1])))
 
     fake = types.SimpleNamespace(transform_sf_into_required_layout=transform_sf_into_required_layout,
                                  transform_weights_for_mega_moe=transform_weights_for_mega_moe)
@@ -236,7 +237,7 @@ def test_deep_gemm_cross_check_compares_bytes(tiny_converted, tiny_ckpt, monkeyp
     report = verify(tiny_converted, source=tiny_ckpt, deep_gemm=True, sample=4)
     assert report.ok and report.checks["layers vs deep_gemm"] >= 1 and "deep_gemm" not in report.skipped
 
-    fake.transform_weights_for_mega_moe = lambda l1, l2: ((layout.interleave_gate_up(l1[0], granularity=4),
+    fake.transform_weights_for_mega_moe = lambda l1, l2: ((transform.interleave_gate_up(l1[0], granularity=4),
                                                            transform_weights_for_mega_moe(l1, l2)[0][1]),
                                                           transform_weights_for_mega_moe(l1, l2)[1])
     report = verify(tiny_converted, source=tiny_ckpt, deep_gemm=True, sample=4)

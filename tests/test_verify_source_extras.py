@@ -13,7 +13,8 @@ import torch
 from conftest import run_cli
 from damage import EP2, RANK0, converted, copy, f32, one_line_refusal, poke, problems, reseal, sources  # noqa: F401 (fixtures)
 
-from megamoe_convert.loader import LoadError, load_rank
+from megamoe_convert import load_rank
+from megamoe_convert.errors import LoadError
 from megamoe_convert.output.compare import same_values
 from megamoe_convert.source.safetensors_io import read_header
 

@@ -14,10 +14,10 @@ from vllm_stand_in import STAND_INS, experts_of, kernel_tensors, stand_in_model
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
+from megamoe_convert.engines.vllm import CONTRACTS, install
 from megamoe_convert.engines.vllm.experts import layer_key
 from megamoe_convert.errors import InstallError
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.vllm_integration import CONTRACTS, install
 
 KEYS = ["layers.0", "layers.1", "mtp.0"]
 

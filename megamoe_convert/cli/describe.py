@@ -111,8 +111,8 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
 
 def family_refusal(engine: str, manifest: Manifest) -> list[str]:
     """Why ``engine`` serves no conversion of the manifest's family at all (empty: it may)."""
+    from megamoe_convert.layout.serving import serving_refusal
     from megamoe_convert.source.families import by_name
-    from megamoe_convert.source.serving import serving_refusal
 
     refusal = serving_refusal(by_name(manifest.family, MANIFEST_NAME), engine, manifest.dims.n_routed_experts)
     return [by_name(manifest.family, MANIFEST_NAME).engine_note] if refusal else []

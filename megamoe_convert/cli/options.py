@@ -35,12 +35,12 @@ PlacementOption = Annotated[Optional[Path], typer.Option("--placement", help="JS
 
 def resolve_source(src: str, revision: str | None = None) -> Path:
     """SRC as a local directory: a path that exists is one; anything else is a hub repo id, downloaded
-    (or found in the cache) by :func:`megamoe_convert.serve.hub.resolve_source`."""
+    (or found in the cache) by :func:`megamoe_convert.hub.pull.resolve_source`."""
     path = Path(src)
     if path.exists():
         return path
     try:
-        from megamoe_convert.serve.hub import resolve_source as hub_resolve
+        from megamoe_convert.hub.pull import resolve_source as hub_resolve
     except ImportError:
         return path
     return hub_resolve(src, revision)

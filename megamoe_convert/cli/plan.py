@@ -19,7 +19,7 @@ from megamoe_convert.cli.options import (
 from megamoe_convert.ui import out_console
 
 if TYPE_CHECKING:
-    from megamoe_convert.placement import Placement
+    from megamoe_convert.layout.placement import Placement
 
 
 def plan(
@@ -51,7 +51,7 @@ def plan(
     from megamoe_convert.cli.store import print_store_reads
     from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
     from megamoe_convert.engines import describe_engines, shape_refusals
-    from megamoe_convert.placement import layer_placement
+    from megamoe_convert.layout.placement import layer_placement
     from megamoe_convert.source.checkpoint import Checkpoint
 
     def body() -> None:

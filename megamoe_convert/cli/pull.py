@@ -47,7 +47,7 @@ def pull(
         megamoe pull owner/V4-Flash-store --ep-size 16 --ranks 0-7 \\
             --local-dir node0
     """
-    from megamoe_convert.serve.hub import pull as hub_pull
+    from megamoe_convert.hub.pull import pull as hub_pull
 
     local_dir = local_dir.resolve() if local_dir is not None else None  # --json reports absolute paths
     if ep_size is not None:
@@ -74,7 +74,7 @@ def _pull_ranges(repo_id: str, ranks: Optional[str], local_dir: Optional[Path], 
                  placement_file: Optional[Path], engine: str) -> None:
     """``pull --ep-size``: just the byte ranges of a store that the named ranks read."""
     from megamoe_convert.errors import HubError
-    from megamoe_convert.serve.hub_ranges import pull_ranges
+    from megamoe_convert.hub.ranges import pull_ranges
 
     def body() -> None:
         if local_dir is None:

@@ -32,7 +32,7 @@ def push(
         megamoe push V4-Flash-store owner/V4-Flash-store --private --verify
         megamoe push V4-Flash-ep8 owner/V4-Flash-ep8 --revision ep8-r32
     """
-    from megamoe_convert.serve.hub_push import push as hub_push
+    from megamoe_convert.hub.push import push as hub_push
 
     out = out.resolve()  # --json reports absolute paths
 

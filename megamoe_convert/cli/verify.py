@@ -79,8 +79,8 @@ def numerics_cost(out: Path, ranks: str | None, every_rank: bool, device: str) -
     (``None`` where OUT is no finished conversion: verify then says so)."""
     from megamoe_convert.devices import usable_device
     from megamoe_convert.errors import MegamoeError
+    from megamoe_convert.layout.placement import parse_ranks
     from megamoe_convert.output.manifest import read_manifest
-    from megamoe_convert.placement import parse_ranks
     from megamoe_convert.verify import NUMERICS_MAX_EXPERTS, numerics_checks
 
     try:

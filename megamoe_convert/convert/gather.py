@@ -1,5 +1,5 @@
 """Producing each unit's bytes: a rank's experts gathered from the source and laid out for the kernel
-(the direct path, or chunked through :func:`layout.transform_experts`), non-expert shards and small files
+(the direct path, or chunked through :func:`transform.transform_experts`), non-expert shards and small files
 copied. Each unit streams its one file in order, so memory is bounded by ``workers x chunk``."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from megamoe_convert import layout, layout_scales, layout_sm90
 from megamoe_convert.convert.plan import Plan, Unit
 from megamoe_convert.errors import (
     Cancelled,  # noqa: F401
-    )
+)
+from megamoe_convert.layout import scales, sm90, transform
 from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.naming import rank_file, store_file
 from megamoe_convert.output.shards import rank_shard_metadata, rank_shard_specs, store_metadata
@@ -74,14 +74,14 @@ class ExpertReader:
 # The CPU path: every source byte is read once, straight to its place in the output
 # --------------------------------------------------------------------------------------
 #
-# layout.py states the transform as tensor operations (stack, pad, pack, interleave,
+# transform.py states the transform as tensor operations (stack, pad, pack, interleave,
 # transpose), each a full pass over memory. On the CPU the same bytes come with far less
 # traffic: each weight row run lands at its final offset by one scatter read (``preadv``)
 # per source tensor, so user code never touches weight bytes; scale bytes become int32
 # words by a reinterpreting view (little-endian host) and are permuted by one gather and
 # one transpose. The row orders are computed *by* the layout functions (applied to row
 # numbers), so the two paths cannot drift apart, and the tests compare every output with
-# ``layout.transform_experts``. Buffers are per thread and reused across chunks and files:
+# ``transform.transform_experts``. Buffers are per thread and reused across chunks and files:
 # a fresh multi-MB allocation costs a page fault per 4 KiB.
 
 _thread_buffers = threading.local()
@@ -102,9 +102,9 @@ def _row_order(rows: int, gate_up: bool, utccp: bool) -> torch.Tensor:
     """Output row ``r`` is input row ``order[r]``: the layout's row permutation, computed by it."""
     order = torch.arange(rows, dtype=torch.int64).view(1, rows, 1)
     if gate_up:
-        order = layout.interleave_gate_up(order)
+        order = transform.interleave_gate_up(order)
     if utccp:
-        order = layout.transpose_sf_for_utccp(order)
+        order = transform.transpose_sf_for_utccp(order)
     return order.view(rows)
 
 
@@ -126,8 +126,8 @@ def direct_path_supported(dims: Any, device: str) -> bool:
     """The direct path's assumptions: CPU, little-endian int32 words, no scale padding."""
     h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
     return (device == "cpu" and sys.byteorder == "little"
-            and all(not fmt.scaled or fmt.scale_row_bytes(k) % layout_scales.SCALES_PER_WORD == 0 for k in (h, i))
-            and all(layout_scales.tma_aligned_mn(mn) == mn and mn % layout.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
+            and all(not fmt.scaled or fmt.scale_row_bytes(k) % scales.SCALES_PER_WORD == 0 for k in (h, i))
+            and all(scales.tma_aligned_mn(mn) == mn and mn % transform.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
 
 
 def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
@@ -156,10 +156,10 @@ def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int]
 
 def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
                gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
-    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`layout_scales.sf_storage`) of the experts."""
+    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`scales.sf_storage`) of the experts."""
     heights = [reader.ckpt.expert_entry(layer, 0, p, "scale").byte_shape[0] for p in projs]
     blocks = reader.ckpt.expert_entry(layer, 0, projs[0], "scale").byte_shape[1]
-    mn, pk, count = sum(heights), blocks // layout_scales.SCALES_PER_WORD, len(experts)
+    mn, pk, count = sum(heights), blocks // scales.SCALES_PER_WORD, len(experts)
     size = count * mn * blocks
     staging, gathered, out = buf[:size], buf[size:2 * size], buf[2 * size:3 * size]
     flat = staging.numpy().data
@@ -206,7 +206,7 @@ def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequen
                       cancelled: threading.Event | None = None) -> Iterator[torch.Tensor]:
     """The rank shard's data in file order, a few experts at a time.
 
-    Each output tensor depends on one input only (see :func:`layout.transform_experts`), so
+    Each output tensor depends on one input only (see :func:`transform.transform_experts`), so
     the four tensors are produced one after another, each in expert chunks.
     """
     dims = reader.ckpt.dims
@@ -224,21 +224,21 @@ def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[
                    cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
     """The routed L1/L2 tensors by ``layout``'s tensor operations (any device, any dims)."""
     steps = [
-        (("w1", "w3"), "weight", layout.l1_weight),
-        (("w1", "w3"), "scale", lambda sf: layout_scales.sf_storage(layout.l1_sf(sf))),
-        (("w2",), "weight", layout.l2_weight),
-        (("w2",), "scale", lambda sf: layout_scales.sf_storage(layout.l2_sf(sf))),
+        (("w1", "w3"), "weight", transform.l1_weight),
+        (("w1", "w3"), "scale", lambda sf: scales.sf_storage(transform.l1_sf(sf))),
+        (("w2",), "weight", transform.l2_weight),
+        (("w2",), "scale", lambda sf: scales.sf_storage(transform.l2_sf(sf))),
     ]
-    for projs, kind, transform in steps if reader.ckpt.dims.format.scaled else steps[::2]:
+    for projs, kind, lay_out in steps if reader.ckpt.dims.format.scaled else steps[::2]:
         for experts in _groups(logical_ids, group):
             if cancelled is not None and cancelled.is_set():
                 raise Cancelled("cancelled")
-            yield transform(reader.stacked(layer, experts, projs, kind))
+            yield lay_out(reader.stacked(layer, experts, projs, kind))
 
 
 def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
                  cancelled: threading.Event | None) -> Iterator[torch.Tensor]:
-    """SGLang's SM90 FP8 layout (``layout_sm90.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
+    """SGLang's SM90 FP8 layout (``sm90.sm90_l1_weight``): the L1 weight's gate/up rows interleaved,
     everything else (the L2 weight, both FP32 block scales) the checkpoint's bytes in w13 order."""
     steps = [(("w1", "w3"), "weight"), (("w1", "w3"), "scale"), (("w2",), "weight"), (("w2",), "scale")]
     for projs, kind in steps:
@@ -249,7 +249,7 @@ def _sm90_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[in
                 yield reader.fp32_scales(layer, experts, projs)
             else:
                 stacked = reader.stacked(layer, experts, projs, kind)
-                yield layout_sm90.sm90_l1_weight(stacked) if projs == ("w1", "w3") else stacked
+                yield sm90.sm90_l1_weight(stacked) if projs == ("w1", "w3") else stacked
 
 
 #: The same for every rank of a layer (a plan of 65536 ranks asks 65536 times per layer).

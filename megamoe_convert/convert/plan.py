@@ -11,12 +11,7 @@ from typing import Any, Callable, Sequence
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import ConvertError
-from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, Manifest
-from megamoe_convert.output.naming import format_ranges
-from megamoe_convert.output.shards import LAYOUT_VERSION
-from megamoe_convert.output.stamps import stamp_files
-from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.placement import (
+from megamoe_convert.layout.placement import (
     MAX_PHYSICAL_EXPERTS,
     Placement,
     PlacementError,
@@ -25,10 +20,15 @@ from megamoe_convert.placement import (
     layer_placement,
     layer_placement_problem,
 )
+from megamoe_convert.layout.serving import serving_refusal
+from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, Manifest
+from megamoe_convert.output.naming import format_ranges
+from megamoe_convert.output.shards import LAYOUT_VERSION
+from megamoe_convert.output.stamps import stamp_files
+from megamoe_convert.output.writer import FileRecord
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layer_spec import parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.source.serving import serving_refusal
 
 DEFAULT_CHUNK_BYTES = 32 << 20  # at least one expert; small chunks are still in the CPU cache when written
 

@@ -31,6 +31,7 @@ from megamoe_convert.convert.plan import (
     shard_units,
 )
 from megamoe_convert.devices import usable_device
+from megamoe_convert.layout.placement import parse_ranks
 from megamoe_convert.output import rank_extras
 from megamoe_convert.output.clearing import remove_named
 from megamoe_convert.output.journal import is_done
@@ -40,7 +41,6 @@ from megamoe_convert.output.preflight import check_before_converting
 from megamoe_convert.output.resume import OutputState, PartState, check_output_dir
 from megamoe_convert.output.stamps import SourceWatch
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
-from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Progress
 from megamoe_convert.source.checkpoint import INDEX_NAME, Checkpoint
 from megamoe_convert.source.safetensors_io import FileCache

@@ -21,9 +21,10 @@ from torch import nn
 from megamoe_convert.engines import probe as layout_probe
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output.layout_identity import comparable_fingerprints
-from megamoe_convert.placement import Placement
-from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer, load_rank, open_converted
+from megamoe_convert.hub.resolve import open_converted
+from megamoe_convert.layout.identity import comparable_fingerprints
+from megamoe_convert.layout.placement import Placement
+from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer, load_rank
 from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
 from megamoe_convert.source.layers import MoELayer

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output.layout_identity import (
+from megamoe_convert.layout.identity import (
     PROVEN,
     ProbeInput,
     Tensors,

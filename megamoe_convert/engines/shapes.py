@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megamoe_convert.source.serving import serving_refusal
+from megamoe_convert.layout.serving import serving_refusal
 
 if TYPE_CHECKING:
     from megamoe_convert.source.families import ModelFamily

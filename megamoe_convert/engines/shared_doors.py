@@ -87,7 +87,7 @@ def hub_manifest(model: Any, revision: str | None = None) -> Path | None:
     elif Path(text).exists():
         return None
     else:
-        from megamoe_convert.serve.hub import parse_repo_ref
+        from megamoe_convert.hub.pull import parse_repo_ref
 
         ref = parse_repo_ref(text)
         if ref is None:

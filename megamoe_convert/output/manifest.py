@@ -18,8 +18,16 @@ from typing import Any
 
 from megamoe_convert import __version__, jsonio
 from megamoe_convert.errors import ManifestError
+from megamoe_convert.layout.identity import identity_from_json, layout_identity
+from megamoe_convert.layout.placement import (
+    ENGINES,
+    MAX_EP_SIZE,
+    MAX_PHYSICAL_EXPERTS,
+    Placement,
+    PlacementError,
+    layer_placement,
+)
 from megamoe_convert.output import marker
-from megamoe_convert.output.layout_identity import identity_from_json, layout_identity
 from megamoe_convert.output.naming import (
     MANIFEST_NAME,
     PART_GLOB,
@@ -32,14 +40,6 @@ from megamoe_convert.output.naming import (
 from megamoe_convert.output.seal import SEAL_KEY, check_seal, seal
 from megamoe_convert.output.shards import LAYOUT_VERSION, rank_shard_size
 from megamoe_convert.output.writer import CHECKSUM_ALGORITHM, FileRecord
-from megamoe_convert.placement import (
-    ENGINES,
-    MAX_EP_SIZE,
-    MAX_PHYSICAL_EXPERTS,
-    Placement,
-    PlacementError,
-    layer_placement,
-)
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.model_dims import MAX_DIM, ModelDims

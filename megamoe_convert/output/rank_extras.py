@@ -10,7 +10,7 @@ per layer), so each is produced whole, in file order, right after the routed ten
   inputs with (every rank needs all of them, as EPLB may move any expert anywhere).
 - The shared expert, laid out like one routed expert of ``formats.SHARED_FORMAT``: w1/w3 rows
   gate/up-interleaved, their 128x128 block scales expanded to 1x32 groups, packed, MN-major,
-  interleaved and UTCCP-transposed (``layout.l1_sf``); w2 likewise without the interleave.
+  interleaved and UTCCP-transposed (``transform.l1_sf``); w2 likewise without the interleave.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megamoe_convert import layout, layout_scales
+from megamoe_convert.layout import scales, transform
 from megamoe_convert.source import formats
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
@@ -89,15 +89,15 @@ def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k
     group = formats.SHARED_FORMAT.scale_group_k
     assert group is not None
     scale = files.read(ckpt.shared_entry(layer, proj, "scale"))
-    return layout_scales.expand_block_scales(scale, weight.shape[0], k // group)
+    return scales.expand_block_scales(scale, weight.shape[0], k // group)
 
 
 def shared_expert_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer) -> Iterator[torch.Tensor]:
     """``shared_l1_weight``, ``shared_l1_sf``, ``shared_l2_weight``, ``shared_l2_sf`` (storage form)."""
     h, s = ckpt.dims.hidden_size, ckpt.dims.shared_intermediate_size
     w13 = torch.cat([files.read(ckpt.shared_entry(layer, p, "weight")) for p in ("w1", "w3")]).unsqueeze(0)
-    yield layout.l1_weight(w13)
+    yield transform.l1_weight(w13)
     sf13 = torch.cat([_shared_sf(ckpt, files, layer, p, h) for p in ("w1", "w3")]).unsqueeze(0)
-    yield layout_scales.sf_storage(layout.l1_sf(sf13))
-    yield layout.l2_weight(files.read(ckpt.shared_entry(layer, "w2", "weight")).unsqueeze(0))
-    yield layout_scales.sf_storage(layout.l2_sf(_shared_sf(ckpt, files, layer, "w2", s).unsqueeze(0)))
+    yield scales.sf_storage(transform.l1_sf(sf13))
+    yield transform.l2_weight(files.read(ckpt.shared_entry(layer, "w2", "weight")).unsqueeze(0))
+    yield scales.sf_storage(transform.l2_sf(_shared_sf(ckpt, files, layer, "w2", s).unsqueeze(0)))

@@ -8,7 +8,7 @@ the manifest's check of each listed size asks :func:`rank_shard_size`.
 
 from __future__ import annotations
 
-from megamoe_convert.placement import Placement
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.model_dims import ModelDims

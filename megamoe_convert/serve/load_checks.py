@@ -15,11 +15,11 @@ from typing import Iterable, Sequence
 
 import torch
 
+from megamoe_convert.errors import LoadError
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs
 from megamoe_convert.output.writer import FileRecord, file_problems
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.source import formats
 from megamoe_convert.source.layer_spec import parse_layer_spec
 from megamoe_convert.source.layers import MoELayer

@@ -19,18 +19,19 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from megamoe_convert import jsonio, layout_scales
+from megamoe_convert import jsonio
 from megamoe_convert.devices import usable_device
+from megamoe_convert.errors import LoadError
 from megamoe_convert.jsonio import Fields, one_line
-from megamoe_convert.layout import KernelWeights
+from megamoe_convert.layout import scales
+from megamoe_convert.layout.placement import Placement
+from megamoe_convert.layout.transform import KernelWeights
 from megamoe_convert.output import ranged
 from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.placement import Placement
 from megamoe_convert.serve import staging
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.load_checks import check_logical_ids, check_rank_files, check_shard, resolve_layers
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.families import ModelFamily, TensorNames
@@ -113,16 +114,11 @@ class ConvertedModel:
         return self.family.names(self.num_hidden_layers)
 
 
-def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:
-    """A local directory or hub repo id (just ``ranks`` pulled), opened once."""
+def open_converted(out: "Path | str | ConvertedModel") -> ConvertedModel:
+    """A local conversion or store, opened once (``hub.pull.open_converted`` also takes a hub repo id)."""
     if isinstance(out, ConvertedModel):
         return out
-    if Path(out).is_dir():  # a local directory: no hub client to import (a first call pays imports)
-        path = Path(out)
-    else:
-        from megamoe_convert.serve.hub import resolve_converted
-
-        path = resolve_converted(out, None if ranks is None else list(ranks))
+    path = Path(out)
     converted = ConvertedModel(path, read_manifest(path))
     if problem := copied_family_problem(path, converted.manifest):  # a relabelled family, even resealed
         raise LoadError(f"{path / MANIFEST_NAME}: {problem}")
@@ -152,7 +148,7 @@ def _cpu_layer(path: Path, entries: dict[str, TensorEntry]) -> Destinations:
 # --------------------------------------------------------------------------------------
 
 #: ``{"l1_weight": t, "l1_sf": t, ...}`` (keys of :data:`formats.FILE_NAMES`): where a layer's file
-#: tensors go, scales in their storage form (``layout_scales.sf_storage`` of the kernel's MN-major view).
+#: tensors go, scales in their storage form (``scales.sf_storage`` of the kernel's MN-major view).
 Destinations = dict[str, torch.Tensor]
 
 
@@ -227,8 +223,8 @@ def _fill(out: Path, records: dict[MoELayer, FileRecord], headers: dict[MoELayer
 
 def _kernel_form(d: Destinations, fmt: formats.WeightFormat) -> dict[str, torch.Tensor]:
     """File tensors -> the kernel's views (scales MN-major; an SM90 format's routed scales as stored)."""
-    return {key: t if not key.endswith("_sf") else formats.sf_kernel_view(fmt, t) if key in formats.ROUTED_KEYS
-            else layout_scales.sf_from_storage(t) for key, t in d.items()}
+    return {key: t if not key.endswith("_sf") else scales.sf_kernel_view(fmt, t) if key in formats.ROUTED_KEYS
+            else scales.sf_from_storage(t) for key, t in d.items()}
 
 
 # --------------------------------------------------------------------------------------
@@ -244,8 +240,8 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     Returns ``{"layers.7.ffn.experts": ExpertLayer, ...}`` keyed by the checkpoint's layer
     prefix. ``device="cpu"`` gives lazy memory-mapped tensors; a CUDA device gives device
     tensors. ``verify=True`` also checks every file's checksum before use. ``ep_size``, where
-    given, must be the one converted for (a serving job states what it expects). ``out`` may also
-    be a hub repo id (``owner/name[@revision]``): just this rank is pulled into the HF cache.
+    given, must be the one converted for (a serving job states what it expects). A hub repo id
+    goes through :func:`megamoe_convert.hub.pull.load_rank`, which pulls just this rank first.
     A store (``convert`` without ``--ep-size``) serves every EP size: ``ep_size`` names the one whose
     rank to load (vLLM's default placement; :func:`.store.load_slots` takes any other); without it,
     its EP 1 view, rank 0: every logical expert in order.
@@ -260,7 +256,7 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
         if isinstance(value, bool) or not isinstance(value, int):
             raise LoadError(f"{name} must be an int, got {value!r}")
     device = usable_device(device)
-    converted = open_converted(out, [rank])
+    converted = open_converted(out)
     try:  # a file or folder that cannot be read (permissions, I/O error) is a LoadError too
         return _load_rank(converted, rank, device, layers, verify, ep_size, into, before_writes)
     except OSError as e:

@@ -23,14 +23,15 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megamoe_convert.errors import LoadError
+from megamoe_convert.layout.placement import Placement, layer_placement
+from megamoe_convert.layout.serving import serving_refusal
 from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import store_file
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_problems
-from megamoe_convert.placement import Placement, layer_placement
 from megamoe_convert.serve import loader, staging
-from megamoe_convert.serve.errors import LoadError
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.layers import MoELayer
@@ -41,7 +42,6 @@ from megamoe_convert.source.safetensors_io import (
     read_header,
     read_into,
 )
-from megamoe_convert.source.serving import serving_refusal
 
 #: ``OUT/.megamoe/ranges.json``: a ranged hub pull's record of the store ranges it fetched
 #: (:mod:`.hub_ranges`, :mod:`megamoe_convert.output.ranged`); where it exists, a load reads nothing outside them.

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 
 import torch
 
-from megamoe_convert import jsonio, layout_inverse, layout_scales
+from megamoe_convert import jsonio
 from megamoe_convert.errors import FormatError  # noqa: F401
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
@@ -148,7 +148,8 @@ GLOBAL_SCALE_TENSORS = (("w1", "weight_scale_2"), ("w3", "weight_scale_2"), ("w2
 #: The kind of each projection's weight global scale (the factor its dequantised values carry).
 WEIGHT_GLOBAL_SCALE = "weight_scale_2"
 #: e2m1 code -> value (bit 3 the sign); element ``2k`` of a packed row is the low nibble of byte ``k``.
-E2M1_VALUES = layout_inverse.FP4_E2M1_VALUES
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 #: torch dtype of a one-element-per-value weight.
 ELEMENT_DTYPES = {"e4m3": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 
@@ -185,7 +186,7 @@ def checkpoint_dtypes(fmt: WeightFormat, kind: str) -> tuple[str, ...]:
 
 #: Rank-file tensor of each key, after the layer prefix (``layers.7.ffn.experts.l1.weight``).
 #: ``*.sf`` hold MN-major scales' storage ``[E, K/(4*group), MN]`` (kernel view: ``.transpose(-1, -2)``);
-#: an SM90 format's hold its FP32 block scales ``[E, N/128, K/128]`` as they are (:func:`sf_kernel_view`).
+#: an SM90 format's hold its FP32 block scales ``[E, N/128, K/128]`` as they are (``layout.scales.sf_kernel_view``).
 FILE_NAMES = {
     "l1_weight": "l1.weight", "l1_sf": "l1.sf", "l2_weight": "l2.weight", "l2_sf": "l2.sf",
     # NVFP4: per local slot, and the L2 input scale of every logical expert (the kernel takes their max)
@@ -201,11 +202,6 @@ GLOBAL_SCALE_KEYS = ("l1_global_scale", "l2_global_scale", "l2_input_scale")
 ROUTED_KEYS = ("l1_weight", "l1_sf", "l2_weight", "l2_sf")
 SHARED_KEYS = ("shared_l1_weight", "shared_l1_sf", "shared_l2_weight", "shared_l2_sf")
 
-
-def sf_kernel_view(fmt: WeightFormat, stored: torch.Tensor) -> torch.Tensor:
-    """The kernel's view of a rank file's scale tensor: MN-major (a transposed view of the file's
-    storage), or for an SM90 format the stored FP32 block scales themselves."""
-    return stored if fmt.kernel == "sm90" else layout_scales.sf_from_storage(stored)
 
 
 def tensor_names(prefix: str) -> dict[str, str]:
@@ -361,19 +357,6 @@ def dequantize(fmt: WeightFormat, weight: torch.Tensor, scale: torch.Tensor | No
         values = values * global_scale.float().reshape(*global_scale.shape, 1, 1)
     return values
 
-
-def dequantize_kernel(fmt: WeightFormat, weight: torch.Tensor, sf: torch.Tensor | None, k: int, gate_up: bool,
-                      global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The same values from the kernel form (a rank file's ``l1`` / ``l2`` operand, scales
-    MN-major): the layout's permutations undone (``gate_up``: the L1 interleave), then
-    :func:`dequantize`. ``k`` is the operand's reduction size (H for L1, I for L2)."""
-    if fmt.kernel == "sm90":  # only the L1 weight's rows moved; the FP32 block scales are the checkpoint's
-        raw = layout_inverse.deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
-        assert sf is not None
-        return dequantize(fmt, raw, sf)
-    blocks = fmt.scale_row_bytes(k) if fmt.scaled else 0
-    raw, raw_sf = layout_inverse.untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
-    return dequantize(fmt, raw, raw_sf, global_scale)
 
 
 def dequantize_blocks(fmt: WeightFormat, weight: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:

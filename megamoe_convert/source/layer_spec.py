@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megamoe_convert.errors import CheckpointError, MegamoeError
-from megamoe_convert.placement import parse_range
+from megamoe_convert import jsonio
+from megamoe_convert.errors import CheckpointError, MegamoeError, PlacementError
 from megamoe_convert.source.layers import MoELayer
 
 
@@ -61,3 +61,20 @@ def _ranges(values: list[int]) -> str:
             out.append(f"{start}-{v}" if v != start else f"{v}")
             start = None
     return ",".join(out)
+
+def parse_range(part: str, flag: str, example: str, limit: int, error: type[Exception] = PlacementError,
+                context: str = "") -> tuple[int, int]:
+    """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``, ``"x"``) is
+    an error, and so is any bound outside ``0..limit``: checked before anything is expanded. A
+    problem is ``error`` (the caller's class), its message ending with ``context``."""
+    lo, dash, hi = part.partition("-")
+    bounds = (lo, hi) if dash else (lo,)
+    # the one strict parser's digits: ASCII only ('²' passes str.isdigit, '٣' passes int)
+    if not all(jsonio.is_uint(b) and int(b) < 10**9 for b in bounds):
+        raise error(f"{flag}: cannot parse {jsonio.one_line(repr(part))} (expected e.g. {example}){context}")
+    first, last = int(lo), int(bounds[-1])
+    if first > last:
+        raise error(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first}){context}")
+    if last > limit:
+        raise error(f"{flag}: {part!r} is outside 0..{limit}{context}")
+    return first, last

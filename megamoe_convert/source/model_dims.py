@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import CheckpointError
-from megamoe_convert.layout_checks import check_dims
-from megamoe_convert.placement import MAX_PHYSICAL_EXPERTS
+from megamoe_convert.errors import CheckpointError, LayoutError
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily
 from megamoe_convert.source.formats import WeightFormat
@@ -24,6 +22,19 @@ from megamoe_convert.source.layers import MoELayer
 #: Bounds on config.json's sizes and counts, checked before anything is built from them.
 MAX_DIM = 1 << 20
 MAX_LAYERS = 1 << 16
+#: Physical slots (experts of one layer, redundant ones included) a placement may have.
+MAX_PHYSICAL_EXPERTS = 1 << 20
+#: H and I must be multiples of this (checked up front, as vLLM/DeepGEMM do).
+DIM_MULTIPLE = 128
+
+
+def check_dims(hidden: int, intermediate: int, where: object = None) -> None:
+    """The spec's up-front requirement: ``H % 128 == 0`` and ``I % 128 == 0`` (``where``: the file
+    the sizes come from, named in the error)."""
+    prefix = "" if where is None else f"{where}: "
+    for name, value in (("hidden_size", hidden), ("moe_intermediate_size", intermediate)):
+        if value <= 0 or value % DIM_MULTIPLE:
+            raise LayoutError(f"{prefix}{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from megamoe_convert.errors import SynthError  # noqa: F401
-from megamoe_convert.layout_checks import check_dims
 from megamoe_convert.output import preflight
 from megamoe_convert.output.writer import write_json_atomic, write_safetensors
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import CONFIG_NAME, INDEX_NAME
 from megamoe_convert.source.formats import WeightFormat
-from megamoe_convert.source.model_dims import MAX_LAYERS
+from megamoe_convert.source.model_dims import MAX_LAYERS, check_dims
 from megamoe_convert.source.safetensors_io import DTYPE_BITS
 from megamoe_convert.synth import hf_moe
 from megamoe_convert.synth.kimi import kimi_k3_tensors

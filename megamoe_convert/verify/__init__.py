@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 
 from megamoe_convert.devices import usable_device
 from megamoe_convert.errors import LoadError, ManifestError, PlacementError, UsageError
+from megamoe_convert.layout.identity import identity_problems, unchecked_identity
+from megamoe_convert.layout.placement import parse_ranks
 from megamoe_convert.output import marker, ranged
 from megamoe_convert.output.compare import (
     check_family,
@@ -34,11 +36,9 @@ from megamoe_convert.output.compare import (
     copied_family_problem,
     numerics_config,
 )
-from megamoe_convert.output.layout_identity import identity_problems, unchecked_identity
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.writer import file_problems
-from megamoe_convert.placement import parse_ranks
 from megamoe_convert.progress import NoProgress, Phases, Progress
 from megamoe_convert.serve.load_checks import check_logical_ids, check_shard
 from megamoe_convert.source.checkpoint import Checkpoint

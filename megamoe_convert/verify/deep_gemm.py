@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from megamoe_convert import layout_scales
 from megamoe_convert.convert.gather import ExpertReader
+from megamoe_convert.layout import scales
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.progress import Progress
 from megamoe_convert.source.checkpoint import Checkpoint
@@ -42,9 +42,9 @@ def deep_gemm_layout(w13: torch.Tensor, w13_sf: torch.Tensor, w2: torch.Tensor, 
 
     experts, two_i, half_h = w13.shape
     hidden, inter = half_h * 2, two_i // 2
-    sf13 = deep_gemm.transform_sf_into_required_layout(layout_scales.widen_ue8m0_to_fp32(w13_sf), two_i, hidden,
+    sf13 = deep_gemm.transform_sf_into_required_layout(scales.widen_ue8m0_to_fp32(w13_sf), two_i, hidden,
                                                        (1, 32), experts)
-    sf2 = deep_gemm.transform_sf_into_required_layout(layout_scales.widen_ue8m0_to_fp32(w2_sf), hidden, inter,
+    sf2 = deep_gemm.transform_sf_into_required_layout(scales.widen_ue8m0_to_fp32(w2_sf), hidden, inter,
                                                       (1, 32), experts)
     return deep_gemm.transform_weights_for_mega_moe((w13.view(torch.int8), sf13), (w2.view(torch.int8), sf2))
 

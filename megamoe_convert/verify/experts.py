@@ -8,10 +8,10 @@ from typing import Any, Sequence
 
 import torch
 
-from megamoe_convert import layout, layout_sm90
 from megamoe_convert.convert.gather import ExpertReader
 from megamoe_convert.errors import MegamoeError
-from megamoe_convert.layout import KernelWeights
+from megamoe_convert.layout import sm90, transform
+from megamoe_convert.layout.transform import KernelWeights
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.progress import Progress
 from megamoe_convert.serve.loader import load_rank
@@ -31,19 +31,19 @@ def expected_rank_layer(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
     reader = ExpertReader(ckpt, files, device)
     scaled = ckpt.dims.format.scaled
     if ckpt.dims.format.kernel == "sm90":  # SGLang's FP8 layout: only the L1 weight's rows move
-        return layout_sm90.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+        return sm90.sm90_transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
                                                   reader.fp32_scales(layer, logical_ids, ("w1", "w3")),
                                                   reader.stacked(layer, logical_ids, ("w2",), "weight"),
                                                   reader.fp32_scales(layer, logical_ids, ("w2",)))
     if ckpt.dims.weight_format == "mxfp4":  # the whole transform, with its checks
-        return layout.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
+        return transform.transform_experts(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight"),
                                         reader.stacked(layer, logical_ids, ("w1", "w3"), "scale"),
                                         reader.stacked(layer, logical_ids, ("w2",), "weight"),
                                         reader.stacked(layer, logical_ids, ("w2",), "scale"))
-    return (KernelWeights(layout.l1_weight(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight")),
-                          layout.l1_sf(reader.stacked(layer, logical_ids, ("w1", "w3"), "scale")) if scaled else None),
-            KernelWeights(layout.l2_weight(reader.stacked(layer, logical_ids, ("w2",), "weight")),
-                          layout.l2_sf(reader.stacked(layer, logical_ids, ("w2",), "scale")) if scaled else None))
+    l1_sf = transform.l1_sf(reader.stacked(layer, logical_ids, ("w1", "w3"), "scale")) if scaled else None
+    return (KernelWeights(transform.l1_weight(reader.stacked(layer, logical_ids, ("w1", "w3"), "weight")), l1_sf),
+            KernelWeights(transform.l2_weight(reader.stacked(layer, logical_ids, ("w2",), "weight")),
+                          transform.l2_sf(reader.stacked(layer, logical_ids, ("w2",), "scale")) if scaled else None))
 
 
 def sample_slots(manifest: Manifest, ranks: Sequence[int], sample: int | None,

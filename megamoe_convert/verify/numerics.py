@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megamoe_convert.layout import inverse
 from megamoe_convert.output.compare import (
     numerics_config,
     same_values,
@@ -108,9 +109,9 @@ def _layout_experts(fmt: formats.WeightFormat, loaded: Any, slots: list[int], hi
                     ) -> list[tuple[torch.Tensor, ...]]:
     """``(w1, w3, w2)`` of the chosen local slots, dequantised from the pre-baked kernel form."""
     pick = lambda t: None if t is None else t[slots]  # noqa: E731
-    d13 = formats.dequantize_kernel(fmt, loaded.l1.weight[slots], pick(loaded.l1.sf), hidden, True,
+    d13 = inverse.dequantize_kernel(fmt, loaded.l1.weight[slots], pick(loaded.l1.sf), hidden, True,
                                     pick(loaded.tensors.get("l1_global_scale")))
-    d2 = formats.dequantize_kernel(fmt, loaded.l2.weight[slots], pick(loaded.l2.sf), inter, False,
+    d2 = inverse.dequantize_kernel(fmt, loaded.l2.weight[slots], pick(loaded.l2.sf), inter, False,
                                    pick(loaded.tensors.get("l2_global_scale")))
     return [(d13[e, :inter], d13[e, inter:], d2[e]) for e in range(len(slots))]
 
@@ -118,8 +119,8 @@ def _layout_experts(fmt: formats.WeightFormat, loaded: Any, slots: list[int], hi
 def _shared_from_layout(loaded: Any, hidden: int, shared: int) -> tuple[torch.Tensor, ...]:
     (l1w, l1sf), (l2w, l2sf) = loaded.shared
     fmt = formats.SHARED_FORMAT
-    d13 = formats.dequantize_kernel(fmt, l1w.unsqueeze(0), l1sf.unsqueeze(0), hidden, True)[0]
-    d2 = formats.dequantize_kernel(fmt, l2w.unsqueeze(0), l2sf.unsqueeze(0), shared, False)[0]
+    d13 = inverse.dequantize_kernel(fmt, l1w.unsqueeze(0), l1sf.unsqueeze(0), hidden, True)[0]
+    d2 = inverse.dequantize_kernel(fmt, l2w.unsqueeze(0), l2sf.unsqueeze(0), shared, False)[0]
     return d13[:shared], d13[shared:], d2
 
 

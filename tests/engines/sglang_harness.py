@@ -72,7 +72,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from torch import nn  # noqa: E402
 from trees import bare as _bare  # noqa: E402
 
-from megamoe_convert import layout_scales  # noqa: E402
+from megamoe_convert.layout import scales  # noqa: E402
 
 #: The tiny preset with hidden_size 512: SGLang's MegaMoE needs hidden % 512 == 0.
 CONFIG = {**json.loads((Path(__file__).resolve().parents[2] / "configs" / "tiny.json").read_text()),
@@ -90,7 +90,7 @@ def _deep_gemm() -> types.ModuleType:
     def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, disable_ue8m0_cast=False, **_):
         assert tuple(recipe) == (1, 32) and sf.dtype == torch.float32 and not disable_ue8m0_cast
         assert sf.shape[-2:] == (mn, k // 32)
-        return layout_scales.sf_into_required_layout(layout_scales.narrow_fp32_to_ue8m0(sf))
+        return scales.sf_into_required_layout(scales.narrow_fp32_to_ue8m0(sf))
 
     module.transform_sf_into_required_layout = transform_sf_into_required_layout
     return module

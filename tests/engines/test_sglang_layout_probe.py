@@ -19,7 +19,7 @@ from sglang.srt.layers.moe import mega_moe
 from megamoe_convert.engines import probe
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output import layout_identity as identity
+from megamoe_convert.layout import identity
 from megamoe_convert.source import formats
 
 EP_SIZE, REDUNDANT = 4, 4

@@ -7,9 +7,8 @@ import torch
 import vllm_harness as h
 from torch import nn
 
-from megamoe_convert import vllm_integration
+from megamoe_convert.engines.vllm import CONTRACTS, install
 from megamoe_convert.errors import InstallError
-from megamoe_convert.vllm_integration import install
 
 EP_SIZE, REDUNDANT = 4, 4
 
@@ -153,9 +152,9 @@ def test_contract_detection_and_the_stand_in_match_the_real_class(engine_ckpt):
     config = h.hf_config(engine_ckpt)
     with h.patched(1, EP_SIZE):
         real = h.make_experts(config, "model.layers.0.ffn.experts", 1, EP_SIZE, REDUNDANT)
-    contract = vllm_integration.CONTRACTS[0 if h.KERNEL_LAYOUT else 1]
+    contract = CONTRACTS[0 if h.KERNEL_LAYOUT else 1]
     assert contract.detect(real), contract.missing(real)
-    assert not vllm_integration.CONTRACTS[1 if h.KERNEL_LAYOUT else 0].detect(real)
+    assert not CONTRACTS[1 if h.KERNEL_LAYOUT else 0].detect(real)
     stand_in = STAND_INS["kernel_layout" if h.KERNEL_LAYOUT else "finalize"](
         real.prefix, real.num_experts, real.num_local_experts, real.experts_start_idx, real.hidden_size,
         real.intermediate_size, real.num_logical_experts)

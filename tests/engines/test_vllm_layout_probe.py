@@ -14,11 +14,10 @@ import vllm_harness as h
 from layout_probe_common import assert_refused_unless_opted_out
 
 from megamoe_convert.engines import probe
-from megamoe_convert.engines.vllm import finalize, kernel_layout
+from megamoe_convert.engines.vllm import finalize, install, kernel_layout
 from megamoe_convert.errors import InstallError
-from megamoe_convert.output import layout_identity as identity
+from megamoe_convert.layout import identity
 from megamoe_convert.source import formats
-from megamoe_convert.vllm_integration import install
 
 EP_SIZE, REDUNDANT = 4, 4
 RELEASE = f"vLLM {h.vllm.__version__}"

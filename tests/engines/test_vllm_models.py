@@ -14,9 +14,9 @@ import vllm_harness as vh
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
+from megamoe_convert.engines.vllm import install
 from megamoe_convert.errors import InstallError
 from megamoe_convert.synth.write import synthesize
-from megamoe_convert.vllm_integration import install
 
 if vh.KERNEL_LAYOUT:  # Kimi-K3 and V4.1 exist from vLLM 0.33 on; elsewhere every test here is deselected
     import models_harness as mh

@@ -11,7 +11,7 @@ import torch
 import vllm_harness as h
 
 from megamoe_convert.engines.shared_doors import without_expert_tensors
-from megamoe_convert.vllm_integration import install_layers
+from megamoe_convert.engines.vllm import install_layers
 
 EP_SIZE, REDUNDANT, RANK = 4, 4, 1
 

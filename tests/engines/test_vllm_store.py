@@ -8,9 +8,9 @@ import pytest
 import torch
 import vllm_harness as h
 
+from megamoe_convert.engines.vllm import install
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.serve import store as store_reader
-from megamoe_convert.vllm_integration import install
 
 
 def build(config, rank, ep_size, redundant):

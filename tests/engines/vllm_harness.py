@@ -4,7 +4,7 @@ Only what needs hardware or a process group is patched: the SM100 capability che
 pipeline/EP groups, (0.33) the weight cache's IPC platform check, device UUID and groups, and
 (0.30-0.32) DeepGEMM's compiled ``transform_sf_into_required_layout``,
 which cannot run on a CPU: it is replaced by the project's spec-exact equivalent
-(``megamoe_convert.layout_scales.sf_into_required_layout``) while DeepGEMM's own Python
+(``megamoe_convert.layout.scales.sf_into_required_layout``) while DeepGEMM's own Python
 ``transform_weights_for_mega_moe`` (bundled in vLLM) does the rest.
 
 The model trees are vLLM's own classes (``DeepseekV4ForCausalLM``, ``DeepseekV4Model``,
@@ -32,7 +32,7 @@ import vllm
 from torch import nn
 from trees import bare as _bare
 
-from megamoe_convert import layout_scales
+from megamoe_convert.layout import scales
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 #: vLLM >= 0.33 builds DeepGemmMegaMoEExperts (kernel layout); before, DeepseekV4MegaMoEExperts (finalize).
@@ -72,7 +72,7 @@ def _bundled_deep_gemm() -> types.ModuleType:
 
     def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, **_):
         assert tuple(recipe) == (1, 32) and sf.dtype == torch.float32 and sf.shape[-2:] == (mn, k // 32)
-        return layout_scales.sf_into_required_layout(layout_scales.narrow_fp32_to_ue8m0(sf))
+        return scales.sf_into_required_layout(scales.narrow_fp32_to_ue8m0(sf))
 
     deep_gemm.transform_sf_into_required_layout = transform_sf_into_required_layout
     return deep_gemm

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
-from megamoe_convert.placement import Placement, counts_problem
+from megamoe_convert.layout.placement import Placement, counts_problem
 
 if TYPE_CHECKING:
     from megamoe_convert.serve.loader import ConvertedModel

@@ -12,7 +12,7 @@ from megamoe_convert.engines.sglang import sm90_fp8
 from megamoe_convert.engines.sglang.experts import SGLANG_PREFIX, layer_key, module_placement
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
 from megamoe_convert.errors import InstallError
-from megamoe_convert.placement import Placement
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source.layers import MoELayer
 

@@ -18,7 +18,7 @@ import torch
 
 from megamoe_convert.engines import probe
 from megamoe_convert.engines.contract import EngineModule
-from megamoe_convert.output.layout_identity import ProbeInput, Tensors
+from megamoe_convert.layout.identity import ProbeInput, Tensors
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megamoe_convert import layout_checks, layout_inverse, layout_scales
 from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.sglang.experts import check_ep_numbers
 from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
 from megamoe_convert.engines.shapes import SHAPE_RULES
 from megamoe_convert.errors import InstallError
+from megamoe_convert.layout import checks, inverse, scales
 from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source.layers import MoELayer
 
@@ -90,8 +90,8 @@ class MegaMoEContract(Contract):
         e, h, i = placement.experts_per_rank, dims.hidden_size, dims.moe_intermediate_size
         expect(module, "w13_weight", torch.int8, (e, 2 * i, h // 2))
         expect(module, "w2_weight", torch.int8, (e, h, i // 2))
-        expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // layout_checks.SCALE_BLOCK_K))
-        expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // layout_checks.SCALE_BLOCK_K))
+        expect(module, "w13_weight_scale_inv", torch.float32, (e, 2 * i, h // checks.SCALE_BLOCK_K))
+        expect(module, "w2_weight_scale_inv", torch.float32, (e, h, i // checks.SCALE_BLOCK_K))
 
     def shared_kinds(self, module: EngineModule, converted: ConvertedModel) -> tuple[str, ...]:
         """None: a module with fused shared-expert slots is refused (``refusal``)."""
@@ -113,7 +113,7 @@ class MegaMoEContract(Contract):
         for gemm, kernel, scale in (("l1", layer.l1, "w13"), ("l2", layer.l2, "w2")):
             utccp = kernel.sf
             assert utccp is not None  # MXFP4: both GEMMs carry scales
-            getattr(module, f"{scale}_weight_scale_inv").data = layout_inverse.untranspose_sf_for_utccp(utccp)
+            getattr(module, f"{scale}_weight_scale_inv").data = inverse.untranspose_sf_for_utccp(utccp)
             getattr(module, f"{scale}_weight_scale_inv").format_ue8m0 = True
             setattr(module, f"mega_{gemm}_weights", (getattr(module, f"{scale}_weight").data, utccp))
             module.register_parameter(f"mega_{scale}_weight_scale_utccp", nn.Parameter(utccp, requires_grad=False))
@@ -122,7 +122,7 @@ class MegaMoEContract(Contract):
 
 def empty_sf_storage(experts: int, mn: int, k: int, module: EngineModule) -> torch.Tensor:
     """Contiguous int32 ``[E, K/128, MN]``: the storage of MN-major packed scales."""
-    return torch.empty((experts, layout_scales.packed_k(k), layout_scales.tma_aligned_mn(mn)), dtype=torch.int32,
+    return torch.empty((experts, scales.packed_k(k), scales.tma_aligned_mn(mn)), dtype=torch.int32,
                        device=module.w13_weight.device)
 
 

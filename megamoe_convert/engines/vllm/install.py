@@ -23,7 +23,7 @@ from megamoe_convert.engines.vllm.experts import (
     looks_like_megamoe_experts,
     module_placement,
 )
-from megamoe_convert.placement import Placement
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve.loader import ConvertedModel
 from megamoe_convert.source.layers import MoELayer
 

@@ -26,7 +26,7 @@ import torch
 
 from megamoe_convert.engines import probe
 from megamoe_convert.engines.contract import EngineModule
-from megamoe_convert.output.layout_identity import ProbeInput, Tensors
+from megamoe_convert.layout.identity import ProbeInput, Tensors
 
 #: The checkpoint tensor kind -> the suffix of the parameter it loads into (``w13_`` / ``w2_`` before it).
 PARAMETER_KIND = {"weight": "weight", "scale": "weight_scale", "weight_scale_2": "weight_scale_2",

@@ -18,7 +18,7 @@ from megamoe_convert.engines.shared_doors import LOAD_FORMAT
 from megamoe_convert.engines.vllm import plugin, private_hooks
 from megamoe_convert.engines.vllm.weight_cache import ipc_refusal
 from megamoe_convert.errors import PreloadError
-from megamoe_convert.serve.loader import open_converted
+from megamoe_convert.hub.resolve import open_converted
 
 __all__ = ["check_daemon_servable", "daemon_entry", "prepare_daemon", "run_preload"]
 

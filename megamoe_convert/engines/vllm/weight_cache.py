@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 from megamoe_convert.engines.shared_doors import LOAD_FORMAT
 from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.output.naming import MANIFEST_NAME, RANK_DIR, STORE_DIR
-from megamoe_convert.serve.loader import open_converted
 
 __all__ = ["conversion_fingerprint", "ipc_refusal", "register", "with_conversion"]
 

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import xxhash
 
-from megamoe_convert import jsonio, layout, layout_scales, layout_sm90
+from megamoe_convert import jsonio
+from megamoe_convert.layout import scales, sm90, transform
 from megamoe_convert.source import formats
 from megamoe_convert.source.formats import WeightFormat
 
@@ -32,7 +33,7 @@ PROBE_SEED = 24301
 #: The generator of the probe's input, recorded beside the seed: fingerprints of another input (an
 #: older megamoe-convert's) cannot be compared with this one's, only made again by converting again.
 PROBE_INPUT = "pcg64-raw/1"
-#: The transform this package writes, by the format's kernel (``layout.py``): SM100's MegaMoE layout
+#: The transform this package writes, by the format's kernel (``layout/transform.py``): SM100's MegaMoE layout
 #: (gate/up interleaved by 8 rows, scales packed MN-major and UTCCP-transposed), and SM90's FP8 one
 #: (the same interleave, FP32 block scales as stored). A changed transform is a new name.
 TRANSFORMS = {"sm100": "deepgemm-sm100-mega-moe/1", "sm90": "deepgemm-sm90-fp8-mega-moe/1"}
@@ -189,17 +190,17 @@ def reference(inp: ProbeInput) -> Tensors:
     expert dim, as the rank files hold it)."""
     fmt = inp.fmt
     if kernel_of(fmt) == "sm90":  # SGLang's FP8 layout: the L1 rows interleaved, FP32 block scales as stored
-        l1, l2 = layout_sm90.sm90_transform_experts(
+        l1, l2 = sm90.sm90_transform_experts(
             inp.stacked(("w1", "w3"), "weight"), inp.stacked(("w1", "w3"), "scale"),
             inp.stacked(("w2",), "weight"), inp.stacked(("w2",), "scale"))
         assert l1.sf is not None and l2.sf is not None  # FP8 block scales: always present
         return {"l1_weight": l1.weight, "l1_sf": l1.sf, "l2_weight": l2.weight, "l2_sf": l2.sf}
     weight = formats.torch_dtype(fmt.weight_dtype)
-    out = {"l1_weight": layout.l1_weight(inp.stacked(("w1", "w3"), "weight")).view(weight),
-           "l2_weight": layout.l2_weight(inp.stacked(("w2",), "weight")).view(weight)}
+    out = {"l1_weight": transform.l1_weight(inp.stacked(("w1", "w3"), "weight")).view(weight),
+           "l2_weight": transform.l2_weight(inp.stacked(("w2",), "weight")).view(weight)}
     if fmt.scaled:
-        out["l1_sf"] = layout.l1_sf(inp.stacked(("w1", "w3"), "scale"))
-        out["l2_sf"] = layout.l2_sf(inp.stacked(("w2",), "scale"))
+        out["l1_sf"] = transform.l1_sf(inp.stacked(("w1", "w3"), "scale"))
+        out["l2_sf"] = transform.l2_sf(inp.stacked(("w2",), "scale"))
     if fmt.global_scales:
         out["l1_global_scale"] = inp.routed["w1", formats.WEIGHT_GLOBAL_SCALE].reshape(1)
         out["l2_global_scale"] = inp.routed["w2", formats.WEIGHT_GLOBAL_SCALE].reshape(1)
@@ -217,15 +218,15 @@ def _shared_reference(inp: ProbeInput) -> Tensors:
 
     def sf(proj: str) -> torch.Tensor:
         n, k = inp.shared[proj, "weight"].shape
-        return layout_scales.expand_block_scales(inp.shared[proj, "scale"], n, k // group)
+        return scales.expand_block_scales(inp.shared[proj, "scale"], n, k // group)
 
     w13 = torch.cat([inp.shared[p, "weight"].view(torch.uint8) for p in ("w1", "w3")]).unsqueeze(0)
     weight = formats.torch_dtype(formats.SHARED_FORMAT.weight_dtype)
-    return {"shared_l1_weight": layout.l1_weight(w13).view(weight)[0],
-            "shared_l1_sf": layout.l1_sf(torch.cat([sf("w1"), sf("w3")]).unsqueeze(0))[0],
+    return {"shared_l1_weight": transform.l1_weight(w13).view(weight)[0],
+            "shared_l1_sf": transform.l1_sf(torch.cat([sf("w1"), sf("w3")]).unsqueeze(0))[0],
             "shared_l2_weight":
-                layout.l2_weight(inp.shared["w2", "weight"].view(torch.uint8).unsqueeze(0)).view(weight)[0],
-            "shared_l2_sf": layout.l2_sf(sf("w2").unsqueeze(0))[0]}
+                transform.l2_weight(inp.shared["w2", "weight"].view(torch.uint8).unsqueeze(0)).view(weight)[0],
+            "shared_l2_sf": transform.l2_sf(sf("w2").unsqueeze(0))[0]}
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

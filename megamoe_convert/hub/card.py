@@ -111,7 +111,7 @@ def model_card(out: Path, manifest: Manifest, repo_id: str, revision: str | None
         "```",
         "",
         "```python",
-        "from megamoe_convert.loader import load_rank",
+        "from megamoe_convert import load_rank",
         f'experts = load_rank("{repo_ref}", rank={first_rank}, device="cuda:0")'
         f"  # pulls just rank {first_rank} into the HF cache",
         "```",

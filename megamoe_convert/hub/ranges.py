@@ -26,14 +26,14 @@ from typing import Any, Sequence
 
 import huggingface_hub
 
+from megamoe_convert.hub.pull import HubError, Pinned, _hub_errors, claim_local_dir, pin, pull_into, select_files
+from megamoe_convert.layout.placement import Placement, parse_ranks
 from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import OutputFile, file_checksum
-from megamoe_convert.placement import Placement, parse_ranks
 from megamoe_convert.serve import store
-from megamoe_convert.serve.hub import HubError, Pinned, _hub_errors, claim_local_dir, pin, pull_into, select_files
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import encode_header
 

@@ -11,20 +11,12 @@ from __future__ import annotations
 import torch
 
 from megamoe_convert.errors import LayoutError
+from megamoe_convert.source.model_dims import check_dims
 
-#: H and I must be multiples of this (checked up front, as vLLM/DeepGEMM do).
-DIM_MULTIPLE = 128
 #: One UE8M0 scale byte covers this many K values (recipe ``(1, 32)``).
 SCALE_BLOCK_K = 32
 
 
-def check_dims(hidden: int, intermediate: int, where: object = None) -> None:
-    """The spec's up-front requirement: ``H % 128 == 0`` and ``I % 128 == 0`` (``where``: the file
-    the sizes come from, named in the error)."""
-    prefix = "" if where is None else f"{where}: "
-    for name, value in (("hidden_size", hidden), ("moe_intermediate_size", intermediate)):
-        if value <= 0 or value % DIM_MULTIPLE:
-            raise LayoutError(f"{prefix}{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
 
 
 def as_bytes(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from megamoe_convert.errors import LayoutError
-from megamoe_convert.layout_checks import SCALE_BLOCK_K, as_bytes
+from megamoe_convert.layout.checks import SCALE_BLOCK_K, as_bytes
+from megamoe_convert.source import formats
 
 #: Scale bytes packed into one int32 word.
 SCALES_PER_WORD = 4
@@ -95,3 +96,9 @@ def sf_storage(sf: torch.Tensor) -> torch.Tensor:
 def sf_from_storage(storage: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`sf_storage`: the kernel's ``[E, MN, pk]`` MN-major view of the file bytes."""
     return storage.transpose(-1, -2)
+
+
+def sf_kernel_view(fmt: formats.WeightFormat, stored: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of a rank file's scale tensor: MN-major (a transposed view of the file's
+    storage), or for an SM90 format the stored FP32 block scales themselves."""
+    return stored if fmt.kernel == "sm90" else sf_from_storage(stored)

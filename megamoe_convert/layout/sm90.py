@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from megamoe_convert.errors import LayoutError
-from megamoe_convert.layout import KernelWeights, interleave_gate_up
-from megamoe_convert.layout_checks import as_bytes, check_dims, expect_shape
+from megamoe_convert.layout.checks import as_bytes, expect_shape
+from megamoe_convert.layout.transform import KernelWeights, interleave_gate_up
+from megamoe_convert.source.model_dims import check_dims
 
 #: Rows and K values one FP32 block scale covers.
 SM90_SCALE_BLOCK = 128

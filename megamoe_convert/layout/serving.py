@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megamoe_convert.placement import Placement
+from megamoe_convert.layout.placement import Placement
 from megamoe_convert.source.families import ModelFamily
 
 

@@ -21,11 +21,11 @@ import huggingface_hub.errors
 
 from megamoe_convert import __version__, jsonio
 from megamoe_convert.errors import HubError
+from megamoe_convert.hub.card import CARD_NAME, model_card
+from megamoe_convert.hub.pull import REPO_TYPE, _describe, _hub_errors, parse_repo_ref, verify_files
 from megamoe_convert.output import ranged
 from megamoe_convert.output.manifest import Manifest, read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
-from megamoe_convert.serve.hub import REPO_TYPE, _describe, _hub_errors, parse_repo_ref, verify_files
-from megamoe_convert.serve.hub_card import CARD_NAME, model_card
 from megamoe_convert.source.checkpoint import INDEX_NAME
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import PlacementError  # noqa: F401
+from megamoe_convert.errors import PlacementError
+from megamoe_convert.source.layer_spec import parse_range
+from megamoe_convert.source.model_dims import MAX_PHYSICAL_EXPERTS
 
 #: Bounds checked before anything is expanded (DeepSeek-V4: 256-384 experts, EP up to a few hundred).
 MAX_EP_SIZE = 1 << 16
-MAX_PHYSICAL_EXPERTS = 1 << 20
 
 
 #: Engines whose placement a conversion can hold (``convert --engine``); vLLM is the default.
@@ -275,22 +276,6 @@ def default_problem(n_logical: int, ep_size: int, num_redundant: int = 0) -> str
     return problem
 
 
-def parse_range(part: str, flag: str, example: str, limit: int, error: type[Exception] = PlacementError,
-                context: str = "") -> tuple[int, int]:
-    """``"3"`` -> ``(3, 3)``, ``"3-5"`` -> ``(3, 5)``; anything else (``"3-"``, ``"5-3"``, ``"x"``) is
-    an error, and so is any bound outside ``0..limit``: checked before anything is expanded. A
-    problem is ``error`` (the caller's class), its message ending with ``context``."""
-    lo, dash, hi = part.partition("-")
-    bounds = (lo, hi) if dash else (lo,)
-    # the one strict parser's digits: ASCII only ('²' passes str.isdigit, '٣' passes int)
-    if not all(jsonio.is_uint(b) and int(b) < 10**9 for b in bounds):
-        raise error(f"{flag}: cannot parse {jsonio.one_line(repr(part))} (expected e.g. {example}){context}")
-    first, last = int(lo), int(bounds[-1])
-    if first > last:
-        raise error(f"{flag}: {part!r} is an empty range (write it low-high, e.g. {last}-{first}){context}")
-    if last > limit:
-        raise error(f"{flag}: {part!r} is outside 0..{limit}{context}")
-    return first, last
 
 
 def parse_ranks(spec: str | None, ep_size: int, where: str = "") -> list[int]:

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 
 from megamoe_convert.errors import LayoutError
-from megamoe_convert.layout_checks import as_bytes, check_expert_tensors
-from megamoe_convert.layout_scales import sf_into_required_layout
+from megamoe_convert.layout.checks import as_bytes, check_expert_tensors
+from megamoe_convert.layout.scales import sf_into_required_layout
 
 #: Gate/up rows are interleaved in runs of this many rows (DeepGEMM's ``_interleave_weights``).
 GATE_UP_GRANULARITY = 8

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from megamoe_convert.layout import GATE_UP_GRANULARITY, UTCCP_BLOCK_ROWS
-from megamoe_convert.layout_checks import SCALE_BLOCK_K, as_bytes, expert_dims
-from megamoe_convert.layout_scales import widen_ue8m0_to_fp32
-from megamoe_convert.layout_sm90 import as_fp32
+from megamoe_convert.layout.checks import SCALE_BLOCK_K, as_bytes, expert_dims
+from megamoe_convert.layout.scales import widen_ue8m0_to_fp32
+from megamoe_convert.layout.sm90 import as_fp32
+from megamoe_convert.layout.transform import GATE_UP_GRANULARITY, UTCCP_BLOCK_ROWS
+from megamoe_convert.source import formats
 
 
 def inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torch.Tensor, torch.Tensor],
@@ -80,8 +81,6 @@ def sm90_inverse_transform_experts(l1: tuple[torch.Tensor, torch.Tensor], l2: tu
 # Dequantisation (FP4 e2m1 x UE8M0 -> float), of both forms
 
 #: e2m1 code -> value; bit 3 is the sign. Nibble 2k is the low nibble of byte k.
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,7 @@ def dequantize_fp4(packed: torch.Tensor, sf: torch.Tensor, dtype: torch.dtype = 
 
     Exact in float32 (and in bf16 whenever the scaled value fits its 8-bit exponent).
     """
-    table = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    table = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = table[unpack_fp4(packed).long()]
     scale = widen_ue8m0_to_fp32(sf).repeat_interleave(SCALE_BLOCK_K, dim=-1)
     return (values * scale).to(dtype)
@@ -111,3 +110,17 @@ def dequantize_transformed(l1: tuple[torch.Tensor, torch.Tensor], l2: tuple[torc
                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel form -> the same ``(w13, w2)`` dense matrices (undo the permutations first)."""
     return dequantize_checkpoint(*inverse_transform_experts(l1, l2), dtype=dtype)
+
+
+def dequantize_kernel(fmt: formats.WeightFormat, weight: torch.Tensor, sf: torch.Tensor | None, k: int, gate_up: bool,
+                      global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The same values from the kernel form (a rank file's ``l1`` / ``l2`` operand, scales
+    MN-major): the layout's permutations undone (``gate_up``: the L1 interleave), then
+    :func:`formats.dequantize`. ``k`` is the operand's reduction size (H for L1, I for L2)."""
+    if fmt.kernel == "sm90":  # only the L1 weight's rows moved; the FP32 block scales are the checkpoint's
+        raw = deinterleave_gate_up(weight.contiguous()) if gate_up else weight.contiguous()
+        assert sf is not None
+        return formats.dequantize(fmt, raw, sf)
+    blocks = fmt.scale_row_bytes(k) if fmt.scaled else 0
+    raw, raw_sf = untransform_operand(weight, sf if fmt.scaled else None, blocks, gate_up)
+    return formats.dequantize(fmt, raw, raw_sf, global_scale)

@@ -39,6 +39,8 @@ from megamoe_convert.errors import (
     ManifestError,
     PlacementError,
 )
+from megamoe_convert.hub.card import CARD_NAME
+from megamoe_convert.layout.placement import parse_ranks
 from megamoe_convert.output import ranged
 from megamoe_convert.output.clearing import remove_owned
 from megamoe_convert.output.locks import hold_whole_output
@@ -47,8 +49,6 @@ from megamoe_convert.output.naming import MANIFEST_NAME, STORE_DIR, owned_path, 
 from megamoe_convert.output.preflight import check_no_links
 from megamoe_convert.output.resume import check_output_dir
 from megamoe_convert.output.writer import FileRecord, check_writable_name, file_problem, make_dirs_inside, partial_path
-from megamoe_convert.placement import parse_ranks
-from megamoe_convert.serve.hub_card import CARD_NAME
 from megamoe_convert.source.checkpoint import INDEX_NAME
 
 REPO_TYPE = "model"
