@@ -14,6 +14,20 @@ from megamoe_convert.synth.write import synthesize
 REPO = Path(__file__).resolve().parent.parent
 #: tests/engines runs only inside an engine's environment (tests/test_engines_real.py).
 collect_ignore = [] if os.environ.get("MEGAMOE_ENGINE") else ["engines"]
+#: The tiers: each a folder of tests/ and the marker its tests carry (registered in pyproject.toml).
+TIERS = ("unit", "e2e", "engines")
+#: The driver that runs tests/engines inside each engine's environment: the engines tier too.
+ENGINE_DRIVER = "test_engines_real.py"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, read from its folder, so `-m` selects a tier wherever it runs from."""
+    for item in items:
+        path = item.path.relative_to(REPO / "tests")
+        tier = path.parts[0] if path.parts[0] in TIERS else "engines" if path.name == ENGINE_DRIVER else None
+        if tier is None:
+            raise pytest.UsageError(f"{path}: a test outside the tier folders tests/{{unit,e2e,engines}}")
+        item.add_marker(tier)
 
 
 def output_files(out: Path) -> dict[str, bytes]:

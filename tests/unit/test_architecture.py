@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megamoe_convert"
+PACKAGE = Path(__file__).resolve().parents[2] / "megamoe_convert"
 ROOT = "megamoe_convert"
 
 #: Each stage's height: a module may import its own stage (no circle) or a lower one, never a higher one.

@@ -231,7 +231,7 @@ def _uncached_file(tmp_path, nbytes: int):
     mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
     mount = max((m for m in mounts if str(tmp_path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
     if mount[2] == "tmpfs":
-        cache = Path(__file__).resolve().parent.parent / ".cache"
+        cache = Path(__file__).resolve().parents[2] / ".cache"
         cache.mkdir(exist_ok=True)
         folder = Path(tempfile.mkdtemp(dir=cache))
     path, data = _file(folder, nbytes)

@@ -108,6 +108,6 @@ def test_every_contract_is_a_contract_and_binds():
 
 
 def test_entry_point_is_declared():
-    text = (__import__("pathlib").Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    text = (__import__("pathlib").Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert '[project.entry-points."vllm.general_plugins"]' in text
     assert 'megamoe = "megamoe_convert.engines.vllm.plugin:register"' in text
