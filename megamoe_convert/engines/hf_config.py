@@ -11,7 +11,7 @@ all of those go through, ``PretrainedConfig._dict_from_json_file`` (transformers
 that a conversion's dict comes back with the original ``model_type``
 (:func:`marker.restore_model_type`: only a conversion's marker is touched, anything else is
 returned as read). The engine then parses, configures and tokenizes exactly as for the source;
-the architecture markers are restored by each engine's doors (``engines/*/doors.py``).
+the architecture markers are restored by each engine's model classes (``engines/*/model_classes.py``).
 
 transformers' public ``AutoConfig.register`` cannot do this: it maps a model type to a config
 class whose ``model_type`` must be that same (marker) type, so the engine would read the marker

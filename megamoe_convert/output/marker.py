@@ -16,8 +16,8 @@ each saying what to install, and a ``megamoe`` section holding what was replaced
 megamoe-convert installed in the engine's environment, its plugin gives every reader of the
 config the original ``model_type`` back (transformers' JSON reading: :func:`restore_model_type`)
 and the original architectures (the engine's config parser: :func:`restore`), and installs each
-rank's pre-baked experts whichever load format reads the directory (``engines/vllm/doors.py``,
-``engines/sglang/doors.py``).
+rank's pre-baked experts whichever load format reads the directory (``engines/vllm/model_classes.py``,
+``engines/sglang/model_classes.py``).
 
 The change is exact and deterministic: :func:`mark` of the source's bytes is what ``config.json``
 holds (``verify --source`` checks that byte for byte), and :func:`original` gives back the source's

@@ -1,5 +1,5 @@
 """SGLang 0.5.23's Hopper FP8 MegaMoE (DeepSeek-V3/R1, Qwen3-MoE): ``engines.sglang.install`` and
-every door, against SGLang's real model classes, their ``load_weights``, ``Fp8MoEMethod`` and its own
+every load format, against SGLang's real model classes, their ``load_weights``, ``Fp8MoEMethod`` and its own
 ``build_sm90_mega_moe_experts_weights`` as the oracle (``sglang_fp8_harness``: the SM90 platform
 check patched, nothing else)."""
 
@@ -14,7 +14,7 @@ import pytest
 import sglang_fp8_harness as f
 import sglang_harness as h
 import torch
-from sglang_doors_harness import hooked_load_weights, load, parsed, tree_config
+from sglang_model_classes_harness import hooked_load_weights, load, parsed, tree_config
 
 from megamoe_convert.convert import ConvertOptions, convert
 from megamoe_convert.engines.sglang import install
@@ -171,7 +171,7 @@ def test_an_mxfp4_conversion_into_fp8_modules_is_refused(fp8, sglang_converted):
 
 
 # --------------------------------------------------------------------------------------
-# The doors: every load format serves the experts, or refuses
+# Every load format serves the experts, or refuses
 # --------------------------------------------------------------------------------------
 
 def test_sglang_reads_the_original_architecture_of_each_family(fp8):

@@ -11,7 +11,7 @@ import vllm_harness as h
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.engines.shared_doors import without_expert_tensors
+from megamoe_convert.engines.load_formats import without_expert_tensors
 from megamoe_convert.engines.vllm import install, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.synth.write import synthesize

@@ -1,6 +1,6 @@
 """The vLLM names megamoe-convert uses outside vLLM's public extension API
 (``engines/vllm/private_hooks.py``), against each release's real code: every one resolves, and
-each hook does what the loader, doors and weight cache rely on."""
+each hook does what the loader, model classes and weight cache rely on."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from private_names import resolve
 
 from megamoe_convert.engines.vllm import private_hooks
-from megamoe_convert.engines.vllm.doors import DRAFTS, TARGETS
+from megamoe_convert.engines.vllm.model_classes import DRAFTS, TARGETS
 from megamoe_convert.engines.vllm.weight_cache import with_conversion
 
 
@@ -27,7 +27,7 @@ def test_model_class_is_vllms_own_class_of_each_megamoe_architecture():
     archs = [arch for arch in ("DeepseekV4ForCausalLM", "DeepSeekV4MTPModel") if arch in registry._VLLM_MODELS]
     assert "DeepseekV4ForCausalLM" in archs and set(archs) <= set(TARGETS + DRAFTS)
     for arch in archs:
-        cls = private_hooks.model_class(arch)  # vLLM's own class, never the doors' subclass registered over it
+        cls = private_hooks.model_class(arch)  # vLLM's own class, never the subclass registered over it
         assert cls.__module__.startswith("vllm.") and cls.__name__ == registry._VLLM_MODELS[arch][1], arch
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import vllm_harness as h
 
-from megamoe_convert.engines.shared_doors import without_expert_tensors
+from megamoe_convert.engines.load_formats import without_expert_tensors
 from megamoe_convert.engines.vllm import install_layers
 
 EP_SIZE, REDUNDANT, RANK = 4, 4, 1

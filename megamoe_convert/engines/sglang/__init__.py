@@ -1,12 +1,12 @@
 """SGLang (0.5.23): a rank's pre-baked MegaMoE experts into SGLang's own ``FusedMoE`` modules, and
-every door to them.
+every load format's way to them.
 
 - :mod:`.mega_moe`: the MegaMoE build contract (``fp8.py`` / ``build_mega_moe_experts_weights``);
 - :mod:`.sm90_fp8`: Hopper's FP8 MegaMoE build contract (``build_sm90_mega_moe_experts_weights``);
 - :mod:`.experts`: module names, placement and logical experts of SGLang's experts modules;
 - :mod:`.install`: :func:`install` / :func:`install_layers` through the contract;
 - :mod:`.loader`: ``--load-format megamoe``;
-- :mod:`.doors`: every other load format serves a conversion's experts or refuses;
+- :mod:`.model_classes`: every other load format serves a conversion's experts or refuses;
 - :mod:`.private_hooks`: the SGLang names used that are not its public extension API;
 - :mod:`.plugin`: ``register()``, the ``sglang.srt.plugins`` entry point, every registration in order.
 """

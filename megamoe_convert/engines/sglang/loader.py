@@ -6,7 +6,7 @@
 ``DefaultModelLoader`` on plain safetensors: before the first weight is read the rank's experts
 are installed from its own shards (so post-processing skips their transform), then everything
 else loads from the converted directory, minus the routed-expert tensors; the rank folders are
-never fetched. The other load formats: :mod:`.doors`.
+never fetched. The other load formats: :mod:`.model_classes`.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from megamoe_convert.engines.sglang import private_hooks
-from megamoe_convert.engines.sglang.install import install_layers
-from megamoe_convert.engines.shared_doors import (
+from megamoe_convert.engines.load_formats import (
     LOAD_FORMAT,
     as_safetensors_config,
     install_once,
     without_expert_tensors,
 )
+from megamoe_convert.engines.sglang import private_hooks
+from megamoe_convert.engines.sglang.install import install_layers
 from megamoe_convert.serve.loader import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def loader_config(load_config: Any) -> Any:
 def experts_first(model_config: Any, model: nn.Module,
                   own: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
     """At the first weight asked for, before any is loaded: the rank's experts (unless the model's
-    own ``load_weights`` hook installed the conversion already: :mod:`.doors`); then SGLang's
+    own ``load_weights`` hook installed the conversion already: :mod:`.model_classes`); then SGLang's
     weights minus the experts."""
     installed = install_once(model, model_config.model_path, install_layers)
     yield from without_expert_tensors(own(), installed)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from megamoe_convert.engines import hf_config
-from megamoe_convert.engines.sglang import doors, loader
+from megamoe_convert.engines.sglang import loader, model_classes
 
 log = logging.getLogger(__name__)
 
@@ -23,4 +23,4 @@ def register() -> None:
         return
     loader.register()  # --load-format megamoe
     hf_config.register()  # transformers reads a conversion's config.json with its original model_type
-    doors.register()  # every other load format installs a conversion's experts, or refuses
+    model_classes.register()  # every other load format installs a conversion's experts, or refuses

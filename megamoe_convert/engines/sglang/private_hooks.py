@@ -2,7 +2,7 @@
 
 SGLang's plugin API does most of the work: ``sglang.srt.plugins`` entry points, ``HookRegistry``
 hooks around its public functions (``get_config``, ``get_model_architecture``, the models'
-``load_weights``: :mod:`.doors`) and ``add_load_format_choices`` (:mod:`.loader`). What it cannot
+``load_weights``: :mod:`.model_classes`) and ``add_load_format_choices`` (:mod:`.loader`). What it cannot
 do is make a new ``--load-format`` load: SGLang has no loader registry, so only these can, each
 checked against the supported release by ``tests/engines/test_sglang_private_hooks.py`` (and
 exercised by the load-format tests):

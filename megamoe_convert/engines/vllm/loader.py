@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.driver import Installed
-from megamoe_convert.engines.shared_doors import (
+from megamoe_convert.engines.load_formats import (
     INSTALLED_ATTR,
     LOAD_FORMAT,
     RANK_FILES_PATTERN,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from megamoe_convert.engines import hf_config
-from megamoe_convert.engines.vllm import doors, loader, weight_cache
+from megamoe_convert.engines.vllm import loader, model_classes, weight_cache
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def register() -> None:
         return
     loader.register()  # --load-format megamoe (register_model_loader)
     hf_config.register()  # transformers reads a conversion's config.json with its original model_type
-    doors.register_config_parser()  # vLLM's hf config parser puts the original architectures back
-    doors.register_models()  # each MegaMoE model class installs a conversion's experts first
+    model_classes.register_config_parser()  # vLLM's hf config parser puts the original architectures back
+    model_classes.register_models()  # each MegaMoE model class installs a conversion's experts first
     weight_cache.register()  # the weight cache's key, and ipc_cache's fallback to --load-format megamoe
     _registered = True

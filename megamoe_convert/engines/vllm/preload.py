@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from megamoe_convert.engines.driver import require_engine
-from megamoe_convert.engines.shared_doors import LOAD_FORMAT
+from megamoe_convert.engines.load_formats import LOAD_FORMAT
 from megamoe_convert.engines.vllm import plugin, private_hooks
 from megamoe_convert.engines.vllm.weight_cache import ipc_refusal
 from megamoe_convert.errors import PreloadError

@@ -1,17 +1,17 @@
 """Every vLLM name megamoe-convert uses that is not vLLM's public extension API, in one place.
 
 vLLM's public hooks do most of the work (``register_model_loader``, ``ModelRegistry.register_model``,
-``register_config_parser``, in :mod:`.loader`, :mod:`.doors` and :mod:`.weight_cache`). What they
+``register_config_parser``, in :mod:`.loader`, :mod:`.model_classes` and :mod:`.weight_cache`). What they
 cannot do, only these can, each checked against every supported release by
-``tests/engines/test_vllm_private_hooks.py`` (and exercised by the loader, doors and weight-cache
+``tests/engines/test_vllm_private_hooks.py`` (and exercised by the loader, model-class and weight-cache
 tests):
 
 - DeepGEMM as vLLM imports it (``vllm.utils.deep_gemm._import_deep_gemm``): 0.32's
   ``finalize_weights`` asks its backend whether it fuses shared experts with that module, and the
   finalize contract asks the same question.
 - Where vLLM's registry finds an architecture's own class (``registry._VLLM_MODELS``) and which
-  architectures its Transformers backend serves (``_TRANSFORMERS_BACKEND_MODELS``): the doors
-  register subclasses of those classes under the same names.
+  architectures its Transformers backend serves (``_TRANSFORMERS_BACKEND_MODELS``): the model
+  classes register subclasses of those classes under the same names.
 - vLLM's weight cache: its key function (``protocol.hash_checkpoint``, extended so two
   conversions of one source never share a key), its ``IpcModelLoader``'s fetch and disk fallback
   (``_fetch_entries``, ``_fallback_load``, ``_fallback_load_config``), and the daemon's spawned

@@ -34,7 +34,7 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-from megamoe_convert.engines.shared_doors import LOAD_FORMAT
+from megamoe_convert.engines.load_formats import LOAD_FORMAT
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.output.naming import MANIFEST_NAME, RANK_DIR, STORE_DIR

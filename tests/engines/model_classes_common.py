@@ -1,4 +1,5 @@
-"""Engine-neutral helpers of the doors tests (``test_vllm_doors.py``, ``test_sglang_doors.py``)."""
+"""Engine-neutral helpers of the model-class tests (``test_vllm_model_classes.py``,
+``test_sglang_model_classes.py``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every SGLang door to a converted directory: the pre-baked experts, exactly as SGLang's own
+"""Every SGLang load format on a converted directory: the pre-baked experts, exactly as SGLang's own
 loading of the source leaves them, or a refusal before serving; never the construction zeros.
 
 - with megamoe-convert installed (its ``sglang.srt.plugins`` entry point, loaded by SGLang's own
@@ -18,10 +18,10 @@ import types
 import bare_env
 import pytest
 import sglang_harness as h
-from doors_common import hub_repos, old_conversion
-from sglang_doors_harness import hooked_load_weights, load, parsed, tree_config
+from model_classes_common import hub_repos, old_conversion
+from sglang_model_classes_harness import hooked_load_weights, load, parsed, tree_config
 
-from megamoe_convert.engines.sglang import doors as sglang_doors
+from megamoe_convert.engines.sglang import model_classes
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 
@@ -48,7 +48,7 @@ def assert_experts(model, want) -> None:
 def test_sglang_reads_the_original_architecture_of_a_conversion(sglang_converted, sglang_ckpt):
     config = parsed(sglang_converted)
     assert config.architectures == ["DeepseekV4ForCausalLM"]
-    assert getattr(config, marker.SECTION)[sglang_doors.PATH_KEY] == str(sglang_converted)
+    assert getattr(config, marker.SECTION)[model_classes.PATH_KEY] == str(sglang_converted)
     assert not hasattr(parsed(sglang_ckpt), marker.SECTION)
 
 
@@ -142,7 +142,7 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_
     with hub_repos(tmp_path, monkeypatch, **{"owner/sg-old": old, "owner/sg-src": sglang_ckpt}) as hub:
         config = parsed("owner/sg-old")
         assert config.architectures == ["DeepseekV4ForCausalLM"]
-        assert getattr(config, marker.SECTION)[sglang_doors.PATH_KEY] == "owner/sg-old"
+        assert getattr(config, marker.SECTION)[model_classes.PATH_KEY] == "owner/sg-old"
         assert "manifest.json" in hub.downloaded
         assert not hasattr(parsed("owner/sg-src"), marker.SECTION)  # the hub has no manifest for it
         seen: list[str] = []

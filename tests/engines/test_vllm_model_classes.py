@@ -1,4 +1,4 @@
-"""Every vLLM door to a converted directory: the pre-baked experts, byte-exact with vLLM's own
+"""Every vLLM load format on a converted directory: the pre-baked experts, byte-exact with vLLM's own
 loading of the source, or a refusal before serving; never the construction zeros.
 
 - with megamoe-convert installed (its ``vllm.general_plugins`` entry point, loaded by vLLM's own
@@ -20,9 +20,9 @@ import bare_env
 import pytest
 import torch
 import vllm_harness as h
-from doors_common import hub_repos, old_conversion
+from model_classes_common import hub_repos, old_conversion
 
-from megamoe_convert.engines.vllm import doors as vllm_doors
+from megamoe_convert.engines.vllm import model_classes
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 
@@ -80,8 +80,8 @@ def parent_load_weights(cls, seen: list[str]):
 def megamoe_model(model, conversion, draft=False):
     """``model`` (a tree of vLLM's class) as the plugin's registered subclass of that class, holding
     what its ``__init__`` reads off vLLM's config."""
-    model.__class__ = vllm_doors.make_model_class(type(model), draft=draft)
-    setattr(model, vllm_doors.CONVERSION_ATTR, conversion)
+    model.__class__ = model_classes.make_model_class(type(model), draft=draft)
+    setattr(model, model_classes.CONVERSION_ATTR, conversion)
     return model
 
 
@@ -89,7 +89,7 @@ def main_model(ckpt, rank, config):
     """The main model of ``ckpt``'s shape for ``rank`` (EP_SIZE, REDUNDANT), as the class vLLM's
     registry hands out for ``config``: the plugin's subclass on a conversion."""
     return megamoe_model(h.build_main_model(h.hf_config(ckpt), rank, EP_SIZE, REDUNDANT),
-                         vllm_doors.conversion_of(config))
+                         model_classes.conversion_of(config))
 
 
 def load(load_format, model, config) -> None:
@@ -130,11 +130,11 @@ def test_vllm_reads_the_original_architecture_and_builds_megamoes_subclass(engin
     assert config.architectures == ["DeepseekV4ForCausalLM"]
     assert config.hf_config.megamoe["architectures"] == ["DeepseekV4ForCausalLM"]
     cls, arch = ModelRegistry.resolve_model_cls(config.architectures, config)
-    assert arch == "DeepseekV4ForCausalLM" and cls.__module__ == vllm_doors.__name__
+    assert arch == "DeepseekV4ForCausalLM" and cls.__module__ == model_classes.__name__
     vllms_own = __import__("vllm.models.deepseek_v4", fromlist=["x"]).DeepseekV4ForCausalLM
     assert cls.__mro__[1] is vllms_own
-    assert vllm_doors.conversion_of(config) == str(engine_converted)
-    assert vllm_doors.conversion_of(types.SimpleNamespace(model=str(engine_ckpt), hf_config=parsed(engine_ckpt))) \
+    assert model_classes.conversion_of(config) == str(engine_converted)
+    assert model_classes.conversion_of(types.SimpleNamespace(model=str(engine_ckpt), hf_config=parsed(engine_ckpt))) \
         is None
 
 
@@ -164,7 +164,7 @@ def test_every_reader_of_the_config_reads_the_source_s_model_type(engine_convert
 @pytest.mark.parametrize("load_format", ["auto", "safetensors", "megamoe"])
 def test_every_load_format_serves_the_pre_baked_experts(engine_ckpt, engine_converted, load_format):
     config = model_config(engine_converted)
-    assert vllm_doors.conversion_of(config) == str(engine_converted)
+    assert model_classes.conversion_of(config) == str(engine_converted)
     seen: list[str] = []
     with h.patched(3, EP_SIZE):
         want = reference(engine_ckpt, 3)
@@ -183,7 +183,7 @@ def test_the_mtp_draft_serves_its_experts_through_the_default_loader(engine_ckpt
     with h.patched(1, EP_SIZE):
         want = reference(engine_ckpt, 1)
         mtp = megamoe_model(h.build_mtp_model(h.hf_config(engine_ckpt), 1, EP_SIZE, REDUNDANT),
-                            vllm_doors.conversion_of(config), draft=True)
+                            model_classes.conversion_of(config), draft=True)
         with parent_load_weights(h.mtp_py.DeepSeekV4MTP, []):
             load("auto", mtp, config)
         assert len(h.experts_of(mtp)) == 1
@@ -238,9 +238,9 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_
         assert hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(hf_config, marker.SECTION)
         config = types.SimpleNamespace(model="owner/old", revision=None, quantization="fp8", is_moe=True,
                                        multimodal_config=None, hf_config=hf_config)
-        assert vllm_doors.conversion_of(config) == "owner/old" and "manifest.json" in hub.downloaded
+        assert model_classes.conversion_of(config) == "owner/old" and "manifest.json" in hub.downloaded
         source = types.SimpleNamespace(model="owner/src", revision=None, hf_config=get_config("owner/src", False))
-        assert vllm_doors.conversion_of(source) is None  # the hub has no manifest for it
+        assert model_classes.conversion_of(source) is None  # the hub has no manifest for it
         with h.patched(2, EP_SIZE):
             want = reference(engine_ckpt, 2)
             model = main_model(engine_ckpt, 2, config)
@@ -266,10 +266,10 @@ def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(e
         monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
         plugins()
         config = model_config("owner/old")
-        assert vllm_doors.conversion_of(config) is None
+        assert model_classes.conversion_of(config) is None
         with h.patched(0, EP_SIZE):
             model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT), None)
-            setattr(model, vllm_doors.MODEL_ATTR, "owner/old")
+            setattr(model, model_classes.MODEL_ATTR, "owner/old")
             with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
                     pytest.raises(InstallError, match=r"owner/old: vLLM read \d+ tensors and not one routed expert.*"
                                                       r"--load-format megamoe"):
@@ -285,7 +285,7 @@ def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):
         model = main_model(engine_ckpt, 0, config)
         with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
             load("auto", model, config)
-        assert not hasattr(model, vllm_doors.INSTALLED_ATTR)
+        assert not hasattr(model, model_classes.INSTALLED_ATTR)
         assert_experts(model, want)  # vLLM's own loading of the source's experts
 
 
@@ -348,7 +348,7 @@ def test_the_transformers_backend_is_refused_for_a_conversion(engine_converted, 
     plugins()
     config = ModelConfig(model=str(engine_converted), model_impl="transformers")
     cls, arch = ModelRegistry.resolve_model_cls(config.architectures, config)
-    assert arch.startswith("Transformers") and cls.__module__ == vllm_doors.__name__
+    assert arch.startswith("Transformers") and cls.__module__ == model_classes.__name__
     with pytest.raises(InstallError, match="drop --model-impl transformers"):
         cls(vllm_config=types.SimpleNamespace(model_config=config))
 
@@ -383,7 +383,7 @@ def test_kimi_k3_and_deepseek_v41_serve_their_experts_through_the_default_loader
         reference.load_weights(mh.weights(ckpt, shared=family != "kimi-k3"))
         model = build()
         vllms_class = type(model)
-        megamoe_model(model, vllm_doors.conversion_of(config), draft=arch in vllm_doors.DRAFTS)
+        megamoe_model(model, model_classes.conversion_of(config), draft=arch in model_classes.DRAFTS)
         with recording_parent(vllms_class, seen):
             load("auto", model, config)
         assert mh.experts_of(model)
@@ -402,10 +402,10 @@ def test_the_subclass_reads_its_own_model_config_target_or_draft(engine_converte
                                         speculative_config=types.SimpleNamespace(draft_model_config=converted))
     for base, draft, want in ((h.model_py.DeepseekV4ForCausalLM, False, None),
                               (h.mtp_py.DeepSeekV4MTP, True, str(engine_converted))):
-        cls = vllm_doors.make_model_class(base, draft=draft)
+        cls = model_classes.make_model_class(base, draft=draft)
         with mock.patch.object(base, "__init__", lambda self, **kwargs: torch.nn.Module.__init__(self)):
             model = cls(vllm_config=vllm_config, prefix="")
-        assert getattr(model, vllm_doors.CONVERSION_ATTR) == want and type(model).__name__ == base.__name__
-    arch_attr = "DeepSeekV4MTPModel" + vllm_doors._vllm_suffix()
-    made = getattr(vllm_doors, arch_attr)  # what vLLM's registry imports
-    assert made.__qualname__ == arch_attr and getattr(vllm_doors, arch_attr) is made
+        assert getattr(model, model_classes.CONVERSION_ATTR) == want and type(model).__name__ == base.__name__
+    arch_attr = "DeepSeekV4MTPModel" + model_classes._vllm_suffix()
+    made = getattr(model_classes, arch_attr)  # what vLLM's registry imports
+    assert made.__qualname__ == arch_attr and getattr(model_classes, arch_attr) is made

@@ -1,4 +1,4 @@
-"""What every engine's ``--load-format megamoe`` and doors share: the engine's default loader
+"""What every engine's ``--load-format megamoe`` and model classes share: the engine's default loader
 underneath reads the converted directory's non-expert shards as plain safetensors, minus the
 routed-expert tensors and the shared experts that ``install`` put in place (both from the rank's
 own shards), and never fetches the rank folders of a hub repo; a conversion made before the marker
@@ -187,7 +187,7 @@ def install_once(model: Any, conversion: str, install: Callable[..., Installed])
 
 def load_installing(model: Any, load: Callable[[Weights], Any], weights: Weights, conversion: str | None,
                     install: Callable[..., Installed], contracts: Sequence[Contract], name: str, engine: str) -> Any:
-    """A MegaMoE model's ``load_weights`` behind either engine's doors: a conversion's experts
+    """A MegaMoE model's ``load_weights`` in either engine's model classes: a conversion's experts
     first (:func:`install_once`), then ``load`` of the rest; a model that is no conversion loads as
     the engine loads it, its first load refused when the checkpoint held no routed expert
     (:func:`load_checked`)."""

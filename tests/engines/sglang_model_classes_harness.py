@@ -1,4 +1,4 @@
-"""SGLang's doors as its doors tests drive them (``test_sglang_doors.py``, ``test_sglang_sm90_fp8.py``):
+"""SGLang's model-class hooks as their tests drive them (``test_sglang_model_classes.py``, ``test_sglang_sm90_fp8.py``):
 megamoe-convert's plugin loaded by SGLang's own ``load_plugins``, SGLang's (hooked) ``get_config``,
 a model class's hooked ``load_weights`` recording what it is fed, and SGLang's own loaders."""
 
@@ -12,7 +12,7 @@ from unittest import mock
 import sglang_harness as h
 import torch
 
-from megamoe_convert.engines.sglang import doors as sglang_doors
+from megamoe_convert.engines.sglang import model_classes
 from megamoe_convert.output import marker
 
 
@@ -52,7 +52,7 @@ def hooked_load_weights(cls, seen: list[str]) -> Iterator[None]:
     def load_weights(self, weights, *args, **kwargs):
         seen.extend(name for name, _ in weights)
 
-    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, sglang_doors.load_weights_around,
+    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, model_classes.load_weights_around,
                                                          HookType.AROUND)):
         yield
 

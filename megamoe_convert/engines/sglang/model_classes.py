@@ -32,14 +32,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
-from megamoe_convert.engines.shared_doors import (
+from megamoe_convert.engines.load_formats import (
     conversion_manifest,
     load_installing,
     revision_argument,
     served_reference,
     warn_if_unmarked,
 )
+from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging

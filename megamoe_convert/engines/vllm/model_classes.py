@@ -26,7 +26,7 @@ recognised by its manifest, in its directory or, pulled by repo id, its hub repo
 cache, else downloaded), and served the same way (a bare vLLM would serve it without experts:
 rerun the same ``megamoe convert`` to mark it). One whose manifest cannot be had (offline, not
 cached) is refused by the subclass's first ``load_weights``: vLLM fed it no routed-expert tensor
-(``shared_doors.ExpertTensorCount``), so its experts would stay zeros.
+(``load_formats.ExpertTensorCount``), so its experts would stay zeros.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.shared_doors import (
+from megamoe_convert.engines.load_formats import (
     INSTALLED_ATTR,
     is_unmarked_conversion,
     load_installing,
