@@ -43,10 +43,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from common import REPO, bench_config, drop_page_cache, emit_summary, ensure_checkpoint, run_convert
 
 COPY_BUFFER_BYTES = 16 << 20
 
@@ -54,53 +52,6 @@ COPY_BUFFER_BYTES = 16 << 20
 # --------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------
-
-def bench_config(preset: str, layers: int, experts: int, mtp: int, vocab: int) -> dict:
-    from megamoe_convert.synth.tensors import load_preset
-
-    config = dict(load_preset(preset))
-    config.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=mtp,
-                  num_hash_layers=min(config.get("num_hash_layers", 0), layers),
-                  num_experts_per_tok=min(config["num_experts_per_tok"], experts), vocab_size=vocab)
-    return config
-
-
-def fast_tensor_bytes(t: Any, rng: Any) -> Any:
-    """Stands in for ``synth._tensor_bytes`` in benchmarks: the same kinds of bytes, drawn from
-    SFC64 raw words (``Generator.bytes`` makes ~0.2-0.3 GB/s; this, a few GB/s)."""
-    import numpy as np
-
-    from megamoe_convert import synth
-
-    if t.fill == "ones":
-        return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()
-    seed = int(rng.integers(2**62))
-    raw = np.random.Generator(np.random.SFC64(seed)).bit_generator.random_raw(-(-t.nbytes // 8)).view(np.uint8)
-    raw = raw[:t.nbytes]
-    if t.fill == "scale":
-        lo, hi = synth.SCALE_BYTE_RANGE
-        raw = (raw % (hi - lo) + lo).astype(np.uint8)
-    return memoryview(raw)
-
-
-def ensure_checkpoint(path: Path, config: dict) -> float:
-    """Synthesise ``config`` into ``path`` unless an identical one is there; return seconds spent."""
-    from megamoe_convert import synth
-
-    marker = path / ".bench-config.json"
-    if marker.exists() and json.loads(marker.read_text()) == config:
-        return 0.0
-    shutil.rmtree(path, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    config_file = path.parent / f"{path.name}.config.json"
-    config_file.write_text(json.dumps(config))
-    synth._tensor_bytes = fast_tensor_bytes  # random bytes fast (this process only synthesises)
-    start = time.perf_counter()
-    synth.synthesize(path, str(config_file))
-    seconds = time.perf_counter() - start
-    marker.write_text(json.dumps(config))
-    return seconds
-
 
 def expert_ranges(src: Path) -> list[tuple[str, list[tuple[int, int]]]]:
     """Per source file, the byte ranges of its routed-expert tensors, adjacent ones merged."""
@@ -158,22 +109,6 @@ def plain_copy(ranges: list[tuple[str, list[tuple[int, int]]]], out: Path, worke
         return sum(pool.map(lambda item: copy_file(item[0], *item[1]), enumerate(ranges)))
 
 
-def run_convert(src: Path, out: Path, ep_size: int, workers: int, fsync: bool) -> int:
-    from megamoe_convert.convert.plan import ConvertOptions
-    from megamoe_convert.convert.run import convert
-
-    summary = convert(src, out, ConvertOptions(ep_size=ep_size, experts_only=True, workers=workers, fsync=fsync))
-    return summary.bytes_written
-
-
-def emit_summary(summary: dict, save: str | None) -> None:
-    """Print the summary as the last line (the benchmark's result); also write it to ``save``."""
-    if save:
-        Path(save).parent.mkdir(parents=True, exist_ok=True)
-        Path(save).write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary))
-
-
 def rss_mb() -> float:
     import psutil
 
@@ -182,15 +117,6 @@ def rss_mb() -> float:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def child_main(args: argparse.Namespace) -> None:

@@ -245,13 +245,13 @@ def run_once(role: str, model: Path, args: argparse.Namespace, socket_dir: str) 
 def drop_caches(cold: bool) -> bool:
     if not cold:
         return False
-    from bench_convert import drop_page_cache
+    from common import drop_page_cache
 
     return drop_page_cache()
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from bench_convert import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     if args.smoke:

@@ -54,20 +54,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
-from bench_convert import bench_config, drop_page_cache, emit_summary, ensure_checkpoint  # noqa: E402
+from common import bench_config, drop_page_cache, emit_summary, synth_checkpoint  # noqa: E402
 
 EXPERT = re.compile(r"^(?P<layer>(?:layers|mtp)\.\d+)\.ffn\.experts\.(?P<expert>\d+)\."
                     r"(?P<proj>w[123])\.(?P<kind>weight|scale)$")
-
-
-# --------------------------------------------------------------------------------------
-# Checkpoints (synthesised in parallel, with a fast random generator)
-# --------------------------------------------------------------------------------------
-
-def synth_checkpoint(path: str, config: dict) -> float:
-    """Synthesise ``config`` into ``path`` (skipped when an identical one is there); picklable for a
-    process pool, hence the string path."""
-    return ensure_checkpoint(Path(path), config)
 
 
 # --------------------------------------------------------------------------------------

@@ -208,7 +208,7 @@ def convert(src: Path, out: Path, ep_size: int | None, ranks: str | None) -> Non
 
 def setup(args: argparse.Namespace, layers: int) -> tuple[list[Shape], dict[str, Any]]:
     """The checkpoint of ``layers`` MoE layers, its store, and the per-rank form of each shape."""
-    from bench_convert import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint
 
     base = args.work / f"l{layers}"
     src = base / "src"

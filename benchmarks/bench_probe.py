@@ -168,7 +168,7 @@ def _fingerprint(tensors: list[Any]) -> str:
 # --------------------------------------------------------------------------------------
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from bench_convert import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     synth_s = ensure_checkpoint(args.src, config)
@@ -192,7 +192,7 @@ def _one_expert_bytes(out: Path) -> int:
 
 
 def spawn(method: str, args: argparse.Namespace) -> dict[str, Any]:
-    from bench_convert import drop_page_cache
+    from common import drop_page_cache
 
     if args.cold:
         drop_page_cache()

@@ -201,7 +201,7 @@ def collect(procs: list[subprocess.Popen]) -> list[dict[str, Any]]:
 def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace) -> dict[str, Any]:
     """One method, warm or cold, on ``ranks`` started at the same moment, one GPU each (ranks
     share GPUs round-robin when there are more ranks than GPUs: a labelled stress)."""
-    from bench_convert import drop_page_cache  # parent only: children time their own imports
+    from common import drop_page_cache  # parent only: children time their own imports
 
     out = out_dir(args, METHODS[method][3])
     everything = sorted(args.src.glob("*.safetensors")) + [f for r in ranks for f in rank_files(out, r)]
@@ -219,8 +219,8 @@ def scenario(method: str, cache: str, ranks: list[int], args: argparse.Namespace
 
 def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
     import torch
-    from bench_convert import drop_page_cache
     from bench_load import H2D, HostRead
+    from common import drop_page_cache
 
     files = [f for r in ranks for f in rank_files(args.out, r)]
     nbytes = sum(f.stat().st_size for f in files)
@@ -247,7 +247,7 @@ def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from bench_convert import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     synth_s = ensure_checkpoint(args.src, config)

@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-from bench_convert import drop_page_cache  # noqa: E402  (the benchmarks' one way to go cold)
+from common import drop_page_cache  # noqa: E402  (the benchmarks' one way to go cold)
 
 # --------------------------------------------------------------------------------------
 # The child: one measurement, in a fresh process

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_convert import bench_config, emit_summary, ensure_checkpoint, run_convert  # noqa: E402
+from common import bench_config, emit_summary, ensure_checkpoint, run_convert  # noqa: E402
 
 PIECE_BYTES = 16 << 20
 

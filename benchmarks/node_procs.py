@@ -129,7 +129,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def drop_page_cache() -> bool:
-    from bench_convert import drop_page_cache as drop
+    from common import drop_page_cache as drop
 
     return drop()
 

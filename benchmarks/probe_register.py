@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_load import bench_config, drop_page_cache, rank_files, synth_checkpoint  # noqa: E402
+from bench_load import rank_files  # noqa: E402
+from common import bench_config, drop_page_cache, synth_checkpoint  # noqa: E402
 
 READ_ONLY = 8  # cudaHostRegisterReadOnly
 

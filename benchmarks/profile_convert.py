@@ -29,14 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_convert import bench_config, ensure_checkpoint  # noqa: E402
+from common import bench_config, ensure_checkpoint  # noqa: E402
 
 #: The profiled process: import, convert once untimed, say "ready", wait for "go", convert, say the wall time.
 CHILD = """
 import shutil, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from bench_convert import run_convert
+from common import run_convert
 out, src, fsync = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1"
 shutil.rmtree(out, ignore_errors=True)
 run_convert(src, out, 8, 2, fsync)
@@ -133,7 +133,7 @@ def hash_cost(src: Path, out: Path, fsync: bool, repeats: int = 6) -> tuple[floa
     for the GIL to run it."""
     import statistics
 
-    from bench_convert import run_convert
+    from common import run_convert
 
     from megamoe_convert.output import writer
 

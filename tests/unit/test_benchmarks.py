@@ -34,7 +34,8 @@ def test_every_script_has_a_test():
               "bench_store.py",  # bench_store.py --quick: tests/test_store.py
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
-              "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py"}
+              "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
+              "common.py"}  # common.py: through every script that imports it
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
     # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
     assert set(scripts) == tested, set(scripts) ^ tested

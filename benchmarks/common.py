@@ -1,0 +1,111 @@
+"""What the benchmarks share: synthesised checkpoints, a conversion, the page cache, the result line.
+
+Nothing here imports torch or an engine when imported, so a script may time its own imports after
+importing this module. The scripts import it as ``common`` (``benchmarks/`` is on their path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------
+
+def bench_config(preset: str, layers: int, experts: int, mtp: int, vocab: int) -> dict:
+    """A preset's config (real expert dims) cut to ``layers`` decoder layers of ``experts`` experts."""
+    from megamoe_convert.synth.tensors import load_preset
+
+    config = dict(load_preset(preset))
+    config.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=mtp,
+                  num_hash_layers=min(config.get("num_hash_layers", 0), layers),
+                  num_experts_per_tok=min(config["num_experts_per_tok"], experts), vocab_size=vocab)
+    return config
+
+
+def fast_tensor_bytes(t: Any, rng: Any) -> Any:
+    """Stands in for ``synth._tensor_bytes`` in benchmarks: the same kinds of bytes, drawn from
+    SFC64 raw words (``Generator.bytes`` makes ~0.2-0.3 GB/s; this, a few GB/s)."""
+    import numpy as np
+
+    from megamoe_convert import synth
+
+    if t.fill == "ones":
+        return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()
+    seed = int(rng.integers(2**62))
+    raw = np.random.Generator(np.random.SFC64(seed)).bit_generator.random_raw(-(-t.nbytes // 8)).view(np.uint8)
+    raw = raw[:t.nbytes]
+    if t.fill == "scale":
+        lo, hi = synth.SCALE_BYTE_RANGE
+        raw = (raw % (hi - lo) + lo).astype(np.uint8)
+    return memoryview(raw)
+
+
+def ensure_checkpoint(path: Path, config: dict) -> float:
+    """Synthesise ``config`` into ``path`` unless an identical one is there; return seconds spent."""
+    from megamoe_convert import synth
+
+    marker = path / ".bench-config.json"
+    if marker.exists() and json.loads(marker.read_text()) == config:
+        return 0.0
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config_file = path.parent / f"{path.name}.config.json"
+    config_file.write_text(json.dumps(config))
+    synth._tensor_bytes = fast_tensor_bytes  # random bytes fast (this process only synthesises)
+    start = time.perf_counter()
+    synth.synthesize(path, str(config_file))
+    seconds = time.perf_counter() - start
+    marker.write_text(json.dumps(config))
+    return seconds
+
+
+def synth_checkpoint(path: str, config: dict) -> float:
+    """:func:`ensure_checkpoint` with a string path, picklable for a process pool."""
+    return ensure_checkpoint(Path(path), config)
+
+
+def run_convert(src: Path, out: Path, ep_size: int, workers: int, fsync: bool) -> int:
+    """What ``megamoe convert --experts-only`` runs; the bytes written."""
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
+
+    summary = convert(src, out, ConvertOptions(ep_size=ep_size, experts_only=True, workers=workers, fsync=fsync))
+    return summary.bytes_written
+
+
+# --------------------------------------------------------------------------------------
+# The page cache and the process's reads
+# --------------------------------------------------------------------------------------
+
+def drop_page_cache() -> bool:
+    """Sync, then drop the page cache (needs root); whether the drop was allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------
+
+def emit_summary(summary: dict, save: str | Path | None) -> None:
+    """Print the summary as the last line (the benchmark's result); also write it to ``save``."""
+    if save:
+        Path(save).parent.mkdir(parents=True, exist_ok=True)
+        Path(save).write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary))
