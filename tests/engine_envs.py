@@ -1,7 +1,7 @@
 """Environments that hold a real engine release beside the project's own venv.
 
 An engine's wheel (hundreds of MB, with CUDA libraries) is installed ``--no-deps`` into a
-folder of its own under ``.cache/engines/``, and the packages its import chain needs into
+folder of its own under the engine cache (:data:`CACHE`), and the packages its import chain needs into
 another, shared by every release that needs the same ones; the project's torch is reused, so
 nothing multi-GB is pulled. Each folder is named by a hash of its package list (a changed list
 builds a new one), built once and put in place by a rename, so a half-built one is never used.
@@ -20,7 +20,19 @@ from pathlib import Path
 from filelock import FileLock
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("MEGAMOE_ENGINE_CACHE", REPO / ".cache" / "engines"))
+
+
+def cache_folder() -> Path:
+    """Where the environments live: ``MEGAMOE_ENGINE_CACHE``, else the user's cache folder
+    (``${XDG_CACHE_HOME:-~/.cache}/megamoe-convert/engines``), outside any clone, so that every clone
+    of the repository on a machine (CI's fresh ones included) builds them once."""
+    if os.environ.get("MEGAMOE_ENGINE_CACHE"):
+        return Path(os.environ["MEGAMOE_ENGINE_CACHE"])
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return user_cache / "megamoe-convert" / "engines"
+
+
+CACHE = cache_folder()
 
 #: What vLLM's loading code imports, beyond what the project's venv already has
 #: (torch, safetensors, numpy, huggingface_hub, filelock, psutil, ...): found by importing
@@ -73,7 +85,7 @@ ENGINES: dict[str, list[Layer]] = {
 
 
 def layer_dir(layer: Layer) -> Path:
-    """``.cache/engines/<name>-<hash of the pins>``."""
+    """``<engine cache>/<name>-<hash of the pins>``."""
     name, packages = layer
     return CACHE / f"{name}-{hashlib.sha256(chr(10).join(packages).encode()).hexdigest()[:12]}"
 
