@@ -22,13 +22,13 @@ from conftest import REPO
 from hub_fake import FakeHub, cache_put
 from typer.testing import CliRunner
 
+from megamoe_convert import load_rank
 from megamoe_convert.cli import app
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import LoadError, ManifestError, MegamoeError
 from megamoe_convert.hub.pull import HubError, parse_repo_ref, pull, resolve_source
 from megamoe_convert.hub.push import push
-from megamoe_convert.serve.loader import load_rank
 
 REPO_ID = "team/tiny-ep4"
 SMALL = {"config.json", "tokenizer_config.json"}
