@@ -3,8 +3,8 @@
 The command line catches :class:`MegamoeError` once and prints its message as one line; a stage
 raises the class of the stage that found the problem, and the stages above let it pass as it is
 (no ``raise OtherError(str(e))``), so the message a user reads names the file or tensor where the
-problem was found. Each class also keeps the builtin class it derived from before the family
-existed (``ValueError``, ``RuntimeError``, ``OSError``), so callers catching those still do.
+problem was found. No class is also a builtin error: a ``except ValueError`` (or ``OSError``) meant
+for a library's or the system's error never swallows one of ours.
 """
 
 from __future__ import annotations
@@ -16,21 +16,29 @@ class MegamoeError(Exception):
 
 # --- arguments and shared helpers --------------------------------------------------------
 
-class UsageError(MegamoeError, ValueError):
+class UsageError(MegamoeError):
     """A command pointed at the wrong kind of thing (a source where a conversion is expected)."""
 
 
-class JsonError(MegamoeError, ValueError):
+class JsonError(MegamoeError):
     """Invalid JSON, or JSON of the wrong shape (see :func:`megamoe_convert.jsonio.parse`)."""
 
 
-class DeviceError(MegamoeError, ValueError):
+class DeviceError(MegamoeError):
     """A device string that is malformed, not supported, or not present on this machine."""
+
+
+class SettingError(MegamoeError):
+    """A ``MEGAMOE_*`` environment variable set to a value it does not accept (``settings.py``)."""
+
+
+class DependencyError(MegamoeError):
+    """A package the tool needs (torch) that is missing, cannot be imported, or is too old."""
 
 
 # --- source/: what a model ships -----------------------------------------------------------
 
-class SourceError(MegamoeError, ValueError):
+class SourceError(MegamoeError):
     """A source checkpoint that cannot be read or converted as it is."""
 
 
@@ -52,17 +60,17 @@ class SafetensorsError(SourceError):
 
 # --- placement and layout: pure functions --------------------------------------------------
 
-class PlacementError(MegamoeError, ValueError):
+class PlacementError(MegamoeError):
     """An impossible or inconsistent expert placement."""
 
 
-class LayoutError(MegamoeError, ValueError):
+class LayoutError(MegamoeError):
     """Inputs that cannot be laid out (bad shape, dtype or dimension)."""
 
 
 # --- output/: what a conversion writes -----------------------------------------------------
 
-class OutputError(MegamoeError, ValueError):
+class OutputError(MegamoeError):
     """A conversion's output that is missing, incomplete or inconsistent."""
 
 
@@ -79,13 +87,13 @@ class MarkerError(OutputError):
     """A ``config.json`` that cannot be marked, or a marker that does not say what it replaced."""
 
 
-class LinkInOutput(MegamoeError, OSError):
+class LinkInOutput(MegamoeError):
     """A path the tool would write passes a symbolic link (or a non-directory) below its root."""
 
 
 # --- convert/ and synth/: the jobs ---------------------------------------------------------
 
-class ConvertError(MegamoeError, RuntimeError):
+class ConvertError(MegamoeError):
     """A conversion that cannot start or continue (bad options, busy or foreign OUT)."""
 
 
@@ -101,13 +109,13 @@ class MergeError(ConvertError):
     """Parts that cannot be merged (missing, foreign, overlapping, or corrupted)."""
 
 
-class SynthError(MegamoeError, ValueError):
+class SynthError(MegamoeError):
     """An output folder ``synth`` must not write into."""
 
 
 # --- serve/ and engines/: reading a conversion back, installing it -------------------------
 
-class LoadError(MegamoeError, ValueError):
+class LoadError(MegamoeError):
     """A rank that cannot be loaded from this directory, and why."""
 
 
@@ -115,9 +123,9 @@ class PreloadError(LoadError):
     """A conversion (or a command line) the weight-cache daemon cannot serve."""
 
 
-class HubError(MegamoeError, RuntimeError):
+class HubError(MegamoeError):
     """A hub repo that cannot be found, read, written or trusted."""
 
 
-class InstallError(MegamoeError, ValueError):
+class InstallError(MegamoeError):
     """A model whose MegaMoE modules do not match the converted directory (or no known contract)."""

@@ -18,7 +18,7 @@ from typing import Any, Iterable, TypeVar
 
 from megamoe_convert import faults, jsonio
 from megamoe_convert.errors import ConvertError
-from megamoe_convert.output.writer import LinkInOutput, link_refusal
+from megamoe_convert.output.writer import link_refusal
 
 E = TypeVar("E", bound=Exception)
 
@@ -52,7 +52,7 @@ def check_free_space(target: Path, need: int, what: str, hint: str, error: type[
 
 def check_no_links(root: Path, folders: Iterable[Path]) -> None:
     """Every existing level of each folder below ``root`` is a real directory (no symbolic link,
-    no file in the way): raises :class:`writer.LinkInOutput` naming the first that is not."""
+    no file in the way): raises :class:`~megamoe_convert.errors.LinkInOutput` naming the first that is not."""
     seen: set[Path] = set()
     for folder in folders:
         rel = folder.relative_to(root)
@@ -92,4 +92,4 @@ def check_before_converting(plan: Any, state: Any) -> None:
                      ConvertError)
 
 
-__all__ = ["LinkInOutput", "check_before_converting", "check_free_space", "check_no_links", "free_bytes", "human"]
+__all__ = ["check_before_converting", "check_free_space", "check_no_links", "free_bytes", "human"]

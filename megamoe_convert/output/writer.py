@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from megamoe_convert import faults
-from megamoe_convert.errors import LinkInOutput  # noqa: F401
+from megamoe_convert.errors import LinkInOutput
 from megamoe_convert.source.safetensors_io import TensorSpec, encode_header, tensor_bytes
 
 CHECKSUM_ALGORITHM = "xxh3_128"
@@ -109,8 +109,8 @@ def partial_path(final: Path) -> Path:
 
 
 def link_refusal(path: Path, why: str) -> LinkInOutput:
-    return LinkInOutput(errno.ELOOP, f"{why}; megamoe writes only inside its output directory and never through "
-                                     "a link: remove it (or choose another output directory)", str(path))
+    return LinkInOutput(f"{path}: {why}; megamoe writes only inside its output directory and never through a "
+                        "link: remove it (or choose another output directory)")
 
 
 def make_dirs_inside(root: Path, folder: Path) -> None:

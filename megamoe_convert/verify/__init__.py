@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import shlex
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -49,7 +50,7 @@ from megamoe_convert.verify.numerics import NUMERICS_MAX_EXPERTS, check_numerics
 from megamoe_convert.verify.report import Problem, VerifyReport
 
 __all__ = ["NUMERICS_MAX_EXPERTS", "Problem", "VerifyReport", "expected_rank_layer", "numerics_checks",
-           "refuse_source_checkpoint", "verify"]
+           "refuse_non_conversion", "verify"]
 
 
 # --------------------------------------------------------------------------------------
@@ -122,16 +123,21 @@ def check_rank_shards(out: Path, manifest: Manifest, report: VerifyReport, ranks
 # Entry point
 # --------------------------------------------------------------------------------------
 
-def refuse_source_checkpoint(out: Path) -> None:
-    """``verify`` pointed at a source checkpoint (a model's config and safetensors weights, no trace of a
-    conversion: an unfinished one is reported as one) is a usage error, not a list of problems."""
+def refuse_non_conversion(out: Path) -> None:
+    """``verify`` pointed at a folder with no trace of a conversion (an unfinished one, or one whose
+    manifest was lost, is reported as one): a source checkpoint, or any other folder, is a usage
+    error in one line, not a list of problems."""
     if ((out / MANIFEST_NAME).exists() or (out / STATE_DIR).exists() or any(out.glob("rank-*"))
-            or any(out.glob(PART_GLOB)) or not (out / "config.json").is_file()):
+            or (out / "experts").exists() or any(out.glob(PART_GLOB))):
         return
-    if any(out.glob("*.safetensors.index.json")) or any(out.glob("*.safetensors")):
+    quoted = shlex.quote(str(out))
+    if (out / "config.json").is_file() and (any(out.glob("*.safetensors.index.json"))
+                                            or any(out.glob("*.safetensors"))):
         raise UsageError(f"{out} is a source checkpoint, not a conversion: `megamoe verify` checks what `megamoe "
-                         f"convert` wrote (megamoe verify OUT --source {out}); `megamoe inspect {out}` shows what a "
-                         "checkpoint holds")
+                         f"convert` wrote (megamoe verify OUT --source {quoted}); `megamoe inspect {quoted}` shows "
+                         "what a checkpoint holds")
+    raise UsageError(f"{out} is neither a megamoe conversion (no {MANIFEST_NAME}) nor a checkpoint: `megamoe verify` "
+                     "checks what `megamoe convert` wrote")
 
 
 def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | None = None, sample: int | None = None,
@@ -146,18 +152,18 @@ def verify(out: Path | str, *, source: Path | str | None = None, ranks: str | No
     skipping a check someone asked for would read as a pass.
     """
     if source is None and (numerics or deep_gemm or sample is not None):
-        raise ValueError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
+        raise UsageError("--numerics, --deep-gemm and --sample compare against the source checkpoint: pass --source")
     if sample is not None and sample < 1:
         raise ValueError(f"--sample {sample}: compare at least one expert slot")
     if numerics:
-        usable_device(device)
+        usable_device(device, "--device")
     out = Path(out)
     started = time.perf_counter()
     report = VerifyReport(str(out))
     phases = Phases(progress or NoProgress(), report.phases)
     if not out.is_dir():
         raise ManifestError(f"{out}: no such directory")
-    refuse_source_checkpoint(out)
+    refuse_non_conversion(out)
     ckpt = Checkpoint.open(source) if source is not None else None  # a bad --source fails before any hashing
     if ckpt is not None and numerics:
         numerics_config(ckpt)  # a source whose numbers cannot be computed with: refused first too

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert as convert_library
+from megamoe_convert.errors import LoadError
 from megamoe_convert.layout import transform
 from megamoe_convert.layout.placement import Placement
 from megamoe_convert.output import marker
@@ -166,7 +167,7 @@ def test_subsets_experts_only_and_explicit_placement(tiny_ckpt, tmp_path):
     assert manifest["ranks"] == [1] and manifest["experts_only"] is True
     assert manifest["placement"]["default"] is False
     assert_rank_matches_source(out, tiny_ckpt, 1, Placement(8, 2, tuple(placement)), ["layers.1", "mtp.0"])
-    with pytest.raises(ValueError, match="rank 0 was not converted"):
+    with pytest.raises(LoadError, match="rank 0 was not converted"):
         load_rank(out, 0)
     report = json.loads(run_cli("verify", out, "--source", tiny_ckpt, "--json").stdout)  # checks what was converted
     assert report["ok"] and report["checks"]["rank_shards"] == 2

@@ -14,6 +14,7 @@ import xxhash
 from conftest import run_cli
 
 from megamoe_convert import verify as verify_module
+from megamoe_convert.errors import UsageError
 from megamoe_convert.layout import scales, transform
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source.layers import MoELayer
@@ -166,7 +167,7 @@ def test_checks_against_the_source_without_source_fail_rather_than_pass(tiny_con
     """A check that was asked for and could not run must not read as OK."""
     proc = run_cli("verify", tiny_converted, *flag, check=False)
     assert proc.returncode == 2 and "pass --source" in proc.stderr and "OK" not in proc.stdout
-    with pytest.raises(ValueError, match="pass --source"):
+    with pytest.raises(UsageError, match="pass --source"):
         verify(tiny_converted, numerics=flag[0] == "--numerics", deep_gemm=flag[0] == "--deep-gemm",
                sample=3 if flag[0] == "--sample" else None)
 
@@ -176,7 +177,8 @@ def test_numerics_on_cuda_without_a_gpu_is_one_clear_line(tiny_converted, tiny_c
         pytest.skip("this machine has a GPU")
     proc = run_cli("verify", tiny_converted, "--source", tiny_ckpt, "--numerics", "--device", "cuda", check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "error: device 'cuda': no CUDA GPU is available to this process"
+    assert proc.stderr.strip() == ("error: --device: device 'cuda': no CUDA GPU is available to this process; "
+                                   "leave out --device to run on the CPU (the default)")
 
 
 def test_numerics_run_every_layer_once_and_every_rank_by_default():
