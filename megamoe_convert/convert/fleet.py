@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from megamoe_convert import jsonio
+from megamoe_convert import faults, jsonio
 from megamoe_convert.convert.plan import index_text, non_expert_index
 from megamoe_convert.errors import (
     MergeError,  # noqa: F401
@@ -281,6 +281,7 @@ def place_file(part: Part, record: FileRecord, out: Path, verify: bool, fsync: b
         return "copied"
     try:
         _check(tmp, record, where, verify)
+        faults.before_rename(dst)
         os.replace(tmp, dst)
         if fsync:
             fsync_dir(dst.parent)  # the rename itself, durable like AtomicWriter's
@@ -351,6 +352,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     make_dirs_inside(out, out / MERGED_PARTS_DIR)
     for part in chosen:  # consumed: OUT is now the whole conversion; kept out of sight for a re-merge
         if part.dir.resolve() == out.resolve() and part.path.parent.resolve() == out.resolve():
+            faults.before_rename(out / MERGED_PARTS_DIR / part.path.name)
             os.replace(part.path, out / MERGED_PARTS_DIR / part.path.name)
     used = {p.path.resolve() for p in chosen}
     return {"out": str(out), "parts": len(chosen), "shard_by": first.by, "files": len(files),

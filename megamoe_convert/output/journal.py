@@ -14,7 +14,7 @@ import re
 import threading
 from pathlib import Path
 
-from megamoe_convert import jsonio
+from megamoe_convert import faults, jsonio
 from megamoe_convert.errors import ConvertError, JsonError
 from megamoe_convert.output.naming import STATE_DIR, is_own_path, owned_path
 from megamoe_convert.output.writer import FileRecord, file_checksum
@@ -82,6 +82,7 @@ class JournalWriter:
     def append(self, record: FileRecord) -> None:
         try:
             with self._lock:
+                faults.before_append(self.path)
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
                 try:
                     os.write(fd, (json.dumps(record.to_json()) + "\n").encode())

@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from megamoe_convert import jsonio
+from megamoe_convert import faults, jsonio
 from megamoe_convert.errors import ConvertError, JsonError
 from megamoe_convert.output import clearing
 from megamoe_convert.output.journal import JOURNAL_NAME, REPLACED_JOURNAL, JournalWriter, read_journal
@@ -149,11 +149,13 @@ class OutputState:
         self.write_state(fingerprint, source)
 
     def write_state(self, fingerprint: dict[str, Any], source: dict[str, Any] | None) -> None:
-        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True), fsync=self.fsync,
-                          root=self.out)
+        """The source record first, the plan last: the plan is what marks OUT as this plan's, so a
+        stop between the two leaves no plan without the record its resume needs."""
         if source is not None:
             write_json_atomic(self.source_path, json.dumps(source, indent=1, sort_keys=True), fsync=self.fsync,
                               root=self.out)
+        write_json_atomic(self.plan_path, json.dumps(fingerprint, indent=1, sort_keys=True), fsync=self.fsync,
+                          root=self.out)
 
     def _plan_problem(self, fingerprint: dict[str, Any]) -> str | None:
         previous = read_state_json(self.plan_path)
@@ -164,8 +166,8 @@ class OutputState:
 
     def _source_problem(self, source: dict[str, Any]) -> str | None:
         if not self.source_path.exists():
-            return ("has no record of the source files it was converted from (made by `megamoe merge` or an older "
-                    "version), so its files cannot be reused for this source")
+            return ("has no record of the source files it was converted from (a `megamoe merge` of parts that "
+                    "read different copies of the source), so its files cannot be reused for this source")
         changed = self.changed_sources(source)
         if not changed:
             return None
@@ -228,10 +230,11 @@ class PartState(OutputState):
             if not overwrite:
                 raise ConvertError(f"{self.out} holds a conversion made with different options; "
                                    "pass --overwrite (to every part) to replace it")
-            self.root_plan_path.unlink(missing_ok=True)
             if self.root_journal_path.exists():  # kept for merge, to delete what the new plan does not write
+                faults.before_rename(self.root_journal_path.with_name(REPLACED_JOURNAL))
                 os.replace(self.root_journal_path, self.root_journal_path.with_name(REPLACED_JOURNAL))
             self.root_source_path.unlink(missing_ok=True)
+            self.root_plan_path.unlink(missing_ok=True)  # last: until it goes, a rerun finds what to replace
         super().prepare(fingerprint | {"shard": self.shard}, overwrite, source)
         self.part_manifest.unlink(missing_ok=True)  # this part is not finished until it is rewritten
         self.merged_part_manifest.unlink(missing_ok=True)
