@@ -33,7 +33,7 @@ from megamoe_convert.output.clearing import forget_replaced_conversion, remove_n
 from megamoe_convert.output.locks import hold_whole_output
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, MERGED_PARTS_DIR, PART_GLOB, is_own_path, part_manifest_name
-from megamoe_convert.output.preflight import check_no_links
+from megamoe_convert.output.preflight import check_free_space, check_no_links
 from megamoe_convert.output.resume import OutputState, check_output_dir, differing_keys
 from megamoe_convert.output.stamps import sample_hash
 from megamoe_convert.output.writer import (
@@ -326,6 +326,8 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
     files = check_coverage(chosen)
     check_one_source(chosen)
     check_no_links(out, sorted({(out / r.path).parent for _, r in files}))  # refused before anything changes
+    check_free_space(out, copied_bytes(out, files), "this merge", "free space, or merge on the filesystem that holds "
+                     "the parts: hard links there take none", MergeError)
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     forget_replaced_conversion(out, {r.path for _, r in files}, has_index=chosen[0].index_json is not None)
     progress.start(sum(r.size for _, r in files), len(files))
@@ -360,6 +362,20 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
             **{k: how.get(k, 0) for k in ("linked", "copied", "in_place", "present")},
             "ignored_part_manifests": [str(p.path) for p in all_parts if p.path.resolve() not in used],
             "seconds": round(time.perf_counter() - started, 3)}
+
+
+def copied_bytes(out: Path, files: Sequence[tuple[Part, FileRecord]]) -> int:
+    """Bytes a merge copies into ``out``: the files not already there whose part lies on another
+    filesystem (a hard link, on the same one, takes no space)."""
+    device = os.stat(out).st_dev
+    need = 0
+    for part, record in files:
+        dst, src = out / record.path, part.dir / record.path
+        if dst.is_file() and dst.stat().st_size == record.size:
+            continue  # in place, or brought by an earlier merge
+        if src.exists() and os.stat(src).st_dev != device:
+            need += record.size
+    return need
 
 
 def shared_source_stamp(parts: Sequence[Part]) -> dict[str, Any] | None:
