@@ -109,3 +109,40 @@ def emit_summary(summary: dict, save: str | Path | None) -> None:
         Path(save).parent.mkdir(parents=True, exist_ok=True)
         Path(save).write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
+
+
+# --------------------------------------------------------------------------------------
+# Reports (make_report.py and report_*.py)
+# --------------------------------------------------------------------------------------
+
+RESULTS = REPO / "benchmarks" / "results"
+GB = 1e9
+
+
+def result(name: str) -> dict[str, Any]:
+    """A saved result, ``benchmarks/results/NAME``."""
+    return json.loads((RESULTS / name).read_text())
+
+
+def result_text(name: str) -> str:
+    return (RESULTS / name).read_text().rstrip()
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table, every column right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
+def short_gpu(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    return name.replace("NVIDIA ", "").split()[0] if name else "CPU"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The node benchmark (bench_node.py) as run on a lent machine of several GPUs (no network there).
-# Carried in the ignored folder .device/: vLLM 0.33.0's Python tree with transformers
-# (vllm-0.33.0.tar.xz, made from the wheels without compiled libraries or headers, which loading
-# does not use), cp312 wheels of the import chain missing there and of the load formats' packages
-# (whl/: fastsafetensors, instanttensor, runai-model-streamer), and tree.tar (`git archive HEAD`:
-# the committed tree, whatever the working tree holds). See docs/benchmarks.md.
+# The node benchmark (bench_node.py) on a machine of several GPUs with Python 3.12 and no network.
+# It needs the ignored folder .device/, built here by
+#   python benchmarks/device_carry.py --load-formats
+# vLLM 0.33.0's own folder with its transformers (vllm-0.33.0.tar.xz, no compiled libraries: the CPU
+# platform loads without them), the pure-Python part of the import chain (site.tar.xz), cp312 wheels
+# of the compiled packages it imports and of the load formats' packages (whl/: fastsafetensors,
+# instanttensor, runai-model-streamer), and tree.tar (`git archive HEAD`: the committed code,
+# whatever the working tree holds). See benchmarks/README.md.
 #
 #   benchmarks/device_node.sh setup            # unpack, install, what the machine is
 #   benchmarks/device_node.sh job SECONDS [FLAGS]  # bench_node.py [FLAGS] in the background, nothing new after SECONDS
@@ -19,7 +21,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 setup() {
     mkdir -p /tmp/v33 /tmp/site /tmp/tree "$RESULTS"
-    tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xf .device/tree.tar -C /tmp/tree || exit 1
+    tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xJf .device/site.tar.xz -C /tmp/site \
+        && tar xf .device/tree.tar -C /tmp/tree || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .device/whl/*.whl > "$RESULTS/pip.log" 2>&1 || { tail -n 20 "$RESULTS/pip.log"; exit 1; }
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -20,6 +20,8 @@ NAMES = {"auto": "vLLM `auto`", "auto_ep_filter": "vLLM `auto` + EP weight filte
 OURS = ("megamoe_per_rank", "megamoe_store")
 COMMAND = ("`benchmarks/device_node.sh setup && benchmarks/device_node.sh job 900`, then "
            "`benchmarks/device_node.sh wait DEST`")
+UNBATCHED = ("This run's measurements were not batched: each ran while the next one's processes imported and "
+             "built beside it, so its rows do not compare with a batched run's.")
 
 
 def load_all() -> list[tuple[str, dict[str, Any]]]:
@@ -63,9 +65,8 @@ def method_notes(result: dict[str, Any]) -> str:
     """What a run did differently from the method described above, and its rows shown apart."""
     notes = []
     if not any("batch" in row for step in result["steps"] for row in step["rows"]):
-        notes.append("This run predates the batches: each measurement ran while the next one's processes "
-                     "imported and built beside it, so its rows are not comparable with a batched run's.")
-    once = "This run read a warm row's files once just before it (later runs read them twice)."
+        notes.append(UNBATCHED)
+    once = "This run read a warm row's files once just before it (the method reads them twice)."
     if not (apart := unprimed(result)) and result.get("warm_reads", 1) < 2:
         notes.append(once)
     if apart:
@@ -253,39 +254,33 @@ def growth(result: dict[str, Any], forms: list[str]) -> str:
 def section() -> str:
     head = """## A whole node at once: vLLM 0.33's real loading code, every load format (bench_node.py)
 
-`benchmarks/bench_node.py` starts one process per GPU, all released together behind a barrier; each
-builds vLLM 0.33's real `DeepGemmMegaMoEExperts` modules on its GPU (through
-`tests/engines/vllm_harness.py`: only the SM100 check and the process groups patched) and times its
-first load: vLLM's own loader for `--load-format auto` (with and without `--enable-ep-weight-filter`),
-`fastsafetensors`, `instanttensor` and `runai_streamer` over the source checkpoint; `megamoe` from
-the per-rank form and from the store (`install()`, the staging started when the loader is made);
-and an engine restart through `--load-format ipc_cache` mapping what one weight-cache daemon per
-rank holds. Torch and OpenMP threads as vLLM 0.33 sets them for its workers' start-up (the CPUs
-shared among the node's workers). Measurements run in batches: a batch's processes import and build
-together, then its measurements run one at a time, each released on a quiet host with nothing
-importing beside it. Cold: `drop_caches` before each; warm: the form's files read twice just before
-it (read before and read again, whatever the step before left in the page cache). Node time: from
-the release to the last rank's end. Beside every row, in the same rounds:
-the disk's parallel read of the node's bytes (cold: the faster of one process reading the node's
-files, 64 threads x 4 MB, and every rank reading its own at once, 32 threads x 4 MB each) and the
-node's page cache -> pinned -> device ceiling with every rank at once (warm: each rank's files
-through pinned buffers to its GPU as one plain pipeline, 16 threads x 16 MB double-buffered, the
-loader's shape with nothing of a loader's work; the table also gives its two halves timed apart,
-every rank reading into pinned memory and every rank copying pinned memory to its GPU, a bound
-no pipeline reaches since together they share the host's memory bus). Every ratio is against the
-node's routed-expert bytes (what its GPUs hold; the ceilings read the rank files whole, fused shared
-expert included, and their times are scaled to those bytes). The forms are interleaved within a
-round (vLLM's `auto` and megamoe first, the ceilings next, the other loaders last), odd rounds in
-reverse order; each round's figures are in the JSON (`benchmarks/results/node-*/`), the tables give
-medians. Every checkpoint is synthesised, converted and synced before any timing; on virtual machines
-the host may still cache what was written or read in the last minutes, whatever `drop_caches` does
-inside, which favours the form whose files were touched last: more rounds average that out.
-`fastsafetensors` falls back to its copier without GDS where the machine has no `/dev/nvidia-fs0`;
-it and `instanttensor` read the whole checkpoint in every rank process past the page cache (the GB
-read column). `--quick` runs it tiny on the CPU (`tests/test_benchmarks.py`); on a GPU machine,
-{COMMAND}.
+`benchmarks/bench_node.py` starts one process per GPU; each builds vLLM 0.33's real
+`DeepGemmMegaMoEExperts` modules on its GPU (through `tests/engines/vllm_harness.py`: only the SM100
+check and the process groups patched) and times its first load: vLLM's own loader for
+`--load-format auto` (with and without `--enable-ep-weight-filter`), `fastsafetensors`,
+`instanttensor` and `runai_streamer` over the source checkpoint; `megamoe` from the per-rank form
+and from the store (`install()`, the staging started when the loader is made); and an engine restart
+through `--load-format ipc_cache` mapping what one weight-cache daemon per rank holds. Threads: each
+rank loads with its share of the CPUs, as a vLLM 0.33 worker does. A batch's processes import and
+build together, then its measurements run one at a time, each on a quiet host. Node time: from the
+release to the last rank's end. The limits, timed in the same rounds: the disk's parallel read of
+the node's bytes (cold: the faster of one process reading the node's files, 64 threads x 4 MB, and
+every rank reading its own at once, 32 threads x 4 MB each) and the node's page cache -> pinned ->
+device pipeline with every rank at once (warm: each rank's files through pinned buffers to its GPU,
+16 threads x 16 MB double-buffered, the loader's shape with nothing of a loader's work; the table
+also gives its two halves timed apart, every rank reading into pinned memory and every rank copying
+pinned memory to its GPU, a bound no pipeline reaches since together they share the host's memory
+bus). Every ratio is against the node's routed-expert bytes (what its GPUs hold; the limits read the
+rank files whole, fused shared expert included, and their times are scaled to those bytes). The
+forms' order within a round: vLLM's `auto` and megamoe first, the limits next, the other loaders
+last. On virtual machines the host may still cache what was written or read in the last minutes,
+whatever `drop_caches` does inside, which favours the form whose files were touched last: more
+rounds average that out. `fastsafetensors` falls back to its copier without GDS where the machine
+has no `/dev/nvidia-fs0`; it and `instanttensor` read the whole checkpoint in every rank process past
+the page cache (the GB read column). `--quick` runs it tiny on the CPU (`tests/unit/test_benchmarks.py`);
+on a GPU machine, {COMMAND}.
 """.replace("{COMMAND}", COMMAND)
-    runs = load_all()
+    runs = newest_first()
     if not runs:
         return head + f"\nNot measured yet: run {COMMAND} on a machine of several GPUs.\n"
     parts = [head]
@@ -350,45 +345,10 @@ def goal_lines(result: dict[str, Any]) -> str:
 
 
 def started(result: dict[str, Any]) -> float:
-    """When a run's first measurement began (the newest run leads the headline)."""
+    """When a run's first measurement began."""
     return min((r["start_unix"] for step in result["steps"] for row in step["rows"] for r in row.get("ranks", [])),
                default=0.0)
 
 
-def headline() -> str:
-    """The node-level figures against vLLM's `auto`, each with its shape, machine and the disk's speed."""
-    runs = load_all()
-    if not runs:
-        return ""
-    name, result = max(runs, key=lambda run: started(run[1]))
-    m = result["machine"]
-    top = max(s["layers"] for s in result["steps"])
-    parts = []
-    for step in result["steps"]:
-        if step["layers"] != top or step["round"] != 0:
-            continue
-        rows = by_shape(result)[step["shape"]]
-        t = {(f, c): wall(rows.get((f, c), [])) for f in ("auto", "megamoe_store", "megamoe_per_rank")
-             for c in ("cold", "warm")}
-        disk, ceiling = ceilings(rows)
-        nbytes = expert_bytes(rows)
-        if None in t.values() or not disk or not nbytes:
-            if t[("auto", "cold")] and t[("auto", "warm")]:
-                parts.append(f"{shape_label(step)}: vLLM's `auto` took {t[('auto', 'cold')]:.2f} s cold and "
-                             f"{t[('auto', 'warm')]:.2f} s warm; the megamoe forms did not run before the run's "
-                             "time was up")
-            continue
-        def pair(cache: str, digits: int, t: dict = t) -> str:  # the per-rank form's and the store's, and against `auto`
-            ours, auto = [t[(form, cache)] for form in ("megamoe_per_rank", "megamoe_store")], t[("auto", cache)]
-            return (" / ".join(f"{x:.{digits}f}" for x in ours) + f" s against {auto:.{digits}f} s for vLLM's `auto` ("
-                    + " / ".join(f"{auto / x:.1f}x" for x in ours))
-
-        per_rank, store = t[("megamoe_per_rank", "warm")], t[("megamoe_store", "warm")]
-        parts.append(f"{shape_label(step)} ({nbytes / 1e9:.1f} GB of experts for the node), megamoe's per-rank form / "
-                     f"store: cold {pair('cold', 1)}; the disk's parallel read measured beside it took "
-                     f"{disk:.1f} s), warm {pair('warm', 2)}; {ceiling / per_rank:.2f}x / {ceiling / store:.2f}x of the "
-                     "node's page cache -> pinned -> device ceiling)")
-    if not parts:
-        return ""
-    return (f"A whole node's first load, every rank process at once ({len(m['gpus'])} x {m['gpus'][0]}, one "
-            f"process per GPU, vLLM 0.33's real modules and loaders, Flash dims; `{name}`): " + "; ".join(parts) + ".")
+def newest_first() -> list[tuple[str, dict[str, Any]]]:
+    return sorted(load_all(), key=lambda run: -started(run[1]))

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common import short_gpu
+
 RESULTS = Path(__file__).resolve().parent / "results" / "probe-h100"
 #: (file, what the first load covers, the run's --experts and --ep-size), smallest first.
 RUNS = (("44-layers.json", "44 MoE layers: a whole Flash rank's (43 + MTP)", 32, 1),)
@@ -40,6 +42,15 @@ def _phases(result: dict[str, Any]) -> str:
     names = {"input": "its input", "reference": "this package's layout of it", "engine": "vLLM's own code",
              "compare": "the comparison", "fingerprint": "the fingerprint"}
     return ", ".join(f"{names.get(k, k)} {v * 1e3:.1f} ms" for k, v in phases.items())
+
+
+def summary() -> list[str]:
+    """The probe row of the page's table of other figures."""
+    name, covers, _, _ = RUNS[-1]
+    result = json.loads((RESULTS / name).read_text())
+    return ["the layout probe beside the first load, warm", f"the load waits {_ms(result.get('gate_wait_s'))} for it; "
+            f"its own time {_ms(result['probe_s'])}", f"the first load without it: {_ms(result['first_load_s'])}",
+            f"1 x {short_gpu(result['gpu'])}; {covers}", "[probe](#the-layout-probe-at-start-up)"]
 
 
 def section() -> str:

@@ -1,8 +1,8 @@
 """The start-up section of docs/benchmarks.md, from benchmarks/results/startup-h100/.
 
 Inputs are what ``benchmarks/device_startup.sh job`` leaves: ``size-1.json`` and ``size-2.json``
-(``bench_startup.py --save``) and ``flash4.log`` (the 4-layer run's printed lines: its lease ran
-out before the node runs, so its JSON was never written; the lines hold every single-rank number).
+(``bench_startup.py --save``) and ``flash4.log`` (the 4-layer run's printed lines: the run stopped
+before its node runs, so its JSON was never written; the lines hold every single-rank number).
 """
 
 from __future__ import annotations
@@ -126,6 +126,20 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def summary() -> list[str]:
+    """The start-up row of the page's table of other figures (the largest checkpoint)."""
+    big = load_all()[-1]
+    warm, cold = by_method(big, "warm"), by_method(big, "cold")
+    lim = big["limits_rank"]
+    return ["`install()`, first call in a fresh process, one rank alone",
+            f"{warm['ours']['load_s'] * 1e3:.0f} ms warm, {cold['ours']['load_s']:.2f} s cold",
+            f"vLLM 0.33's own loading: {warm['vllm033_ep_filter']['load_s']:.2f}-{warm['vllm033_all']['load_s']:.2f} s "
+            f"warm, {cold['vllm033_all']['load_s']:.1f}-{cold['vllm033_ep_filter']['load_s']:.1f} s cold, reading "
+            f"{cold['vllm033_all']['read_bytes'] / cold['ours']['read_bytes']:.0f}x the bytes",
+            f"1 x H100; rank 0 of EP 8, {lim['rank_bytes'] / GB:.2f} GB of a {big['setup']['source_bytes'] / GB:.2f} GB "
+            "checkpoint", "[start-up](#start-up-against-the-engines-real-code-first-call-fresh-process)"]
+
+
 def section(png: str) -> str:
     results = load_all()
     big = results[-1]
@@ -133,25 +147,24 @@ def section(png: str) -> str:
     warm, cold = by_method(big, "warm"), by_method(big, "cold")
     warm_x = min(warm[m]["load_s"] for m in BASELINES) / warm["ours"]["load_s"]
     cold_x = min(cold[m]["load_s"] for m in BASELINES) / cold["ours"]["load_s"]
-    node = big.get("limits_node", {})
-    node_floor = node.get("rank_bytes", 0) / GB / node.get("disk_parallel_read_gbps", 1)
     prints = {r["fingerprint"][:12] for row in big["single"] for r in row["runs"]}
     lim = big["limits_rank"]
     return f"""## Start-up against the engines' real code (first call, fresh process)
 
 `benchmarks/bench_startup.py` on an NVIDIA H100 (16 CPUs, torch 2.11, driver 580), run by
-`benchmarks/device_startup.sh`. Every run is a new process that imports, builds vLLM's real MegaMoE
-expert modules on the GPU (vLLM's own classes through `tests/engines/vllm_harness.py`; only the SM100
-check and the process groups are patched) and loads them once; the figure is that first load. **ours**
-is `megamoe_convert.engines.vllm.install(model, OUT, rank)` into `DeepGemmMegaMoEExperts` (0.33);
-the baselines are vLLM's own code: `safetensors_weights_iterator` over the source checkpoint in file
-order (with `local_expert_ids`, i.e. `--enable-ep-weight-filter`, or without) -> the model's
-`load_weights` -> the experts' `weight_loader`; for 0.32, the same into `DeepseekV4MegaMoEExperts`
-then `finalize_weights` (vLLM's bundled DeepGEMM `transform_weights_for_mega_moe` on the GPU).
-Every method ends in identical kernel tensors: one fingerprint per model shape across all methods
-({len(prints)} fingerprints for {len(big['single'])} runs of 2 shapes). Warm: every file in the page cache;
-cold: `drop_caches` before the process starts. Flash dims (H 4096, I 2048, 256 experts), 1/2/4 MoE
-layers, EP 8, rank 0. SGLang is not a baseline here: its loading code was not carried to the device.
+`benchmarks/device_startup.sh`: one rank alone, so these figures are per rank (the node section
+above times every rank at once). Every run is a new process that imports, builds vLLM's real
+MegaMoE expert modules on the GPU (vLLM's own classes through `tests/engines/vllm_harness.py`; only
+the SM100 check and the process groups are patched) and loads them once; the figure is that first
+load. **ours** is `megamoe_convert.engines.vllm.install(model, OUT, rank)` into
+`DeepGemmMegaMoEExperts` (0.33); the baselines are vLLM's own code: `safetensors_weights_iterator`
+over the source checkpoint in file order (with `local_expert_ids`, i.e. `--enable-ep-weight-filter`,
+or without) -> the model's `load_weights` -> the experts' `weight_loader`; for 0.32, the same into
+`DeepseekV4MegaMoEExperts` then `finalize_weights` (vLLM's bundled DeepGEMM
+`transform_weights_for_mega_moe` on the GPU). Every method ends in identical kernel tensors: one
+fingerprint per model shape across all methods ({len(prints)} fingerprints for {len(big['single'])} runs of 2 shapes).
+Flash dims (H 4096, I 2048, 256 experts), 1/2/4 MoE layers, EP 8, rank 0. SGLang's loading is not
+among the baselines.
 
 ### 4 MoE layers ({big['setup']['source_bytes'] / GB:.2f} GB checkpoint, {lim['rank_bytes'] / GB:.2f} GB for the rank)
 
@@ -184,26 +197,10 @@ module build is 0.04-0.24 s (ours includes starting the background pinning of th
 **Warm.** The first call costs {warm['ours']['load_s'] * 1e3:.0f} ms for {lim['rank_bytes'] / GB:.2f} GB, against
 {lim['rank_bytes'] / GB / lim['pagecache_to_pinned_gbps'] * 1e3:.0f} ms for the bare page cache -> pinned copy. The time does not
 grow with the bytes (0.43 GB: {by_method(results[0], 'warm')['ours']['load_s'] * 1e3:.0f} ms, 0.86 GB:
-{by_method(results[1], 'warm')['ours']['load_s'] * 1e3:.0f} ms): a per-process cost, not bandwidth, is what is left. Before this
-round the same first call took 0.51 s warm and 2.10 s cold on the same machine type (the start-up
-issue's measurement); the changes: all layers go through one pipelined read (the install driver
-called `load_rank` per layer, draining the pipeline each time), the pinned ring is pinned in the
-background while the engine builds the model and reused by every call, reader threads are shared,
-and a local directory no longer imports the hub client (0.2 s). This run did not sweep
-the loader's knobs (`MEGAMOE_READ_THREADS`, `MEGAMOE_RING_BUFFERS`, `MEGAMOE_RING_MB`,
-`MEGAMOE_WILLNEED`) nor profile the remaining per-process cost.
+{by_method(results[1], 'warm')['ours']['load_s'] * 1e3:.0f} ms): a per-process cost, not bandwidth, is what is left.
 
-**Whole node.** This run had one GPU, so it has no run with one process per GPU, nor the
-8-ranks-on-one-GPU stress run (the node benchmark, `benchmarks/bench_node.py`, is the whole-node measure). The cold goal has a floor that no loader can beat, measured in the same run: the node's
-ranks together need all {node.get('rank_bytes', 0) / GB:.2f} GB of expert bytes from the one disk, at
-{node.get('disk_parallel_read_gbps', 0):.2f} GB/s parallel: {node_floor:.1f} s. vLLM's ranks share the page cache, so
-they too read the checkpoint from disk once ({cold['vllm033_all']['read_bytes'] / GB:.2f} GB, one rank alone taking
-{cold['vllm033_all']['load_s']:.1f} s); a node-wide cold speed-up is therefore bounded by about
-{cold['vllm033_all']['load_s'] / node_floor:.1f}x on one disk, whatever the loader, unless vLLM's node is slower than one
-rank alone. The per-rank win (1/8 of the bytes, no transform) is what the single-rank rows show.
-
-Reproduce (device machine, vLLM trees and wheels carried in `.device/`, see the script's header):
-`benchmarks/device_startup.sh setup && benchmarks/device_startup.sh job`; each row is
+Reproduce (device machine, with `.device/` from `benchmarks/device_carry.py --engines
+vllm==0.33.0,vllm==0.32.0`): `benchmarks/device_startup.sh setup && benchmarks/device_startup.sh job`; each row is
 `python3 benchmarks/bench_startup.py --vllm 0.33=/tmp/v33 --vllm 0.32=/tmp/v32 --layers N --save ...`
 (`--redundant 16` adds the redundant pair, `--node 8` the node runs).
 """

@@ -35,10 +35,102 @@ def test_every_script_has_a_test():
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
-              "common.py"}  # common.py: through every script that imports it
+              "common.py",  # common.py: through every script that imports it
+              "report_gains.py", "report_convert.py", "report_verify.py", "report_load.py", "device_carry.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
-    # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py
+    # bench_daemon --smoke: tests/engines/test_vllm_weight_cache.py; device_carry: its selection below
     assert set(scripts) == tested, set(scripts) ^ tested
+
+
+def test_readme_names_every_benchmark_and_every_result():
+    """benchmarks/README.md's tables name every script and every entry of results/ (a name or a glob)."""
+    import fnmatch
+
+    readme = (BENCH / "README.md").read_text()
+    named = {token.rstrip("/") for token in re.findall(r"`([^`\s]+)`", readme)}
+    scripts = {p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh") and not p.name.startswith("report_")}
+    assert scripts <= named, scripts - named
+    results = {p.name for p in (BENCH / "results").iterdir()}
+    unnamed = {r for r in results if not any(fnmatch.fnmatch(r, n) for n in named)}
+    assert not unnamed, unnamed
+
+
+def test_results_hold_only_what_the_report_reads(monkeypatch, tmp_path):
+    """Every entry of benchmarks/results/ has a file that make_report.py reads: a run the page no longer
+    cites is removed (git keeps it), not left beside the ones it cites."""
+    import pathlib
+
+    results = BENCH / "results"
+    read: set[pathlib.Path] = set()
+    real_read_text = pathlib.Path.read_text
+
+    def recording(self: pathlib.Path, *args: object, **kwargs: object) -> str:
+        read.add(pathlib.Path(self).resolve())
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.setattr(pathlib.Path, "read_text", recording)
+    import make_report
+
+    make_report.main(["--no-plots", "--out", str(tmp_path / "benchmarks.md")])
+    cited = {p.relative_to(results.resolve()).parts[0] for p in read if results.resolve() in p.parents}
+    assert cited == {p.name for p in results.iterdir()}, {p.name for p in results.iterdir()} ^ cited
+
+
+def test_scripts_answer_help():
+    """Every runnable script parses its flags (``--help``) without a GPU or an engine."""
+    for script in ("device_carry.py", "make_report.py", "bench_node.py"):
+        out = run(script, "--help", timeout=120)
+        assert "usage:" in out, (script, out)
+
+
+def test_device_carry_keeps_what_imports_reach(tmp_path):
+    """device_carry.py's selection on a made-up installed package: sources and data travel, tests,
+    caches, headers and binaries do not; a compiled extension that an import loaded asks for its
+    wheel; a package the trace never reached, or one the device has, is not carried."""
+    sys.path.insert(0, str(BENCH))
+    import tarfile
+
+    import device_carry as dc
+
+    site = tmp_path / "site"
+    files = {"pkg/__init__.py": b"x = 1\n", "pkg/data.json": b"{}", "pkg/_c.cpython-311-x86_64-linux-gnu.so":
+             b"\x7fELF...", "pkg/tests/test_pkg.py": b"", "pkg/__pycache__/x.cpython-311.pyc": b"",
+             "pkg/include/a.h": b"", "pkg/tool": b"\x7fELF...", "other.py": b"", "torch/__init__.py": b""}
+    for name, dist in (("pkg", [f for f in files if f.startswith("pkg/")]), ("other", ["other.py"]),
+                       ("torch", ["torch/__init__.py"])):
+        meta = site / f"{name}-1.0.dist-info"
+        meta.mkdir(parents=True)
+        (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        listed = [*dist, f"{meta.name}/METADATA", f"{meta.name}/RECORD"]
+        (meta / "RECORD").write_text("".join(f"{f},,\n" for f in listed))
+    for name, data in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_bytes(data)
+
+    chosen = dc.select([site], {"os", "pkg", "pkg.sub", "torch"})
+    assert [d.name for d in chosen] == ["pkg"]  # other: never imported; torch: the device has it
+    pkg = chosen[0]
+    assert sorted(map(str, pkg.pure_files())) == ["pkg-1.0.dist-info/METADATA", "pkg/__init__.py", "pkg/data.json"]
+    assert set(pkg.extensions()) == {"pkg._c"}
+    assert not dc.needs_wheel(pkg, {"pkg"}) and dc.needs_wheel(pkg, {"pkg", "pkg._c"})
+    raw = dc.pack([pkg], tmp_path / "site.tar.xz")
+    with tarfile.open(tmp_path / "site.tar.xz") as tar:
+        assert sorted(tar.getnames()) == sorted(map(str, pkg.pure_files()))
+    assert raw == sum((site / f).stat().st_size for f in pkg.pure_files())
+
+
+def test_device_carry_traces_the_engine_modules_the_benchmarks_name():
+    """The modules traced for vLLM are the ones the benchmarks, the harness and the project's vLLM
+    code import (read from their source), so a benchmark's new import is carried without a list to edit."""
+    sys.path.insert(0, str(BENCH))
+    import device_carry as dc
+
+    found = dc.engine_modules("vllm==0.33.0")
+    for module in ("vllm.model_executor.model_loader", "vllm.config", "vllm.engine.arg_utils"):
+        assert module in found, module
+    assert all(m == "vllm" or m.startswith("vllm.") for m in found)
+    assert all(m == "sglang" or m.startswith("sglang.") for m in dc.engine_modules("sglang==0.5.23"))
 
 
 def test_bench_convert_smoke_is_what_make_bench_runs_fixed(tmp_path):

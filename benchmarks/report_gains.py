@@ -1,0 +1,128 @@
+"""The lead of docs/benchmarks.md: what a node gains, per shape, from the newest node run of each node size
+(benchmarks/results/node-*/node.json, saved by benchmarks/bench_node.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common import short_gpu
+from report_node import (
+    COMMAND,
+    NAMES,
+    OURS,
+    _scaled,
+    by_shape,
+    ceilings,
+    expert_bytes,
+    newest_first,
+    shape_label,
+    unprimed,
+    wall,
+)
+
+FEWER = "†"
+
+
+def node_name(result: dict[str, Any]) -> str:
+    gpus = result["machine"]["gpus"]
+    return f"{len(gpus)} x {short_gpu(gpus[0])}" if gpus else "CPU"
+
+
+def first_steps(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One step per shape, in the order the run took them."""
+    seen: dict[str, dict[str, Any]] = {}
+    for step in result["steps"]:
+        seen.setdefault(step["shape"], step)
+    return list(seen.values())
+
+
+def gain_rows(result: dict[str, Any]) -> list[str]:
+    """The table rows of one run: per shape that megamoe and `auto` both ran, cold and warm; a median over
+    fewer rounds than the shape ran is marked."""
+    lines, node = [], node_name(result)
+    shapes = by_shape(result)
+    for step in first_steps(result):
+        rows = shapes[step["shape"]]
+        rounds = sum(1 for s in result["steps"] if s["shape"] == step["shape"])
+        disk, ceiling = ceilings(rows)
+        limits = {"cold": (disk, "the disk's parallel read"),
+                  "warm": (ceiling, "the page cache -> pinned -> device pipeline" if _scaled(rows, "pipe", "warm")
+                           else "its two halves timed apart (a bound)")}
+        first = True
+        for cache in ("cold", "warm"):
+            got = {f: [r for r in rows.get((f, cache), []) if "node_wall_s" in r] for f in ("auto", *OURS)}
+            if not all(got.values()):
+                continue
+            digits = 2 if cache == "cold" else 3
+
+            def cell(form: str, digits: int = digits, got: dict = got, rounds: int = rounds) -> str:
+                return f"{wall(got[form]):.{digits}f}" + (FEWER if len(got[form]) < rounds else "")
+
+            ours, auto = [wall(got[f]) or 0.0 for f in OURS], wall(got["auto"]) or 0.0
+            limit, what = limits[cache]
+            shape = (f"{shape_label(step)}; {(expert_bytes(rows) or 0) / 1e9:.1f} GB of experts; "
+                     f"{rounds} round{'s' if rounds > 1 else ''}") if first else ""
+            cells = [node if first else "", shape, cache, " / ".join(cell(f) for f in OURS), cell("auto"),
+                     " / ".join(f"{auto / t:.1f}x" for t in ours),
+                     f"{what}: {limit:.{digits}f} s" if limit else "not measured",
+                     " / ".join(f"{limit / t:.2f}x" for t in ours) if limit else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+            first = False
+    return lines
+
+
+def other_forms(name: str, result: dict[str, Any]) -> str:
+    """The run's other load formats and the engine restart, at its first shape, beside `auto`."""
+    step = first_steps(result)[0]
+    rows = by_shape(result)[step["shape"]]
+    cells = []
+    for form in result["forms"]:
+        if form in OURS:
+            continue
+        if form == "ipc_cache":
+            t = wall(rows.get((form, "restart"), []))
+            cells += [f"{NAMES[form]}: {t:.3f} s"] if t else []
+            continue
+        cold, warm = (wall(rows.get((form, c), [])) for c in ("cold", "warm"))
+        if cold or warm:
+            cells.append(f"{NAMES[form]} " + " / ".join(f"{t:.2f}" if t else "-" for t in (cold, warm)) + " s")
+    if len(cells) < 3:
+        return ""
+    return (f"The other load formats on {node_name(result)}, {shape_label(step)} (`{name}`), cold / warm: "
+            + "; ".join(cells) + ".")
+
+
+def gains() -> str:
+    """The page's lead: what a node gains, per shape, from the newest run of each node size, each figure
+    beside vLLM's `auto` and the limit measured in the same run."""
+    runs, done = newest_first(), set()
+    lines = ["| node | shape (node's experts, rounds) | cache | `megamoe` per-rank / store s | vLLM 0.33 `auto` s "
+             "| megamoe vs `auto` | the limit measured beside it | megamoe vs the limit |",
+             "|---|---|---|---:|---:|---:|---|---:|"]
+    notes = []
+    for name, result in runs:
+        if node_name(result) in done:
+            continue
+        done.add(node_name(result))
+        got = gain_rows(result)
+        lines += got
+        m = result["machine"]
+        facts = [f"{m['gpus'][0]}, {m['cpus']} CPUs, one process per GPU"]
+        if not any("batch" in row for step in result["steps"] for row in step["rows"]):
+            facts.append("its measurements not batched (the next one's processes imported beside each)")
+        if result.get("warm_reads", 1) < 2:
+            facts.append("a warm row's files read once before it" + (
+                ", and its warm rows that ran right after their files' first read left out of the medians "
+                "(its section names them)" if unprimed(result) else ""))
+        if got:
+            notes.append(f"- {node_name(result)} (`{name}`): " + "; ".join(facts) + ".")
+        if other := other_forms(name, result):
+            notes.append(f"- {other}")
+    if len(lines) == 2:
+        return f"Not measured yet: run {COMMAND} on a machine of several GPUs."
+    if any(FEWER in line for line in lines):
+        notes.append(f"- {FEWER} a median of fewer rounds than the shape ran (a row set apart, or a form that did "
+                     "not run in every round): its section's table says which.")
+    return ("Every rank process of a node released at once, one per GPU, into vLLM 0.33's real modules (Flash dims "
+            "cut to the layers named), first load, medians over the rounds; each ratio against the figure beside it "
+            "from the same run:\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes))
