@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import CheckpointError  # noqa: F401
@@ -31,6 +31,7 @@ from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.model_dims import MAX_LAYERS, ModelDims, config_int, dims_from_config
 from megamoe_convert.source.safetensors_io import (
     DTYPE_BITS,
+    FileCache,
     SafetensorsHeader,
     TensorEntry,
     read_header,
@@ -92,6 +93,7 @@ class Checkpoint:
         ckpt = cls(root, config, dims, weight_map, headers, index_bytes, family=family, names=names)
         ckpt.tensors = ckpt._collect_tensors()
         ckpt.dims = replace(dims, weight_format=ckpt._identify_format().name)
+        formats.check_quantization_config(ckpt.dims.format, config.get("quantization_config"), config_path)
         ckpt._check_experts()
         shared, ckpt.shared_expert_note = ckpt._fusable_shared_expert()
         ckpt.dims = replace(ckpt.dims, shared_intermediate_size=shared)
@@ -257,6 +259,25 @@ class Checkpoint:
             raise CheckpointError(f"{entry.path}: {name} has shape {list(entry.shape)}, expected {logical} "
                                   f"(hidden_size={self.dims.hidden_size}, moe_intermediate_size="
                                   f"{self.dims.moe_intermediate_size} in config.json; {fmt.name} experts)")
+
+    def check_block_scales(self, files: FileCache, layers: Sequence[MoELayer]) -> None:
+        """Every FP32-encoded block scale (FP8 128x128 experts) of ``layers`` finite. A NaN or an
+        infinity there makes its whole block NaN in the kernel, and a verbatim copy of it would
+        verify as equal, so it is the source's problem, refused before anything is written. A few
+        KB per expert, small next to its weights; other formats' scales are checked elsewhere."""
+        if self.dims.format.scale_encoding != "fp32":
+            return
+        for layer in layers:
+            for expert in range(self.dims.experts_of(layer)):
+                for proj in ("w1", "w3", "w2"):
+                    entry = self.expert_entry(layer, expert, proj, "scale")
+                    values = formats.fp32_block_scales(files.read(entry), entry.dtype)
+                    if not bool(values.isfinite().all()):
+                        row, col = (~values.isfinite()).nonzero()[0].tolist()
+                        value = values[row, col].item()
+                        raise CheckpointError(f"{entry.path}: {entry.name} is {value} at block [{row}, {col}]; "
+                                              f"{self.dims.weight_format} block scales must be finite (the source "
+                                              "checkpoint is damaged)")
 
     def _fusable_shared_expert(self) -> tuple[int, str | None]:
         """``(S, None)`` when every MoE layer has a shared expert of intermediate size ``S`` that

@@ -29,6 +29,7 @@ checkpoint checks, conversion, loading, verification and the engine contracts as
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -121,6 +122,38 @@ def check_expert_dtype(value: Any, where: object) -> None:
         hint = " (FP8 block-scaled experts, e.g. a -Base checkpoint)" if value == "fp8" else ""
         raise FormatError(f"{where}: expert_dtype is {jsonio.short(value)}{hint}; MegaMoE conversion supports "
                           f"{', '.join(repr(k) for k in EXPERT_DTYPES)}")
+
+
+def quantization_config(fmt: WeightFormat) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a checkpoint of ``fmt`` experts, as the FP8 releases ship it
+    (DeepSeek-V3, Qwen3-MoE-FP8) and SGLang's kernel runs; ``None``: the format has none of its own."""
+    if fmt.scale_encoding != "fp32":
+        return None
+    return {"quant_method": "fp8", "fmt": fmt.element, "weight_block_size": [fmt.scale_block_n, fmt.scale_group_k],
+            "activation_scheme": "dynamic"}
+
+
+#: Keys of :func:`quantization_config` a checkpoint may leave out (their absence means that value).
+QUANTIZATION_DEFAULTED = ("fmt", "activation_scheme")
+
+
+def check_quantization_config(fmt: WeightFormat, section: Any, where: object) -> None:
+    """A checkpoint's ``quantization_config`` must say what its experts are (:func:`quantization_config`):
+    an engine quantizes by the block size and element it names, so another one is refused by key."""
+    want = quantization_config(fmt)
+    if want is None:
+        return
+    if not isinstance(section, dict):
+        found = "missing" if section is None else jsonio.short(section)
+        raise FormatError(f"{where}: quantization_config is {found}; {fmt.name} experts need {json.dumps(want)}")
+    for key, value in want.items():
+        if key not in section and key in QUANTIZATION_DEFAULTED:
+            continue
+        if json.dumps(section.get(key)) != json.dumps(value):
+            found = jsonio.short(section[key]) if key in section else "missing"
+            raise FormatError(f"{where}: quantization_config.{key} is {found}, expected {json.dumps(value)} "
+                              f"(the checkpoint's experts are {fmt.name}: {fmt.element} with "
+                              f"{fmt.scale_block_n}x{fmt.scale_group_k} block scales)")
 
 
 def identify(weight_dtype: str, scale_dtype: str | None, where: object) -> WeightFormat:
