@@ -36,7 +36,8 @@ def usable_device(spec: str | torch.device, flag: str = "") -> torch.device:
     if device.type != "cuda":
         raise DeviceError(f"{on}device {str(device)!r} is not supported (use cpu, cuda or cuda:N)")
     if not torch.cuda.is_available():
-        raise DeviceError(f"{on}device {str(device)!r}: no CUDA GPU is available to this process")
+        drop = f"; leave out {flag} to run on the CPU (the default)" if flag else ""
+        raise DeviceError(f"{on}device {str(device)!r}: no CUDA GPU is available to this process{drop}")
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise DeviceError(f"{on}device {str(device)!r}: this process sees {count} CUDA GPU(s) "
