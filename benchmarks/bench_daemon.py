@@ -180,7 +180,7 @@ def role_install(args: argparse.Namespace) -> None:
     import vllm_harness  # noqa: F401  (vLLM's modules: imported, as in the other roles, before the clock)
 
     from megamoe_convert.engines.vllm import install
-    from megamoe_convert.serve.loader import prepare_gpu_staging
+    from megamoe_convert.serve.staging import prepare_gpu_staging
 
     imported = time.perf_counter()
     dev = device()

@@ -335,9 +335,9 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
         h2d = H2D(rank_bytes, device)
         methods["h2d_pinned"] = h2d.pinned_copy
         methods["h2d_pageable"] = h2d.pageable_copy
-        from megamoe_convert.serve import loader
+        from megamoe_convert.serve import staging
 
-        host_read = HostRead(files, loader.READ_THREADS, loader.RING_BUFFER_BYTES)
+        host_read = HostRead(files, staging.READ_THREADS, staging.RING_BUFFER_BYTES)
         methods["host_read"] = host_read.run
 
     # Correctness first (and warm-up: CUDA context, kernels, pinned allocator, page cache).

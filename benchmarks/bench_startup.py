@@ -97,7 +97,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import vllm_harness as h
 
     from megamoe_convert.engines.vllm import install
-    from megamoe_convert.serve.loader import prepare_gpu_staging
+    from megamoe_convert.serve.staging import prepare_gpu_staging
 
     _, code, ep_filter, with_redundant = METHODS[args.child]
     redundant = args.redundant if with_redundant else 0

@@ -193,7 +193,7 @@ def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
     from megamoe_convert.engines.vllm import install
 
     if torch.cuda.is_available():
-        from megamoe_convert.serve.loader import prepare_gpu_staging
+        from megamoe_convert.serve.staging import prepare_gpu_staging
 
         prepare_gpu_staging()
     stack.enter_context(h.patched(rank, shape.ep_size))

@@ -32,7 +32,7 @@ from megamoe_convert.errors import InstallError
 
 if TYPE_CHECKING:
     from megamoe_convert.engines.probe import LayoutProbe
-    from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+    from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
     from megamoe_convert.source.layers import MoELayer
 
 __all__ = ["Contract", "EngineModule"]

@@ -24,7 +24,8 @@ from megamoe_convert.errors import InstallError
 from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout.identity import comparable_fingerprints
 from megamoe_convert.layout.placement import Placement
-from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer, load_rank
+from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
+from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
 from megamoe_convert.source.layers import MoELayer

@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from megamoe_convert.serve import loader
-from megamoe_convert.serve.loader import ConvertedModel, ExpertLayer
+from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
 
 
 def open_converted(out: "Path | str | ConvertedModel", ranks: Iterable[int] | None = None) -> ConvertedModel:

@@ -1,6 +1,5 @@
-"""The serving stage: reading a conversion back. ``loader`` (a rank's experts into tensors, locally),
-``hub`` (conversions and sources on the Hugging Face Hub), ``errors`` (``LoadError``).
-Imports ``output`` and below; ``engines`` builds on it.
+"""The serving stage: reading a conversion back. ``converted`` (a conversion opened once, and the form
+its experts are handed out in), ``loader`` (a rank's experts into tensors: its own files, or a
+store's slots through ``store``), ``staging`` (the pinned ring behind a GPU load). Imports ``output``
+and below; ``hub`` and ``engines`` build on it.
 """
-
-from megamoe_convert.serve import store as _store  # noqa: E402,F401  (registers the store reader with loader)

@@ -31,8 +31,8 @@ from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import store_file
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_problems
-from megamoe_convert.serve import loader, staging
-from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.serve import staging
+from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer, check_destinations, kernel_form
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
@@ -218,8 +218,8 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
 
     ``into``: caller-owned tensors (an engine's), in the rank-file form (scales' storage), of
     ``len(slots[layer])`` experts; without it, new tensors on ``device``. ``starts``: each layer's
-    first physical slot, for the result. ``before_writes``: as :func:`loader.load_rank`'s. Returns
-    ``{prefix: ExpertLayer}`` like :func:`loader.load_rank`.
+    first physical slot, for the result. ``before_writes``: as :func:`.loader.load_rank`'s. Returns
+    ``{prefix: ExpertLayer}`` like :func:`.loader.load_rank`.
     """
     out, manifest = converted.path, converted.manifest
     if not manifest.store:
@@ -243,7 +243,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
         specs = slot_specs(manifest, layer, len(ids[layer]))
         if into is not None:
             dests[layer] = dict(into[layer])
-            loader.check_destinations(layer.prefix, dests[layer], specs)  # type: ignore[arg-type]
+            check_destinations(layer.prefix, dests[layer], specs)  # type: ignore[arg-type]
         else:
             dests[layer] = {key: torch.empty(spec.shape, dtype=formats.torch_dtype(spec.dtype), device=device)
                             for key, spec in specs.items()}
@@ -252,7 +252,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
     if served is not None:
         check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()}, served)
     _fill({layer: out / records[layer].path for layer in slots}, reads, dests, before_writes)
-    return {layer.prefix: ExpertLayer(layer.key, loader._kernel_form(dests[layer], manifest.dims.format), ids[layer],
+    return {layer.prefix: ExpertLayer(layer.key, kernel_form(dests[layer], manifest.dims.format), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
 
 
@@ -348,5 +348,3 @@ def load_store_rank(converted: ConvertedModel, rank: int, ep_size: int, layers: 
                       device=device, verify=verify, before_writes=before_writes,
                       into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
 
-
-loader.STORE_RANK_READER = load_store_rank

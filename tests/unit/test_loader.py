@@ -18,7 +18,7 @@ from megamoe_convert.errors import LoadError, MegamoeError
 from megamoe_convert.layout import inverse
 from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.seal import seal
-from megamoe_convert.serve import load_checks, loader
+from megamoe_convert.serve import load_checks, loader, staging
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import formats
 from megamoe_convert.synth.write import synthesize
@@ -262,7 +262,7 @@ def test_cuda_load_of_a_large_rank_crosses_many_ring_buffers(tmp_path):
         for a, b in zip((*cpu[prefix].l1, *cpu[prefix].l2), (*gpu[prefix].l1, *gpu[prefix].l2), strict=True):
             assert torch.equal(a, b.cpu())
             total += a.numel() * a.element_size()
-    assert total > 2 * loader.RING_BUFFERS * loader.RING_BUFFER_BYTES
+    assert total > 2 * staging.RING_BUFFERS * staging.RING_BUFFER_BYTES
     # Dequantised from the GPU tensors == dequantised from the CPU ones (same bytes, same math).
     l1, l2 = gpu["layers.0.ffn.experts"].l1, gpu["layers.0.ffn.experts"].l2
     d_gpu = inverse.dequantize_transformed((l1.weight[:2], l1.sf[:2]), (l2.weight[:2], l2.sf[:2]))
@@ -278,7 +278,7 @@ def test_cuda_loads_racing_the_background_pinning_and_each_other_are_exact(tiny_
     threads at once: every load waits for the ring and gets its own rank's exact bytes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    loader.prepare_gpu_staging()
+    staging.prepare_gpu_staging()
     with ThreadPoolExecutor(4) as pool:
         gpu = list(pool.map(lambda r: load_rank(tiny_converted, r, device="cuda"), range(4)))
     for rank in range(4):

@@ -17,7 +17,7 @@ from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.layout.placement import Placement, counts_problem
 
 if TYPE_CHECKING:
-    from megamoe_convert.serve.loader import ConvertedModel
+    from megamoe_convert.serve.converted import ConvertedModel
     from megamoe_convert.source.layers import MoELayer
 
 #: ``model.layers.7.mlp.experts``; the NextN draft model's one MTP layer is ``model.decoder.mlp.experts``.

@@ -13,7 +13,7 @@ from megamoe_convert.engines.sglang.experts import SGLANG_PREFIX, layer_key, mod
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout.placement import Placement
-from megamoe_convert.serve.loader import ConvertedModel
+from megamoe_convert.serve.converted import ConvertedModel
 from megamoe_convert.source.layers import MoELayer
 
 #: SGLang's contracts, newest first; a module is the first's that detects it (FP8 weights: the SM90 build's).

@@ -26,7 +26,7 @@ from megamoe_convert.engines.load_formats import (
 )
 from megamoe_convert.engines.sglang import private_hooks
 from megamoe_convert.engines.sglang.install import install_layers
-from megamoe_convert.serve.loader import prepare_gpu_staging
+from megamoe_convert.serve.staging import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 

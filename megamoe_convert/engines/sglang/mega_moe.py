@@ -32,7 +32,7 @@ from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
 from megamoe_convert.engines.shapes import SHAPE_RULES
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout import checks, inverse, scales
-from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source.layers import MoELayer
 
 MARKERS = ("layer_name", "layer_id", "moe_ep_rank", "moe_ep_size", "moe_tp_size", "num_experts",

@@ -27,7 +27,7 @@ from megamoe_convert.engines.sglang.experts import check_ep_numbers
 from megamoe_convert.engines.sglang.layout_probe import sm90_probe
 from megamoe_convert.engines.sglang.mega_moe import MARKERS, expect
 from megamoe_convert.errors import InstallError
-from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 

@@ -18,7 +18,7 @@ from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.errors import InstallError, PlacementError
 from megamoe_convert.layout.placement import Placement, default_problem
 from megamoe_convert.output.shards import rank_shard_specs
-from megamoe_convert.serve.loader import ConvertedModel
+from megamoe_convert.serve.converted import ConvertedModel
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 

@@ -41,7 +41,7 @@ from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_tensor, require
 from megamoe_convert.engines.vllm.layout_probe import finalize_probe
 from megamoe_convert.errors import InstallError
-from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 

@@ -24,7 +24,7 @@ from megamoe_convert.engines.vllm.experts import (
     module_placement,
 )
 from megamoe_convert.layout.placement import Placement
-from megamoe_convert.serve.loader import ConvertedModel
+from megamoe_convert.serve.converted import ConvertedModel
 from megamoe_convert.source.layers import MoELayer
 
 #: vLLM's contracts, newest first.

@@ -24,7 +24,7 @@ from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.vllm.experts import EP_ATTRIBUTES, expect_kernel_tensors, require
 from megamoe_convert.engines.vllm.layout_probe import kernel_layout_probe
 from megamoe_convert.errors import InstallError
-from megamoe_convert.serve.loader import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 

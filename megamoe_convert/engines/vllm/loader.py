@@ -23,7 +23,7 @@ from megamoe_convert.engines.load_formats import (
     without_expert_tensors,
 )
 from megamoe_convert.engines.vllm.install import install_layers
-from megamoe_convert.serve.loader import prepare_gpu_staging
+from megamoe_convert.serve.staging import prepare_gpu_staging
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
 
