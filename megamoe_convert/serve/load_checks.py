@@ -15,7 +15,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from megamoe_convert import jsonio
 from megamoe_convert.errors import LoadError
+from megamoe_convert.layout.identity import TRANSFORMS, kernel_of
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs
@@ -46,6 +48,22 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
         raise LoadError(f"layers={'[]' if not names else 'more names than the conversion has'}: select at least one "
                         f"of {', '.join(layer.key for layer in manifest.layers)} (or layers=None for all)")
     return sorted({by_name[name] for name in names})
+
+
+def check_layout_identity(out: Path, manifest: Manifest) -> None:
+    """The manifest's layout identity must name the transform this package writes for its experts'
+    format: another name (a foreign tool's, a changed transform's, an edit) or none at all says the
+    bytes may be laid out otherwise, so no byte is read. Its fingerprints are the engines' probe's to
+    compare (at install, against the engine's own code) and ``verify``'s to recompute."""
+    record = manifest.layout_record()
+    want = TRANSFORMS[kernel_of(manifest.dims.format)]
+    if record is None:
+        raise LoadError(f"{out / MANIFEST_NAME}: records no layout identity (layout), so nothing says how its experts "
+                        f"are laid out; convert again with this megamoe-convert (it writes {want!r})")
+    if record["transform"] != want:
+        raise LoadError(f"{out / MANIFEST_NAME}: layout.transform is {jsonio.short(record['transform'])}, but this "
+                        f"megamoe-convert writes {manifest.dims.weight_format} experts as {want!r}: their bytes are "
+                        "laid out otherwise; convert again with this megamoe-convert")
 
 
 def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[MoELayer],
