@@ -283,7 +283,9 @@ print((status("VmHWM") - before) / sum(t.numel() for t in inputs))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc")
 def test_transform_memory_is_the_output_and_little_more():
     """At most ~2x the expert bytes in all, i.e. the inputs plus an output of the same
-    size; intermediates (scale packing) stay small. ~100 MB of experts in a fresh process."""
+    size; intermediates (scale packing) stay small. ~100 MB of experts in a fresh process.
+    A ceiling only: the peak can read below the output's size (the kernel may reclaim other
+    pages of the process meanwhile), and using less is never a failure."""
     proc = subprocess.run([sys.executable, "-c", TRANSFORM_PEAK_SCRIPT], capture_output=True, text=True, check=True)
     extra = float(proc.stdout)
-    assert 0.9 < extra < 1.1, f"transform used {extra:.2f}x the input bytes on top of the inputs"
+    assert extra < 1.1, f"transform used {extra:.2f}x the input bytes on top of the inputs"
