@@ -12,6 +12,8 @@ import pytest
 from megamoe_convert.synth.write import synthesize
 
 REPO = Path(__file__).resolve().parent.parent
+#: The damage fixtures (sources of three kinds and their conversions), for every tier.
+pytest_plugins = ["damage"]
 #: tests/engines runs only inside an engine's environment (tests/test_engines_real.py).
 collect_ignore = [] if os.environ.get("MEGAMOE_ENGINE") else ["engines"]
 #: The tiers: each a folder of tests/ and the marker its tests carry (registered in pyproject.toml).

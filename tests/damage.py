@@ -1,5 +1,6 @@
 """Shared by the tests that damage a conversion or its source and read the refusal: tiny sources
-of three kinds, their conversions, and ways to edit files and reseal a manifest."""
+of three kinds and their conversions (fixtures: a pytest plugin, ``pytest_plugins`` in conftest.py),
+and ways to edit files and reseal a manifest (imported by name)."""
 
 from __future__ import annotations
 

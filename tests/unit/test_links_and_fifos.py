@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from damage import EP2, RANK0, converted, copy, one_line_refusal, problems, sources  # noqa: F401 (fixtures)
+from damage import EP2, RANK0, copy, one_line_refusal, problems
 
 from megamoe_convert import load_rank
 from megamoe_convert.errors import MegamoeError

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_cli
-from damage import EP2, RANK0, converted, copy, f32, one_line_refusal, poke, problems, reseal, sources  # noqa: F401 (fixtures)
+from damage import EP2, RANK0, copy, f32, one_line_refusal, poke, problems, reseal
 
 from megamoe_convert import load_rank
 from megamoe_convert.errors import LoadError
