@@ -1,4 +1,4 @@
-"""A conversion stopped at any one of its writes resumes: the same command, rerun, finishes with the
+"""A conversion (or a merge) stopped at any one of its writes resumes: the same command, rerun, finishes with the
 bytes of a run that was never stopped.
 
 The writes are found, not listed: a clean run records every point the fault hooks
@@ -22,24 +22,50 @@ import pytest
 from conftest import output_files
 
 from megamoe_convert import faults
+from megamoe_convert.convert.fleet import merge
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.output.writer import partial_path
 
-#: The commands stopped, as the options of ``megamoe convert`` (tiny checkpoint; few files, every
-#: kind of write: state, small copies, non-expert shards, expert shards, index, manifest, journal).
-COMMANDS: dict[str, dict[str, Any]] = {
-    "per-rank": {"ep_size": 2, "layers": "0"},
-    "store": {"ep_size": None, "layers": "0"},
+
+def converting(**options: Any) -> Callable[[Path, Path], None]:
+    """``megamoe convert SRC ROOT/out`` with these options (one worker: the points come in one order)."""
+    def run(src: Path, root: Path) -> None:
+        convert(src, root / "out", ConvertOptions(**options, workers=1, fsync=False))
+    return run
+
+
+def merging(src: Path, root: Path) -> None:
+    """``megamoe merge ROOT/out ROOT/part0 ROOT/part1``: the parts in folders of their own."""
+    merge(root / "out", [root / "part0", root / "part1"], fsync=False)
+
+
+def two_parts(src: Path, root: Path) -> None:
+    """The two parts of the tiny preset's layer 0 for EP 2, each converted into its own folder."""
+    for index in range(2):
+        convert(src, root / f"part{index}", ConvertOptions(ep_size=2, layers="0", shard=(index, 2), fsync=False))
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command stopped in these tests (``run``), and what an earlier one left in its folder for it
+    (``earlier``; ``None``: nothing). Both take the source and a folder, whose ``out`` is OUT."""
+
+    run: Callable[[Path, Path], None]
+    earlier: Callable[[Path, Path], None] | None = None
+
+
+#: The commands stopped, on the tiny checkpoint: few files, and every kind of write (state, small
+#: copies, non-expert shards, expert shards, index, manifest, journal, a merge's links).
+COMMANDS: dict[str, Command] = {
+    "per-rank": Command(converting(ep_size=2, layers="0")),
+    "store": Command(converting(ep_size=None, layers="0")),
     # Part 0/2 is already in OUT: the stopped part is the last one, so it also merges both.
-    "shard part": {"ep_size": 2, "layers": "0,1", "shard": (1, 2)},
+    "shard part": Command(converting(ep_size=2, layers="0,1", shard=(1, 2)),
+                          converting(ep_size=2, layers="0,1", shard=(0, 2))),
     # OUT holds a conversion of more layers: cleared, then written anew.
-    "overwrite": {"ep_size": 2, "layers": "0", "overwrite": True},
-}
-#: What each command finds in OUT, made by an earlier command (the others find no OUT).
-EARLIER: dict[str, dict[str, Any]] = {
-    "shard part": {"ep_size": 2, "layers": "0,1", "shard": (0, 2)},
-    "overwrite": {"ep_size": 2, "layers": "0,1"},
+    "overwrite": Command(converting(ep_size=2, layers="0", overwrite=True), converting(ep_size=2, layers="0,1")),
+    "merge": Command(merging, two_parts),
 }
 STOPS = ("kill", "disk full")
 #: Files a run creates that hold no content of its own (a lock is only ever locked).
@@ -111,26 +137,16 @@ def write_hooks() -> list[str]:
     return sorted(name for name in dir(faults) if name.startswith("before_") and callable(getattr(faults, name)))
 
 
-def options_of(command: str) -> ConvertOptions:
-    return ConvertOptions(**COMMANDS[command], workers=1, fsync=False)
-
-
-def prepare(command: str, src: Path, out: Path) -> None:
-    """OUT as the command finds it: absent, or as an earlier command left it."""
-    if command in EARLIER:
-        convert(src, out, ConvertOptions(**EARLIER[command], workers=1, fsync=False))
-
-
-def run(command: str, src: Path, out: Path, hooks: Hooks, monkeypatch: pytest.MonkeyPatch) -> None:
+def run(command: str, src: Path, root: Path, hooks: Hooks, monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as patch:
         hooks.install(patch)
-        convert(src, out, options_of(command))
+        COMMANDS[command].run(src, root)
 
 
 @dataclass
 class Clean:
-    """A command's uninterrupted run: OUT before it, the points it passed, OUT's files after it,
-    and which of them it wrote (created or replaced)."""
+    """A command's uninterrupted run: its folder before it, the points it passed, OUT's files after
+    it, and which of them it wrote (created or replaced)."""
 
     before: Path
     points: list[Point]
@@ -151,17 +167,17 @@ def clean(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     results = {}
     patch = pytest.MonkeyPatch()
     try:
-        for command in COMMANDS:
-            before = tmp_path_factory.mktemp("before") / "out"
-            prepare(command, tiny_ckpt, before)
-            out = tmp_path_factory.mktemp("clean") / "out"
-            if before.exists():
-                shutil.copytree(before, out, symlinks=True)
-            earlier = identities(out)
-            hooks = Hooks(out)
-            run(command, tiny_ckpt, out, hooks, patch)
-            written = {path for path, ident in identities(out).items() if earlier.get(path) != ident}
-            results[command] = Clean(before, hooks.passed, output_files(out), written)
+        for command, spec in COMMANDS.items():
+            before = tmp_path_factory.mktemp("before")
+            if spec.earlier is not None:
+                spec.earlier(tiny_ckpt, before)
+            root = tmp_path_factory.mktemp("clean")
+            shutil.copytree(before, root, symlinks=True, dirs_exist_ok=True)
+            earlier = identities(root / "out")
+            hooks = Hooks(root / "out")
+            run(command, tiny_ckpt, root, hooks, patch)
+            written = {path for path, ident in identities(root / "out").items() if earlier.get(path) != ident}
+            results[command] = Clean(before, hooks.passed, output_files(root / "out"), written)
     finally:
         patch.undo()
     return results
@@ -185,12 +201,12 @@ def test_a_stop_at_any_write_resumes_with_the_same_command(tiny_ckpt, tmp_path, 
     expected = Stopped if how == "kill" else OSError
     failures = []
     for i, point in enumerate(clean[command].points):
-        out = tmp_path / f"{i}" / "out"
-        if clean[command].before.exists():
-            shutil.copytree(clean[command].before, out, symlinks=True)
+        root = tmp_path / f"{i}"
+        shutil.copytree(clean[command].before, root, symlinks=True)
+        out = root / "out"
         stopper = Hooks(out, point, how)
         try:
-            run(command, tiny_ckpt, out, stopper, monkeypatch)
+            run(command, tiny_ckpt, root, stopper, monkeypatch)
             failures.append(f"{how} at {point}: the run passed it without stopping")
             continue
         except expected as e:
@@ -199,7 +215,7 @@ def test_a_stop_at_any_write_resumes_with_the_same_command(tiny_ckpt, tmp_path, 
                 continue
         stopper.leave_what_a_kill_leaves()
         try:
-            run(command, tiny_ckpt, out, Hooks(out), monkeypatch)
+            run(command, tiny_ckpt, root, Hooks(out), monkeypatch)
         except Exception as e:  # noqa: BLE001 - reported with the point it followed
             failures.append(f"{how} at {point}: the rerun failed: {e}")
             continue
