@@ -37,7 +37,13 @@ from megamoe_convert.serve.converted import (
     data_keys,
     kernel_form,
 )
-from megamoe_convert.serve.load_checks import check_logical_ids, check_rank_files, check_shard, resolve_layers
+from megamoe_convert.serve.load_checks import (
+    check_layout_identity,
+    check_logical_ids,
+    check_rank_files,
+    check_shard,
+    resolve_layers,
+)
 from megamoe_convert.source import formats
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import TensorEntry, read_header, read_into
@@ -51,6 +57,7 @@ def open_converted(out: "Path | str | ConvertedModel") -> ConvertedModel:
     converted = ConvertedModel(path, read_manifest(path))
     if problem := copied_family_problem(path, converted.manifest):  # a relabelled family, even resealed
         raise LoadError(f"{path / MANIFEST_NAME}: {problem}")
+    check_layout_identity(path, converted.manifest)  # a foreign layout: refused before any byte is read
     return converted
 
 
