@@ -7,6 +7,8 @@
 - ``kill-after-bytes=N``: SIGKILL once N bytes were written (in the middle of a file);
 - ``kill-before-rename=NAME``: SIGKILL when a complete temp file named NAME (e.g.
   ``manifest.json``) is about to be renamed into place;
+- ``kill-before-append=NAME``: SIGKILL when a line is about to be appended to the journal named
+  NAME (``journal.jsonl``: its file is in place, not yet journaled);
 - ``enospc-after-bytes=N``: fail writes with ENOSPC ("No space left on device") after N bytes;
 - ``wait-after-files=N:PATH``: after N committed files, create ``PATH.waiting`` and wait until
   PATH exists (to hold a conversion in flight while a test starts a second one);
@@ -32,8 +34,8 @@ class _Fault:
         self.files = 0
         self.bytes = 0
         self.lock = threading.Lock()
-        known = ("kill-after-files", "kill-after-bytes", "kill-before-rename", "enospc-after-bytes", "wait-after-files",
-                 "free-bytes")
+        known = ("kill-after-files", "kill-after-bytes", "kill-before-rename", "kill-before-append",
+                 "enospc-after-bytes", "wait-after-files", "free-bytes")
         if self.kind not in known:
             raise ValueError(f"{ENV}={spec!r}: unknown fault (known: {', '.join(known)})")
 
@@ -83,6 +85,12 @@ def committed_file() -> None:
 def before_rename(final: Path) -> None:
     """Called with a complete temporary file, just before its rename into place."""
     if _fault is not None and _fault.kind == "kill-before-rename" and final.name == _fault.arg:
+        _kill()
+
+
+def before_append(journal: Path) -> None:
+    """Called with a journal just before a line is appended to it (a write that renames nothing)."""
+    if _fault is not None and _fault.kind == "kill-before-append" and journal.name == _fault.arg:
         _kill()
 
 

@@ -89,6 +89,7 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
     plan = Plan(ckpt, out, options, placement, parse_ranks(options.ranks, placement.ep_size),
                 select_layers(ckpt, options.layers))
     rank_extras.check_global_scales(ckpt, files, plan.layers)  # NaN/inf/0/negative: refused before writing
+    ckpt.check_block_scales(files, plan.layers)  # FP8 block scales: NaN/inf refused before writing
     plan.units.extend(small_file_units(plan))
     if not options.experts_only:
         plan.units.extend(non_expert_units(plan, files, cancelled))
