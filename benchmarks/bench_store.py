@@ -267,7 +267,7 @@ def prepare(args: argparse.Namespace, work: Path) -> tuple[Path, Path, dict[int,
     from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.convert.run import convert
     from megamoe_convert.synth import synthesize
-    from megamoe_convert.synth.tensors import load_preset
+    from megamoe_convert.synth.presets import load_preset
 
     config = dict(load_preset(args.preset))
     config.update(num_hidden_layers=args.layers, num_nextn_predict_layers=0, vocab_size=1024,

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 
 def bench_config(preset: str, layers: int, experts: int, mtp: int, vocab: int) -> dict:
     """A preset's config (real expert dims) cut to ``layers`` decoder layers of ``experts`` experts."""
-    from megamoe_convert.synth.tensors import load_preset
+    from megamoe_convert.synth.presets import load_preset
 
     config = dict(load_preset(preset))
     config.update(num_hidden_layers=layers, n_routed_experts=experts, num_nextn_predict_layers=mtp,

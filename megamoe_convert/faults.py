@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests, driven by one environment variable.
 
-``MEGAMOE_FAULT`` holds one fault; unset (always, in production) every hook is a single
-``None`` check. The faults are the ones a conversion must survive:
+``MEGAMOE_TEST_FAULTS`` holds one fault, read when a hook runs (:func:`megamoe_convert.settings.injected_fault`):
+unset (always, in use) every hook is one look-up that finds nothing. The faults are the ones a
+conversion must survive:
 
 - ``kill-after-files=N``: SIGKILL the process once N output files are committed;
 - ``kill-after-bytes=N``: SIGKILL once N bytes were written (in the middle of a file);
@@ -13,6 +14,9 @@
 - ``wait-after-files=N:PATH``: after N committed files, create ``PATH.waiting`` and wait until
   PATH exists (to hold a conversion in flight while a test starts a second one);
 - ``free-bytes=N``: the pre-flight space check sees N free bytes (a nearly full disk).
+
+The files and bytes counted so far belong to the fault read: another fault starts from zero, and
+so does a new command (:func:`reset`).
 """
 
 from __future__ import annotations
@@ -24,28 +28,38 @@ import threading
 import time
 from pathlib import Path
 
-ENV = "MEGAMOE_FAULT"
+from megamoe_convert import settings
+from megamoe_convert.settings import Fault
 
 
-class _Fault:
-    def __init__(self, spec: str) -> None:
-        kind, _, arg = spec.partition("=")
-        self.kind, self.arg = kind.strip(), arg.strip()
-        self.files = 0
-        self.bytes = 0
-        self.lock = threading.Lock()
-        known = ("kill-after-files", "kill-after-bytes", "kill-before-rename", "kill-before-append",
-                 "enospc-after-bytes", "wait-after-files", "free-bytes")
-        if self.kind not in known:
-            raise ValueError(f"{ENV}={spec!r}: unknown fault (known: {', '.join(known)})")
+class _Counts:
+    """The files committed and bytes written so far under one fault."""
+
+    def __init__(self, fault: Fault | None = None) -> None:
+        self.fault, self.files, self.bytes = fault, 0, 0
 
 
-def _load() -> _Fault | None:
-    spec = os.environ.get(ENV)
-    return _Fault(spec) if spec else None
+_lock = threading.Lock()
+_counts = _Counts()
 
 
-_fault = _load()
+def reset() -> None:
+    """Count from zero again (a new command starts)."""
+    global _counts
+    with _lock:
+        _counts = _Counts()
+
+
+def _add(fault: Fault, files: int = 0, nbytes: int = 0) -> tuple[int, int]:
+    """Count ``files`` and ``nbytes`` more under ``fault`` (from zero where another fault counted
+    before); the files and bytes counted so far."""
+    global _counts
+    with _lock:
+        if _counts.fault != fault:
+            _counts = _Counts(fault)
+        _counts.files += files
+        _counts.bytes += nbytes
+        return _counts.files, _counts.bytes
 
 
 def _kill() -> None:
@@ -54,46 +68,45 @@ def _kill() -> None:
 
 def wrote(nbytes: int) -> None:
     """Called by the writer before it writes ``nbytes`` more bytes."""
-    if _fault is None or not _fault.kind.endswith("after-bytes"):
+    fault = settings.injected_fault()
+    if fault is None or not fault.kind.endswith("after-bytes"):
         return
-    with _fault.lock:
-        _fault.bytes += nbytes
-        tripped = _fault.bytes > int(_fault.arg)
-    if tripped and _fault.kind == "kill-after-bytes":
+    if _add(fault, nbytes=nbytes)[1] <= fault.count:
+        return
+    if fault.kind == "kill-after-bytes":
         _kill()
-    if tripped:
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def committed_file() -> None:
     """Called after an output file is renamed into place and journaled."""
-    if _fault is None or not _fault.kind.endswith("after-files"):
+    fault = settings.injected_fault()
+    if fault is None or not fault.kind.endswith("after-files"):
         return
-    with _fault.lock:
-        _fault.files += 1
-        count = _fault.files
-    if _fault.kind == "kill-after-files" and count >= int(_fault.arg):
+    count = _add(fault, files=1)[0]
+    if fault.kind == "kill-after-files" and count >= fault.count:
         _kill()
-    if _fault.kind == "wait-after-files":
-        threshold, _, release = _fault.arg.partition(":")
-        if count == int(threshold):
-            Path(release + ".waiting").touch()  # tells the test this run now holds its locks
-            while not Path(release).exists():
-                time.sleep(0.05)
+    if fault.kind == "wait-after-files" and count == fault.count:
+        Path(fault.name + ".waiting").touch()  # tells the test this run now holds its locks
+        while not Path(fault.name).exists():
+            time.sleep(0.05)
 
 
 def before_rename(final: Path) -> None:
     """Called with a complete temporary file, just before its rename into place."""
-    if _fault is not None and _fault.kind == "kill-before-rename" and final.name == _fault.arg:
+    fault = settings.injected_fault()
+    if fault is not None and fault.kind == "kill-before-rename" and final.name == fault.name:
         _kill()
 
 
 def before_append(journal: Path) -> None:
     """Called with a journal just before a line is appended to it (a write that renames nothing)."""
-    if _fault is not None and _fault.kind == "kill-before-append" and journal.name == _fault.arg:
+    fault = settings.injected_fault()
+    if fault is not None and fault.kind == "kill-before-append" and journal.name == fault.name:
         _kill()
 
 
 def free_bytes(actual: int) -> int:
     """The free space the pre-flight check sees: ``actual``, or the ``free-bytes`` fault's."""
-    return int(_fault.arg) if _fault is not None and _fault.kind == "free-bytes" else actual
+    fault = settings.injected_fault()
+    return fault.count if fault is not None and fault.kind == "free-bytes" else actual

@@ -3,12 +3,14 @@
 One module per command (``synth``, ``inspect``, ``plan``, ``convert``, ``verify``, ``push``, ``pull``,
 ``merge``, ``preload``), each a top-level function whose docstring carries its examples. :data:`COMMANDS`
 (``application``) lists them in the order ``megamoe --help`` shows them, the order a user runs them; the app is
-built from it. Shared pieces: ``options`` (option types several commands take), ``_run`` (the one error
-path, JSON output), ``conventions`` (``-h``, ``-q``, metavars, plain usage errors, JSON errors, SIGTERM),
-``describe`` and ``store`` (what ``inspect`` and ``plan`` say); ``demo`` is ``make demo``'s last step.
+built from it. Shared pieces: ``options`` (option types several commands take), ``_run`` (what one run
+was asked for, the one error path, what every command needs, JSON output), ``conventions`` (``-h``, ``-q``,
+metavars, plain usage errors, JSON errors, SIGTERM), ``describe`` and ``store`` (what ``inspect`` and
+``plan`` say); ``demo`` is ``make demo``'s last step.
 
-This module itself stays light: :func:`main` handles Ctrl-C and SIGTERM (``signals``) before it
-imports the app (``application``), so a stop during those seconds of imports ends like any other.
+This module itself stays light: :func:`main` handles Ctrl-C and SIGTERM (:mod:`megamoe_convert.interrupts`)
+before it imports the app (``application``), so a stop during those imports ends like any other. No
+command module imports torch at its top: ``--version`` and every ``-h`` answer without it.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ def __getattr__(name: str) -> Any:
 def main(args: list[str] | None = None) -> None:
     """The ``megamoe`` console script (also ``python -m megamoe_convert.cli``), with the conventions of
     :mod:`.conventions` applied to every command."""
-    from megamoe_convert.cli import signals
+    from megamoe_convert import interrupts
 
-    signals.install()  # first: the imports below take seconds, and a stop may land in them
-    sys.exit(signals.stoppable(lambda: _run_app(sys.argv[1:] if args is None else args)))
+    interrupts.install()  # first: a stop may land in the imports below
+    sys.exit(interrupts.stoppable(lambda: _run_app(sys.argv[1:] if args is None else args)))
 
 
 def _run_app(args: list[str]) -> int:

@@ -48,8 +48,9 @@ def main_options(
     version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
                                           help="Print the version and exit.")] = False,
 ) -> None:
-    _run.state["debug"] = debug
-    _run.state["command"] = ctx.invoked_subcommand
+    invocation = _run.invocation()
+    invocation.debug = invocation.debug or debug
+    invocation.command = ctx.invoked_subcommand
 
 
 for _name, _function, _summary, _settings in COMMANDS:

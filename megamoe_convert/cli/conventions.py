@@ -1,29 +1,33 @@
 """The command line's conventions, applied to every command at once (``cli.main``):
 
-- ``-h`` as well as ``--help``; ``-q/--quiet`` on every command (no progress, no status lines);
+- ``-h`` as well as ``--help``; ``-q/--quiet`` and ``--debug`` on every command;
 - metavars that read like a usage line (``SRC OUT``, ``--ep-size N``), never a Python type;
 - usage errors in plain words (the argument parser's validation messages are rewritten), and as
   JSON on stdout too when ``--json`` was asked for;
+- what every command needs (torch, valid settings: :func:`._run.preflight`) checked once its
+  arguments are parsed, before its own imports: ``-h`` needs neither;
 - SIGTERM (``timeout``, Kubernetes) handled like Ctrl-C: the same clean stop and resume hint,
   exit 143 (Ctrl-C: 130).
+
+Only typer's public names are used: every error of its argument parser derives from
+``typer.TyperException``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
-import json
+import os
 import re
 import sys
 import textwrap
-from typing import Any
+from typing import Any, Callable
 
 import typer
-from typer._click import exceptions as click_exceptions
-from typer._click import utils as click_utils
 
 from megamoe_convert import interrupts, ui
-from megamoe_convert.cli import signals
+from megamoe_convert.cli import _run
 
 HELP_OPTIONS = ["-h", "--help"]
 
@@ -40,17 +44,9 @@ OPTION_METAVARS = {
 COMMAND_METAVARS = {("synth", "layers"): "N"}
 ARGUMENT_METAVARS = {"parts": "PART_DIR"}
 
-#: The state the conventions keep for the command running (read by ``_run.run_command``).
-state: dict[str, Any] = {"json": False, "debug": False}
-
-
-#: SIGTERM's exception and the handlers live in :mod:`.signals`, installed before anything else.
-Terminated = signals.Terminated
-install_signal_handlers = signals.install
-
-
 def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
     if value:
+        _run.invocation().quiet = True
         ui.set_quiet(True)
     return value
 
@@ -58,7 +54,7 @@ def _set_quiet(ctx: Any, param: Any, value: bool) -> bool:
 def _track_json(original: Any) -> Any:
     def callback(ctx: Any, param: Any, value: Any) -> Any:
         if value:
-            state["json"] = True
+            _run.invocation().json = True
         return original(ctx, param, value) if original is not None else value
     return callback
 
@@ -82,7 +78,7 @@ def _quiet_option(template: Any) -> Any:
 
 def _set_debug(ctx: Any, param: Any, value: bool) -> bool:
     if value:
-        state["debug"] = True  # read by the one error path (``_run``) beside the group's own --debug
+        _run.invocation().debug = True  # read by the one error path (``_run``), as the group's own --debug is
     return value
 
 
@@ -124,7 +120,18 @@ def apply(group: Any) -> Any:
         command.params.append(_quiet_option(template))
         if not any(p.name == "debug" for p in command.params):
             command.params.append(_debug_option(template))
+        command.callback = _after_preflight(command.callback)
     return group
+
+
+def _after_preflight(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """``callback`` once :func:`._run.preflight` passed (one line and exit 2 where it does not): run
+    after the arguments are parsed, so that ``-h`` and a usage error need no torch."""
+    @functools.wraps(callback)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        _run.run_command(_run.preflight)
+        return callback(*args, **kwargs)
+    return checked
 
 
 #: The argument parser's validation wording, and what a user reads instead.
@@ -146,28 +153,19 @@ def plain_words(message: str) -> str:
 
 def json_requested(args: list[str]) -> bool:
     head = args[:args.index("--")] if "--" in args else args
-    return bool(state["json"]) or "--json" in head
-
-
-def print_json_error(message: str, exit_code: int) -> None:
-    sys.stdout.write(json.dumps({"ok": False, "error": message, "exit_code": exit_code}, indent=2) + "\n")
+    return _run.invocation().json or "--json" in head
 
 
 def run(group: Any, args: list[str], prog_name: str) -> int:
     """Run the command line; returns the exit code. The command tree is invoked here, not through
     ``group.main``: that turns a stop (Ctrl-C, SIGTERM) raised while parsing or in a command before
     its body's error path (its deferred imports, say) into a bare exit 130 with nothing said."""
+    _run.begin()
     try:
         with group.make_context(prog_name, list(args)) as ctx:
             result = group.invoke(ctx)
         interrupts.check()  # a stop recorded, not raised, in an import no command body ran
         return result if isinstance(result, int) else 0
-    except click_exceptions.UsageError as e:
-        e.message = plain_words(e.message)
-        e.show()
-        if json_requested(args):
-            print_json_error(f"{e.format_message()}", e.exit_code)
-        return e.exit_code
     except typer.Exit as e:
         return int(getattr(e, "exit_code", 0) or 0)
     except typer.Abort as e:  # a prompt turns a stop (Ctrl-C, SIGTERM) into Abort: say which
@@ -175,19 +173,40 @@ def run(group: Any, args: list[str], prog_name: str) -> int:
         return _stopped(stop if isinstance(stop, KeyboardInterrupt) else KeyboardInterrupt())
     except KeyboardInterrupt as e:
         return _stopped(e)
-    except click_exceptions.ClickException as e:
-        e.show()
-        return e.exit_code
+    except typer.TyperException as e:  # the argument parser's: a usage error, a bad value, a file it cannot open
+        return _parse_error(e, args)
     except BrokenPipeError:  # help or output into a closed pipe (``| head``): exit 1 and nothing more said
-        sys.stdout = click_utils.PacifyFlushWrapper(sys.stdout)
-        sys.stderr = click_utils.PacifyFlushWrapper(sys.stderr)
+        _discard_closed_pipes()
         return 1
+
+
+def _parse_error(e: typer.TyperException, args: list[str]) -> int:
+    """The parser's error in plain words, with its usage line; as JSON too under ``--json``."""
+    e.message = plain_words(e.message)
+    show: Callable[[], None] | None = getattr(e, "show", None)
+    if show is not None:
+        show()
+    else:
+        print(f"Error: {e.format_message()}", file=sys.stderr)
+    if json_requested(args):
+        _run.print_json_error(e.format_message(), e.exit_code)
+    return e.exit_code
+
+
+def _discard_closed_pipes() -> None:
+    """Point stdout and stderr at ``/dev/null`` where their pipe closed, as Python's documentation
+    advises, so that the flush at exit raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):  # a stream with no file behind it, or one closed already
+            continue
+    os.close(devnull)
 
 
 def _stopped(stop: KeyboardInterrupt) -> int:
     """A stop no command body caught (while parsing, say): one line, and its exit code."""
-    code = signals.exit_code(stop)
-    print(f"{signals.what(code)}: rerun the same command", file=sys.stderr)
-    if state["json"]:
-        print_json_error(f"{signals.what(code)}: rerun the same command", code)
-    return code
+    return _run.say_stopped(interrupts.exit_code(stop))

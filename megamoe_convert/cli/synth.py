@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from megamoe_convert.cli._run import run_command
-from megamoe_convert.synth.tensors import PRESETS
+from megamoe_convert.synth.presets import PRESETS
 from megamoe_convert.ui import ByteProgress, status
 
 #: ``synth`` presets (``configs/``, ``synth.PRESETS``): DeepSeek-V4 tiny / Flash / Pro, DeepSeek-V4.1 tiny / Flash,

@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from megamoe_convert import settings
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout.identity import (
     PROVEN,
@@ -45,8 +46,8 @@ from megamoe_convert.source.formats import WeightFormat
 
 log = logging.getLogger(__name__)
 
-#: ``0`` / ``off`` / ``false`` / ``no``: install without the probe (logged as unchecked on every install).
-OPT_OUT_ENV = "MEGAMOE_LAYOUT_PROBE"
+#: ``0``: install without the probe (logged as unchecked on every install); read when an install asks.
+OPT_OUT_ENV = settings.LAYOUT_PROBE
 
 @dataclass(frozen=True)
 class LayoutProbe:
@@ -66,11 +67,10 @@ _passed: dict[tuple[Any, ...], dict[str, str]] = {}
 
 
 def enabled(probe: bool | None = None) -> bool:
-    """Whether to probe: the caller's ``probe``, else the environment (on unless ``MEGAMOE_LAYOUT_PROBE``
-    is ``0`` / ``off`` / ``false`` / ``no``)."""
+    """Whether to probe: the caller's ``probe``, else the environment (on unless ``MEGAMOE_LAYOUT_PROBE=0``)."""
     if probe is not None:
         return probe
-    return os.environ.get(OPT_OUT_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return settings.layout_probe()
 
 
 def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0,

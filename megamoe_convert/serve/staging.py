@@ -21,8 +21,8 @@ the CUDA allocator's ``cudaHostAlloc`` (measurements: ``docs/benchmarks.md``). W
 fails, the ring falls back to ``torch``'s pinned allocator. Engines start the pinning in the
 background when their loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
 
-Settings, read once from the environment when the module is imported (a bad value is refused in
-one line):
+Settings, read when a ring is made or a load starts (:mod:`megamoe_convert.settings`; a bad value is
+refused in one line naming it):
 
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
   load. A cold load runs twice as many; the pinned ring is two 16 MB buffers per lane. Lower it
@@ -45,38 +45,32 @@ from typing import Callable, Iterable
 
 import torch
 
-from megamoe_convert import jsonio
+from megamoe_convert import settings
 from megamoe_convert.serve import device_copy, pinning
 from megamoe_convert.source.safetensors_io import read_into
 
-
-def _setting(name: str, default: int, low: int, high: int) -> int:
-    """A setting of the GPU path from the environment (``MEGAMOE_<NAME>``: see the module docstring)."""
-    raw = os.environ.get(f"MEGAMOE_{name}")
-    if raw is None:
-        return default
-    if not jsonio.is_uint(raw) or not low <= int(raw) <= high:  # the one strict parser's digits ('²' is not one)
-        raise ValueError(f"MEGAMOE_{name}={raw!r}: expected an integer in {low}..{high}")
-    return int(raw)
-
-
-#: Reader lanes of a warm load, and the pinned ring they share out: buffers x bytes each, each
-#: lane owning every ``READ_THREADS``-th buffer (two 16 MB buffers a lane made the fastest first
-#: call, ahead of more, smaller ones: ``docs/benchmarks.md``).
-READ_THREADS = _setting("READ_THREADS", max(4, min(16, os.cpu_count() or 4)), 1, 256)
-RING_BUFFERS = 2 * READ_THREADS
+#: Bytes of one pinned ring buffer: two 16 MB buffers a lane made the fastest first call, ahead of
+#: more, smaller ones (``docs/benchmarks.md``).
 RING_BUFFER_BYTES = 16 << 20
-#: Lanes of a load whose first or last bytes are not in the page cache, each ring buffer then cut
-#: in as many parts as give every lane two (the same memory). A warm load is bound by memory
-#: bandwidth and the GIL and runs best with a lane per core; a cold one waits on the disk, which
-#: reads a store rank's gapped ranges faster with more, smaller reads in flight.
-COLD_READ_THREADS = 2 * READ_THREADS
-#: ``False`` (``MEGAMOE_CUDART=0``) issues the lanes' copies through ``torch`` instead of the CUDA
-#: runtime's entry points.
-CUDART = bool(_setting("CUDART", 1, 0, 1))
-#: ``False`` (``MEGAMOE_FAST_PIN=0``) pins the ring with torch's allocator (``cudaHostAlloc``)
-#: instead of registering huge pages.
-FAST_PIN = bool(_setting("FAST_PIN", 1, 0, 1))
+
+
+def read_threads() -> int:
+    """Reader lanes of a warm load (``MEGAMOE_READ_THREADS``)."""
+    return settings.read_threads()
+
+
+def ring_buffers() -> int:
+    """Buffers of the pinned ring the lanes share out, each lane owning every ``read_threads()``-th."""
+    return 2 * read_threads()
+
+
+def cold_read_threads() -> int:
+    """Lanes of a load whose first or last bytes are not in the page cache, each ring buffer then cut
+    in as many parts as give every lane two (the same memory). A warm load is bound by memory
+    bandwidth and the GIL and runs best with a lane per core; a cold one waits on the disk, which
+    reads a store rank's gapped ranges faster with more, smaller reads in flight."""
+    return 2 * read_threads()
+
 
 @dataclass(frozen=True)
 class LaneShape:
@@ -87,12 +81,13 @@ class LaneShape:
 
 
 def lane_shape(buffers: int, cold: bool) -> LaneShape:
-    """The lanes of a warm load (:data:`READ_THREADS`) or a cold one (:data:`COLD_READ_THREADS`)
+    """The lanes of a warm load (:func:`read_threads`) or a cold one (:func:`cold_read_threads`)
     over a ring of ``buffers`` buffers, every lane owning at least two pieces of it where it can."""
     if not cold:
-        return LaneShape(max(1, min(READ_THREADS, buffers)), 1)
-    parts = max(1, -(-2 * COLD_READ_THREADS // buffers))
-    return LaneShape(max(1, min(COLD_READ_THREADS, buffers * parts)), parts)
+        return LaneShape(max(1, min(read_threads(), buffers)), 1)
+    lanes = cold_read_threads()
+    parts = max(1, -(-2 * lanes // buffers))
+    return LaneShape(max(1, min(lanes, buffers * parts)), parts)
 
 
 class PinnedRing:
@@ -100,14 +95,15 @@ class PinnedRing:
     part of one) and device (made once: making them per copy slowed a first call) and one
     stream per lane and device."""
 
-    def __init__(self, count: int = RING_BUFFERS, nbytes: int = RING_BUFFER_BYTES) -> None:
+    def __init__(self, count: int | None = None, nbytes: int = RING_BUFFER_BYTES) -> None:
         started = time.perf_counter()
         self.nbytes = nbytes
         self._events: dict[tuple[int, int], list[torch.cuda.Event]] = {}
         self._streams: dict[int, list[torch.cuda.Stream]] = {}
         self._views: dict[int, list[torch.Tensor]] = {}
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
-        registered = self._registered(count, nbytes) if FAST_PIN else None
+        count = ring_buffers() if count is None else count
+        registered = self._registered(count, nbytes) if settings.fast_pin() else None
         self.buffers: list[torch.Tensor] = registered if registered is not None else [
             torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
         #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
@@ -173,7 +169,7 @@ def shared_ring() -> PinnedRing:
 
 def reader_count() -> int:
     """Reader threads the process keeps: enough for a warm or a cold load's lanes."""
-    return max(READ_THREADS, COLD_READ_THREADS)
+    return max(read_threads(), cold_read_threads())
 
 
 def shared_readers() -> ThreadPoolExecutor:
@@ -198,7 +194,7 @@ def _prepare(device: int) -> None:
     with RING_LOCK:
         for cold in (False, True):
             ring.tools_for(device, lane_shape(len(ring.buffers), cold).parts)
-    device_copy.copier(CUDART)  # found now (it reads the process's mappings), not in the first load
+    device_copy.copier(settings.cudart())  # found now (it reads the process's mappings), not in the first load
     try:
         _start_readers()
     except threading.BrokenBarrierError:  # a load took some of the threads meanwhile: they exist
@@ -358,7 +354,7 @@ def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.c
     """``pieces`` through the ring's lanes on ``stream``'s device (each range cut as the lanes take it)."""
     index = torch.cuda._get_device_index(stream.device, optional=True)
     _lane_copy(WorkQueue([(p.fd, p.file_offset, p.dest) for p in pieces]), ring, index, readers,
-               device_copy.copier(CUDART))
+               device_copy.copier(settings.cudart()))
 
 
 #: One read of a load: ``(fd, file offset, flat uint8 destination)``, the destination's size bytes.
@@ -373,7 +369,7 @@ def fill_device(ranges: Iterable[Range], device: torch.device, before_writes: Be
     ring = shared_ring()  # waits for a ring still being pinned in the background
     readers = shared_readers()
     index = torch.cuda._get_device_index(device, optional=True)
-    copier = device_copy.copier(CUDART)
+    copier = device_copy.copier(settings.cudart())
     with RING_LOCK:
         _, streams = ring.tools_for(index)  # every lane's stream, warm or cold
         caller_done = torch.cuda.Event()

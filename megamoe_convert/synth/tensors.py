@@ -4,22 +4,13 @@ and V4.1 here; Kimi-K3 in ``kimi.py``), with how each is filled. No I/O."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from megamoe_convert import jsonio
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily, TensorNames
 from megamoe_convert.source.formats import WeightFormat
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
-
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
-#: DeepSeek-V4 (tiny, and the published Flash / Pro dims), DeepSeek-V4.1 (v4.1-flash: the published
-#: V4.1-Flash dims), Kimi-K3, DeepSeek-V3, Qwen3-MoE (Qwen3-235B-A22B) and GLM-4.5 (the published dims):
-#: see README "Presets".
-PRESETS = ("tiny", "flash", "pro", "v4.1-tiny", "v4.1-flash", "kimi-k3-tiny", "kimi-k3", "deepseek-v3-tiny",
-           "deepseek-v3", "qwen3-moe-tiny", "qwen3-moe", "glm-4.5-tiny", "glm-4.5")
 
 #: Realistic UE8M0 exponents: 2**-17 .. 2**8, so dequantised values stay finite in bf16.
 SCALE_BYTE_RANGE = (110, 136)
@@ -30,14 +21,6 @@ FP8_BLOCK = 128
 
 WEIGHT_DTYPES = {"int8": "I8", "uint8": "U8", "float4": "F4"}
 SCALE_DTYPES = {"e8m0": "F8_E8M0", "uint8": "U8", "float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-
-
-def load_preset(name: str) -> dict[str, Any]:
-    """A preset's ``config.json`` fields, from ``configs/{name}.json`` (or a path to a JSON file)."""
-    path = Path(name) if name.endswith(".json") else CONFIGS_DIR / f"{name}.json"
-    if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}: no {path} (presets: {', '.join(PRESETS)})")
-    return jsonio.read(path, ValueError, "preset", jsonio.MAX_CONFIG_BYTES)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from megamoe_convert.source.model_dims import MAX_LAYERS, check_dims
 from megamoe_convert.source.safetensors_io import DTYPE_BITS
 from megamoe_convert.synth import hf_moe
 from megamoe_convert.synth.kimi import kimi_k3_tensors
+from megamoe_convert.synth.presets import load_preset
 from megamoe_convert.synth.tensors import (
     E4M3_SCALE_BYTE_RANGE,
     FAMILY_DTYPES,
@@ -38,7 +39,6 @@ from megamoe_convert.synth.tensors import (
     WEIGHT_DTYPES,
     SynthTensor,
     deepseek_tensors,
-    load_preset,
 )
 
 

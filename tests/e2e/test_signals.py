@@ -20,7 +20,7 @@ DELAYS = (0.1, *(round(0.2 * step, 1) for step in range(1, 16)))
 
 @pytest.mark.parametrize("delay", DELAYS)
 def test_sigterm_at_any_moment_exits_143_with_one_line(tiny_ckpt, tmp_path, delay):
-    env = {**os.environ, "MEGAMOE_FAULT": f"wait-after-files=1:{tmp_path / 'never'}", "COLUMNS": "200"}
+    env = {**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=1:{tmp_path / 'never'}", "COLUMNS": "200"}
     proc = subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", "convert", str(tiny_ckpt),
                              str(tmp_path / "out"), "--ep-size", "2", "--no-fsync"], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -48,16 +48,16 @@ def test_a_stop_landing_in_an_import_waits_for_it_then_ends_the_command(tmp_path
     script = (
         "import sys, typer\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from megamoe_convert.cli import signals\n"
+        "from megamoe_convert import interrupts\n"
         "from megamoe_convert.cli._run import run_command\n"
-        "signals.install()\n"
+        "interrupts.install()\n"
         "def command():\n"
         "    try:\n"
         "        run_command(lambda: __import__('stopped_while_imported'))\n"
         "    except typer.Exit as e:\n"
         "        return e.exit_code\n"
         "    return 0\n"
-        "sys.exit(signals.stoppable(command))\n")
+        "sys.exit(interrupts.stoppable(command))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines() == ["import finished"], proc.stdout
     assert proc.returncode == 143, (proc.returncode, proc.stderr)

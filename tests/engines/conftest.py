@@ -14,7 +14,7 @@ import pytest
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
-from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.synth.presets import load_preset
 from megamoe_convert.synth.write import synthesize
 
 EXPECTED = os.environ.get("MEGAMOE_ENGINE")  # e.g. "vllm==0.33.0"

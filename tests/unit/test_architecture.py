@@ -16,6 +16,7 @@ ROOT = "megamoe_convert"
 #: Each stage's height: a module may import its own stage (no circle) or a lower one, never a higher one.
 STAGES = {
     "errors": -1,  # the one error family, below everything
+    "settings": -0.5,  # every MEGAMOE_* variable, read when used: below the helpers (faults) that read one
     "jsonio": 0, "progress": 0, "ui": 0, "faults": 0, "devices": 0, "interrupts": 0,
     "source": 2,
     "layout": 2.5,  # the transform, its checks, scales, inverse, identity and placement: pure functions

@@ -109,7 +109,7 @@ def test_sigterm_stops_like_ctrl_c(tiny_ckpt, tmp_path, sig, code, word):
     cmd = [sys.executable, "-m", "megamoe_convert.cli", "convert", str(tiny_ckpt), str(out), "--ep-size", "2",
            "--workers", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=2:{release}"})
+                            env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=2:{release}"})
     journal = out / ".megamoe" / "journal.jsonl"
     deadline = time.monotonic() + 60
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):

@@ -19,7 +19,7 @@ from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families
 from megamoe_convert.source.checkpoint import Checkpoint, CheckpointError
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.synth.presets import load_preset
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Crashes, full disks, bad input and concurrent runs never yield a wrong or half-written model.
 
-Faults are injected through ``MEGAMOE_FAULT`` (megamoe_convert/faults.py) into real CLI
+Faults are injected through ``MEGAMOE_TEST_FAULTS`` (megamoe_convert/faults.py) into real CLI
 subprocesses, plus SIGKILLs at random times; every outcome is checked against a clean run.
 """
 
@@ -80,7 +80,7 @@ KILL_POINTS = [
 def test_sigkill_then_rerun_gives_the_clean_bytes(tiny_ckpt, tmp_path, clean, fault):
     out = tmp_path / "out"
     proc = subprocess.run(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "MEGAMOE_FAULT": fault}, timeout=120)
+                          cwd=REPO, env={**os.environ, "MEGAMOE_TEST_FAULTS": fault}, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     assert_refused_as_unfinished(out)
     run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
@@ -96,7 +96,7 @@ def test_sigkill_at_a_random_moment_then_rerun_gives_the_clean_bytes(tiny_ckpt, 
     total = sum(len(data) for data in clean[0].values())
     at = random.Random(seed).randint(1, total)
     proc = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False,
-                   env={"MEGAMOE_FAULT": f"kill-after-bytes={at}"})
+                   env={"MEGAMOE_TEST_FAULTS": f"kill-after-bytes={at}"})
     assert proc.returncode == -signal.SIGKILL, f"not killed at byte {at} of {total}"
     assert_refused_as_unfinished(out)
     run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
@@ -110,7 +110,7 @@ def test_sigkill_at_a_random_moment_then_rerun_gives_the_clean_bytes(tiny_ckpt, 
 def test_disk_full_is_a_clear_error_and_resumes_cleanly(tiny_ckpt, tmp_path, clean):
     out = tmp_path / "out"
     proc = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False,
-                   env={"MEGAMOE_FAULT": "enospc-after-bytes=900000"})
+                   env={"MEGAMOE_TEST_FAULTS": "enospc-after-bytes=900000"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and "No space left on device" in error and ".safetensors" in error
@@ -122,7 +122,7 @@ def test_disk_full_is_a_clear_error_and_resumes_cleanly(tiny_ckpt, tmp_path, cle
 
 
 def test_disk_full_hint_to_resume_is_only_given_by_commands_that_resume(tmp_path):
-    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "enospc-after-bytes=100000"})
+    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_TEST_FAULTS": "enospc-after-bytes=100000"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: ") and error.endswith("No space left on device") and ".safetensors" in error
@@ -325,7 +325,7 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
 def start_held(ckpt: Path, out: Path, release: Path, *extra: object) -> subprocess.Popen:
     """A convert that holds its locks after committing one file, until ``release`` exists."""
     run = subprocess.Popen(cli_cmd("convert", ckpt, out, *CONVERT_ARGS, *extra), cwd=REPO, stderr=subprocess.PIPE,
-                           text=True, env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=1:{release}"})
+                           text=True, env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=1:{release}"})
     deadline = time.monotonic() + 60
     while not Path(f"{release}.waiting").exists():
         if time.monotonic() > deadline or run.poll() is not None:
@@ -379,7 +379,7 @@ def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(tiny_ckpt, tmp_path, clean):
     refused as unfinished; the same command then completes it with a clean run's bytes."""
     out, release = tmp_path / "out", tmp_path / "release"
     proc = subprocess.Popen(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=2:{release}"})
+                            text=True, env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=2:{release}"})
     journal = out / ".megamoe" / "journal.jsonl"
     deadline = time.monotonic() + 60
     while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
@@ -501,13 +501,12 @@ def test_a_ctrl_c_whose_keyboardinterrupt_python_dropped_still_stops_the_run():
     import types
 
     from megamoe_convert import interrupts
-    from megamoe_convert.cli import signals
     from megamoe_convert.convert import run as run_module
     from megamoe_convert.progress import NoProgress
 
     class RaisesInItsFinalizer:
         def __del__(self) -> None:
-            signals._on_sigint(signal.SIGINT, None)  # as if the signal arrived here: Python drops it
+            interrupts._on_sigint(signal.SIGINT, None)  # as if the signal arrived here: Python drops it
 
     ran = []
 

@@ -18,7 +18,7 @@ from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.layers import MoELayer
-from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.synth.presets import load_preset
 
 #: preset -> (family, decoder MoE layers, MTP layers) of the tiny presets.
 TINY = {"deepseek-v3-tiny": (families.DEEPSEEK_V3, [1, 2], 1), "qwen3-moe-tiny": (families.QWEN3_MOE, [0, 1], 0),

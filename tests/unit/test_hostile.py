@@ -114,7 +114,7 @@ def test_a_source_changed_during_the_run_fails_it(tiny_ckpt, tmp_path):
     shutil.copytree(tiny_ckpt, src)
     proc = subprocess.Popen([os.sys.executable, "-m", "megamoe_convert.cli", "convert", src, out, *map(str, EP2)],
                             cwd=REPO, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "MEGAMOE_FAULT": f"wait-after-files=2:{release}"})
+                            env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=2:{release}"})
     deadline = time.monotonic() + 120
     while not Path(f"{release}.waiting").exists():
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""

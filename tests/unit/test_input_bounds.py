@@ -189,7 +189,7 @@ def test_synth_counts_are_bounded(tmp_path, args, needle):
 
 def test_a_killed_synth_leaves_nothing_the_rerun_does_not_clean(tmp_path):
     ckpt = tmp_path / "ckpt"
-    killed = run_cli("synth", ckpt, check=False, env={"MEGAMOE_FAULT": "kill-after-bytes=300000"})
+    killed = run_cli("synth", ckpt, check=False, env={"MEGAMOE_TEST_FAULTS": "kill-after-bytes=300000"})
     assert killed.returncode == -9 and (tmp_path / ".ckpt.partial").is_dir() and not ckpt.exists()
     run_cli("synth", ckpt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and not (ckpt / ".megamoe-synth").exists()
@@ -214,7 +214,7 @@ def test_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
 
 
 def test_synth_failing_midway_removes_its_temporary_folder(tmp_path):
-    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "enospc-after-bytes=300000"})
+    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_TEST_FAULTS": "enospc-after-bytes=300000"})
     last = proc.stderr.strip().splitlines()[-1]  # after its progress lines
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert last.startswith("error: ") and "No space left on device" in last
@@ -224,18 +224,18 @@ def test_synth_failing_midway_removes_its_temporary_folder(tmp_path):
 def test_convert_checks_its_plan_against_free_space_first(src, tmp_path):
     out = tmp_path / "out"
     proc = run_cli("convert", src, out, "--ep-size", 65536, "--num-redundant-experts", 1048568, check=False,
-                   env={"MEGAMOE_FAULT": "free-bytes=50000000000"}, timeout=600)  # a 50 GB disk
+                   env={"MEGAMOE_TEST_FAULTS": "free-bytes=50000000000"}, timeout=600)  # a 50 GB disk
     one_line_refusal(proc, "this conversion needs", "GB of disk space but only 50.0 GB is free",
                      "nothing was written")
     assert not list(out.glob("rank-*")) and not (out / "manifest.json").exists()
-    proc = run_cli("convert", src, out, *EP2, check=False, env={"MEGAMOE_FAULT": "free-bytes=1000000"})
+    proc = run_cli("convert", src, out, *EP2, check=False, env={"MEGAMOE_TEST_FAULTS": "free-bytes=1000000"})
     one_line_refusal(proc, "3.2 MB of disk space but only 1.0 MB is free")
     run_cli("convert", src, out, *EP2)  # room again: it converts
 
 
 def test_synth_of_a_full_size_preset_checks_free_space_first(tmp_path):
     one_line_refusal(run_cli("synth", tmp_path / "flash", "--preset", "flash", check=False,
-                             env={"MEGAMOE_FAULT": "free-bytes=100000000000"}),
+                             env={"MEGAMOE_TEST_FAULTS": "free-bytes=100000000000"}),
                      "this flash checkpoint needs 154.4 GB", "only 100.0 GB is free")
     assert list(tmp_path.iterdir()) == []
 

@@ -44,7 +44,7 @@ def test_a_linked_rank_folder_is_never_written_through(converted, tmp_path):
 def test_after_a_killed_run_the_rerun_never_writes_through_a_link(sources, tmp_path):
     out = tmp_path / "out"
     killed = run_cli("convert", sources["mx"], out, *EP2, "--workers", 1, check=False,
-                     env={"MEGAMOE_FAULT": "kill-after-files=4"})
+                     env={"MEGAMOE_TEST_FAULTS": "kill-after-files=4"})
     assert killed.returncode == -9 and not (out / "manifest.json").exists()
     victim = tmp_path / "v"
     victim.mkdir()

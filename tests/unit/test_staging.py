@@ -76,7 +76,7 @@ def _load(path, spans):
 def test_a_load_of_many_ranges_out_of_file_order_is_exact(tmp_path, monkeypatch, cudart):
     from megamoe_convert.serve import device_copy
 
-    monkeypatch.setattr(staging, "CUDART", cudart)
+    monkeypatch.setenv("MEGAMOE_CUDART", "1" if cudart else "0")
     device_copy.reset()
     path, data = _file(tmp_path, 48 << 20)
     spans = [(123, 9 << 20), (20 << 20, 7 << 20), (123, 9 << 20), (17, 3), ((30 << 20) + 5, (18 << 20) - 5)]
@@ -164,8 +164,7 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
                 running[0] -= 1
 
     monkeypatch.setattr(staging, "read_into", read_into)
-    monkeypatch.setattr(staging, "READ_THREADS", 3)
-    monkeypatch.setattr(staging, "COLD_READ_THREADS", 6)
+    monkeypatch.setenv("MEGAMOE_READ_THREADS", "3")  # a cold load runs twice as many: 6
     copier = _HostCopier()
     if fail_copy_at is not None:
         real_copy, copies = copier.copy, [0]

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.model_dims import check_dims
-from megamoe_convert.synth.tensors import load_preset
+from megamoe_convert.synth.presets import load_preset
 from megamoe_convert.synth.write import synthesize
 
 
@@ -100,7 +100,7 @@ def test_synth_refuses_a_non_empty_directory_and_overwrite_replaces_it_whole(tmp
 
 
 def test_synth_killed_midway_leaves_no_checkpoint(tmp_path):
-    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_FAULT": "kill-after-bytes=500000"})
+    proc = run_cli("synth", tmp_path / "ckpt", check=False, env={"MEGAMOE_TEST_FAULTS": "kill-after-bytes=500000"})
     assert proc.returncode == -9
     assert not (tmp_path / "ckpt").exists()  # only the hidden temporary folder, which a rerun replaces
     run_cli("synth", tmp_path / "ckpt")
