@@ -185,7 +185,7 @@ def _one_expert_bytes(out: Path) -> int:
     from megamoe_convert.serve.loader import open_converted
     from megamoe_convert.source import formats
 
-    dims = open_converted(out, [0]).manifest.dims
+    dims = open_converted(out).manifest.dims
     specs = formats.rank_tensor_specs(dims.format, "x", 1, dims.hidden_size, dims.moe_intermediate_size, 1)
     routed = {formats.tensor_names("x")[key] for key in formats.ROUTED_KEYS}
     return sum(s.nbytes for s in specs if s.name in routed)

@@ -9,8 +9,9 @@ harnesses and ``megamoe_convert.engines`` name, and every module of ``megamoe_co
 import hook recording each module loaded; a distribution is carried when one of its modules was.
 Pure-Python files travel as they are (tests, ``__pycache__``, headers, web assets and binaries
 left out); a distribution whose compiled extension was imported travels as its cp312 wheel
-(downloaded with pip); compiled extensions nobody imported are dropped. What the device's Python
-already has (torch and what it needs, safetensors, tokenizers) is not carried.
+(downloaded with pip), or as installed where that extension is built for any Python 3 (abi3);
+compiled extensions nobody imported are dropped. What the device's Python already has (torch and
+what it needs, safetensors, tokenizers) is not carried. ``--check PYTHON`` then tries the folder.
 
     .device/vllm-0.33.0.tar.xz   the engine's own folder (vLLM and its transformers): /tmp/v33 there
     .device/site.tar.xz          the import chains' and the project's pure-Python needs: /tmp/site
@@ -18,8 +19,8 @@ already has (torch and what it needs, safetensors, tokenizers) is not carried.
     .device/tree.tar             ``git archive HEAD`` of the code (the committed tree): /tmp/tree
     .device/contents.json        what was chosen, and the sizes
 
-    python benchmarks/device_carry.py                       # vLLM 0.33: the node, daemon, probe runs
-    python benchmarks/device_carry.py --engines vllm==0.33.0,vllm==0.32.0 --load-formats   # start-up, node
+    python benchmarks/device_carry.py --load-formats                        # device_node.sh
+    python benchmarks/device_carry.py --engines vllm==0.33.0,vllm==0.32.0   # device_startup.sh
 """
 
 from __future__ import annotations
@@ -43,14 +44,15 @@ sys.path.insert(0, str(REPO / "tests"))
 
 #: What a call may carry in all (the working tree counts too).
 CARRY_LIMIT = 64 << 20
-#: Distributions the device's Python has: torch with what it needs, and what KINDS lists in versions
-#: the engines accept (transformers checks tokenizers and safetensors at import).
+#: Distributions the device's Python has: torch with what it needs, and safetensors, tokenizers and
+#: sentencepiece in versions the engines accept (transformers checks them at import); the project's own
+#: code travels as the working tree (or tree.tar).
 DEVICE_HAS = {"torch", "numpy", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock",
               "fsspec", "typing-extensions", "setuptools", "safetensors", "tokenizers", "sentencepiece",
               "megamoe-convert"}
 #: vLLM's load formats beside `auto` (vLLM 0.33 asks fastsafetensors>=0.3.3, instanttensor>=0.2.2,
-#: runai-model-streamer>=0.15.7): wheels only, imported on a GPU alone.
-LOAD_FORMATS = ["fastsafetensors==0.5.0", "instanttensor==0.2.2", "runai-model-streamer==0.17.0"]
+#: runai-model-streamer>=0.15.7, which needs humanize): wheels only, imported on a GPU alone.
+LOAD_FORMATS = ["fastsafetensors==0.5.0", "instanttensor==0.2.2", "runai-model-streamer==0.17.0", "humanize==4.17.0"]
 #: Where each engine's own folder unpacks on the device (the device scripts' paths).
 TARGETS = {"vllm==0.33.0": "/tmp/v33", "vllm==0.32.0": "/tmp/v32", "sglang==0.5.23": "/tmp/sglang"}
 #: Files that no import reads: by suffix, and by folder name.
@@ -59,19 +61,21 @@ SKIP_SUFFIXES = (".pyc", ".pyi", ".h", ".hpp", ".cuh", ".cu", ".c", ".cc", ".cpp
                  ".rst", ".so", ".pyd", ".dll", ".dylib", ".exe")
 SKIP_DIRS = {"__pycache__", "tests", "test", "bin", "include"}
 SKIP_META = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
-             "manylinux1_x86_64"]
+#: The device's glibc takes any of these (pip matches each tag exactly).
+PLATFORMS = [*(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)), "manylinux2014_x86_64", "manylinux1_x86_64"]
 
-#: Written as sitecustomize.py into the traced process's path: each module name loaded, as it loads.
+#: Written as sitecustomize.py into the traced process's path: each module name loaded, as it loads, and
+#: the absolute path of each library loaded through ctypes (a package's own native library).
 TRACER = """
 import os, sys
 _out = open(os.environ["MEGAMOE_TRACE_FILE"], "a")
 _seen = set(sys.modules)
 _out.write("\\n".join(_seen) + "\\n")
 def _hook(event, args):
-    if event == "import" and args[0] not in _seen:
-        _seen.add(args[0])
-        _out.write(args[0] + "\\n")
+    name = args[0] if event == "import" else os.path.realpath(args[0]) if event == "ctypes.dlopen" and args[0] else None
+    if name and name not in _seen:
+        _seen.add(name)
+        _out.write(name + "\\n")
         _out.flush()
 sys.addaudithook(_hook)
 """
@@ -92,27 +96,70 @@ def engine_modules(engine: str) -> list[str]:
     return sorted(found)
 
 
-def trace(engine: str, layers: list[Path]) -> set[str]:
-    """The modules loaded by importing :func:`engine_modules` and all of ``megamoe_convert`` in a child
-    process on the engine's path (the CPU platform, as on the device)."""
-    script = ("import importlib, pkgutil, sys\nimport megamoe_convert\n"
+#: Imports every module of megamoe_convert and the engine modules named on its command line; prints
+#: one line for each that does not import.
+IMPORT_ALL = ("import importlib, pkgutil, sys\nimport megamoe_convert\n"
               "names = [m.name for m in pkgutil.walk_packages(megamoe_convert.__path__, 'megamoe_convert.')\n"
               "         if not m.name.endswith('__main__')]\n"
               "for name in names + sys.argv[1:]:\n"
               "    try:\n        importlib.import_module(name)\n"
-              "    except Exception as exc:\n        print('not imported:', name, type(exc).__name__, exc)\n")
+              "    except Exception as exc:\n"
+              "        print('not imported:', name, type(exc).__name__, (str(exc).splitlines() or [''])[0][:200])\n")
+
+
+def import_all(python: str, engine: str, path: list[Path], code: Path, env: dict[str, str] | None = None,
+               ) -> tuple[int, list[str], str]:
+    """Run :data:`IMPORT_ALL` with ``python`` on ``path`` and the code in ``code``, on the CPU platform (as
+    the device scripts run vLLM): its exit code, the modules that did not import, its error output."""
+    entries = [*map(str, path), str(code), str(code / "benchmarks"), str(code / "tests" / "engines")]
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(entries), "VLLM_TARGET_DEVICE": "cpu",
+           "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([python, "-c", IMPORT_ALL, *engine_modules(engine)], env=env, cwd=code,
+                          capture_output=True, text=True, timeout=1800)
+    failed = [line.removeprefix("not imported: ") for line in proc.stdout.splitlines()
+              if line.startswith("not imported: ")]
+    return proc.returncode, failed, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def trace(engine: str, layers: list[Path]) -> tuple[set[str], list[str]]:
+    """The modules loaded by :data:`IMPORT_ALL` on the engine's environment here, and those that failed."""
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "sitecustomize.py").write_text(TRACER)
         log = Path(tmp, "modules.txt")
-        path = [tmp, *map(str, layers), str(REPO), str(BENCH), str(REPO / "tests" / "engines")]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "MEGAMOE_TRACE_FILE": str(log),
-               "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-        proc = subprocess.run([sys.executable, "-c", script, *engine_modules(engine)], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-            raise SystemExit(f"tracing {engine}'s imports failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        print("".join(line + "\n" for line in proc.stdout.splitlines() if line.startswith("not imported")), end="")
-        return set(log.read_text().split())
+        code, failed, out = import_all(sys.executable, engine, [Path(tmp), *layers], REPO,
+                                       {"MEGAMOE_TRACE_FILE": str(log)})
+        if code != 0:
+            raise SystemExit(f"tracing {engine}'s imports failed:\n{out}")
+        return set(log.read_text().split()), failed
+
+
+def check(out: Path, python: str) -> list[str]:
+    """Unpack ``out`` as the device scripts do and run :data:`IMPORT_ALL` with ``python`` (one with what the
+    device's Python has, nothing more, for the Python the wheels were fetched for): what fails there
+    that imported here."""
+    contents = json.loads((out / "contents.json").read_text())
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for name in [info["file"] for info in contents["engines"].values()] + ["site.tar.xz"]:
+            with tarfile.open(out / name) as tar:
+                tar.extractall(root / name.removesuffix(".tar.xz"), filter="data")
+        wheels = sorted(map(str, (out / "whl").glob("*.whl")))
+        if wheels:
+            subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--target", str(root / "site"), *wheels], check=True)
+        code = REPO
+        if (out / "tree.tar").exists():
+            with tarfile.open(out / "tree.tar") as tar:
+                tar.extractall(root / "tree", filter="data")
+            code = root / "tree"
+        for engine, info in contents["engines"].items():
+            path = [root / "site", root / info["file"].removesuffix(".tar.xz")]
+            status, failed, output = import_all(python, engine, path, code)
+            here = {line.split()[0] for line in info["not_imported_here"]}
+            problems += [f"{engine}: {line}" for line in failed if line.split()[0] not in here]
+            problems += [f"{engine}: exit {status}\n{output}"] if status else []
+    return problems
 
 
 # --------------------------------------------------------------------------------------
@@ -135,6 +182,21 @@ class Dist:
             if f.suffix in (".so", ".pyd"):
                 found[".".join([*f.parent.parts, f.name.split(".")[0]])] = f
         return found
+
+    def loaded(self, modules: set[str]) -> list[Path]:
+        """Its native files the trace saw load: extension modules imported, libraries opened by path."""
+        found = [f for name, f in self.extensions().items() if name in modules]
+        return found + [f for f in self.files if ".so" in f.name and f not in found
+                        and os.path.realpath(self.folder / f) in modules]
+
+    def carried(self, modules: set[str]) -> list[Path]:
+        """:meth:`pure_files`, and where a native file of it loaded, its native files that no one Python
+        version is built into (abi3 extensions, its own libraries) with the libraries they link."""
+        if not self.loaded(modules):
+            return self.pure_files()
+        native = [f for f in self.files if (f.suffix == ".so" or ".so." in f.name or f.parts[0].endswith(".libs"))
+                  and ".cpython-" not in f.name]
+        return self.pure_files() + [f for f in native if (self.folder / f).is_file()]
 
     def pure_files(self) -> list[Path]:
         """The files that travel as they are: sources, data and metadata."""
@@ -183,30 +245,32 @@ def select(folders: list[Path], modules: set[str]) -> list[Dist]:
 
 
 def needs_wheel(dist: Dist, modules: set[str]) -> bool:
-    """Whether any compiled extension of ``dist`` was imported (then its cp312 wheel travels)."""
-    return any(name in modules for name in dist.extensions())
+    """Whether a native file of ``dist`` that loaded is built for this Python alone (a ``cpython-3XX``
+    extension, not abi3): then its wheel for the device's Python travels instead."""
+    return any(".cpython-" in f.name for f in dist.loaded(modules))
 
 
 # --------------------------------------------------------------------------------------
 # Building .device/
 # --------------------------------------------------------------------------------------
 
-def download(specs: list[str], dest: Path) -> None:
-    """cp312 manylinux wheels of ``specs`` (exact pins), without their dependencies."""
+def download(specs: list[str], dest: Path, python: str = "3.12") -> None:
+    """manylinux wheels of ``specs`` (exact pins) for ``python``, without their dependencies."""
     if not specs:
         return
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-           "3.12", "--implementation", "cp", "-d", str(dest), *(a for p in PLATFORMS for a in ("--platform", p)),
+           python, "--implementation", "cp", "-d", str(dest), *(a for p in PLATFORMS for a in ("--platform", p)),
            *specs]
     subprocess.run(cmd, check=True)
 
 
-def pack(dists: list[Dist], out: Path) -> int:
-    """The dists' pure files in one ``tar.xz``, paths relative to their folder; bytes before packing."""
+def pack(dists: list[Dist], out: Path, modules: set[str] | None = None) -> int:
+    """The dists' files in one ``tar.xz``, paths relative to their folder: the pure ones, and with
+    ``modules`` (what the trace loaded) the abi3 extensions it loaded; bytes before packing."""
     raw = 0
     with tarfile.open(out, "w:xz", preset=6) as tar:
         for dist in dists:
-            for f in dist.pure_files():
+            for f in (dist.carried(modules) if modules is not None else dist.pure_files()):
                 tar.add(dist.folder / f, arcname=str(f), recursive=False)
                 raw += (dist.folder / f).stat().st_size
     return raw
@@ -225,40 +289,54 @@ def working_tree_bytes() -> int:
     return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
-def build(engines: list[str], out: Path, load_formats: bool, with_tree: bool) -> dict:
+class Choice:
+    """What travels: each engine's own folder's dists, the shared ones (pure, or as wheels), and every
+    module the traces loaded."""
+
+    def __init__(self) -> None:
+        self.own: dict[str, list[Dist]] = {}
+        self.site: dict[str, Dist] = {}
+        self.wheels: dict[str, str] = {}
+        self.modules: set[str] = set()
+        self.failed: dict[str, list[str]] = {}
+
+
+def choose(engines: list[str]) -> Choice:
     from engine_envs import ensure
 
-    shutil.rmtree(out, ignore_errors=True)
-    (out / "whl").mkdir(parents=True)
     venv = Path(sysconfig.get_paths()["purelib"])
-    site: dict[str, Dist] = {}
-    wheels: dict[str, str] = {}
-    contents: dict = {"engines": {}, "site": {}, "wheels": []}
+    choice = Choice()
     for engine in engines:
         layers = ensure(engine)
-        modules = trace(engine, layers)
+        modules, choice.failed[engine] = trace(engine, layers)
+        choice.modules |= modules
         dists = select([*layers, venv], modules)
-        own = [d for d in dists if d.folder == layers[0]]
-        name = f"{engine.replace('==', '-')}.tar.xz"
-        raw = pack(own, out / name)
-        contents["engines"][engine] = {"file": name, "unpack_to": TARGETS.get(engine), "raw_bytes": raw,
-                                       "dists": {d.name: d.version for d in own}}
-        for dist in dists:
-            if dist.folder == layers[0]:
-                continue
-            pin = f"{dist.name}=={dist.version}"
+        choice.own[engine] = [d for d in dists if d.folder == layers[0]]
+        for dist in (d for d in dists if d.folder != layers[0]):
             if needs_wheel(dist, modules):
-                wheels[dist.name] = pin
-            elif site.setdefault(dist.name, dist).version != dist.version:
-                raise SystemExit(f"{dist.name}: {site[dist.name].version} and {dist.version} both chosen")
-    for name in wheels:
-        site.pop(name, None)
-    contents["site"] = {"file": "site.tar.xz", "unpack_to": "/tmp/site", "raw_bytes": pack(list(site.values()),
-                                                                                            out / "site.tar.xz"),
-                        "dists": {d.name: d.version for d in site.values()}}
-    pins = sorted(wheels.values()) + (LOAD_FORMATS if load_formats else [])
-    download(pins, out / "whl")
-    contents["wheels"] = pins
+                choice.wheels[dist.name] = f"{dist.name}=={dist.version}"
+            elif choice.site.setdefault(dist.name, dist).version != dist.version:
+                raise SystemExit(f"{dist.name}: {choice.site[dist.name].version} and {dist.version} both chosen")
+    for name in choice.wheels:
+        choice.site.pop(name, None)
+    return choice
+
+
+def build(engines: list[str], out: Path, load_formats: bool, with_tree: bool, python: str = "3.12") -> dict:
+    choice = choose(engines)
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "whl").mkdir(parents=True)
+    pins = sorted(choice.wheels.values()) + (LOAD_FORMATS if load_formats else [])
+    download(pins, out / "whl", python)  # first: a pin with no wheel stops the build before the packing
+    contents: dict = {"engines": {}, "wheels": pins}
+    for engine, own in choice.own.items():
+        name = f"{engine.replace('==', '-')}.tar.xz"
+        contents["engines"][engine] = {"file": name, "unpack_to": TARGETS[engine], "raw_bytes": pack(own, out / name),
+                                       "dists": {d.name: d.version for d in own},
+                                       "not_imported_here": choice.failed[engine]}
+    site = sorted(choice.site.values(), key=lambda d: d.name)
+    contents["site"] = {"file": "site.tar.xz", "unpack_to": "/tmp/site", "dists": {d.name: d.version for d in site},
+                        "raw_bytes": pack(site, out / "site.tar.xz", choice.modules)}
     if with_tree:
         tree(out / "tree.tar")
     files = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*")) if p.is_file()}
@@ -288,13 +366,22 @@ def main(argv: list[str] | None = None) -> dict:
                         "runai_streamer)")
     p.add_argument("--no-tree", action="store_true", help="leave out tree.tar (the device runs the working tree)")
     p.add_argument("--out", type=Path, default=REPO / ".device")
+    p.add_argument("--check", metavar="PYTHON", help="then unpack the folder as the device does and import "
+                   "what the benchmarks import with PYTHON (one with torch and no more), saying what fails")
+    p.add_argument("--python", default="3.12", help="the device's Python, for the wheels (another lets a machine "
+                                                    "of that Python try the folder)")
     args = p.parse_args(argv)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in TARGETS]
     if unknown:
         p.error(f"unknown engine(s) {unknown}: choose from {', '.join(TARGETS)}")
-    contents = build(engines, args.out, args.load_formats, not args.no_tree)
+    contents = build(engines, args.out, args.load_formats, not args.no_tree, args.python)
     report(contents)
+    if args.check:
+        problems = check(args.out, args.check)
+        print("\n".join(problems) or f"every module that imported here imports with {args.check} from {args.out}")
+        if problems:
+            raise SystemExit(1)
     return contents
 
 

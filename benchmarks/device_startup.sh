@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU benchmarks on a GPU machine with Python 3.12 and no network. They need the ignored
 # folder .device/, built here by
-#   python benchmarks/device_carry.py --engines vllm==0.33.0,vllm==0.32.0 --load-formats
+#   python benchmarks/device_carry.py --engines vllm==0.33.0,vllm==0.32.0
 # vLLM 0.33.0's and 0.32.0's own folders (vllm-0.3x.0.tar.xz, no compiled libraries: the CPU
 # platform loads without them), the pure-Python part of their import chain (site.tar.xz) and cp312
 # wheels of the compiled packages it imports (whl/). See benchmarks/README.md.

@@ -199,7 +199,7 @@ module build is 0.04-0.24 s (ours includes starting the background pinning of th
 grow with the bytes (0.43 GB: {by_method(results[0], 'warm')['ours']['load_s'] * 1e3:.0f} ms, 0.86 GB:
 {by_method(results[1], 'warm')['ours']['load_s'] * 1e3:.0f} ms): a per-process cost, not bandwidth, is what is left.
 
-Reproduce (device machine, with `.device/` from `benchmarks/device_carry.py --engines
+Reproduce (on a GPU machine, with `.device/` from `benchmarks/device_carry.py --engines
 vllm==0.33.0,vllm==0.32.0`): `benchmarks/device_startup.sh setup && benchmarks/device_startup.sh job`; each row is
 `python3 benchmarks/bench_startup.py --vllm 0.33=/tmp/v33 --vllm 0.32=/tmp/v32 --layers N --save ...`
 (`--redundant 16` adds the redundant pair, `--node 8` the node runs).
