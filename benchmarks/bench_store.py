@@ -34,7 +34,7 @@ On-disk size: the store's expert bytes against the per-rank form's for every ran
 (from the manifests' exact sizes). The last line printed is JSON (``--save FILE`` writes it too).
 
     PYTHONPATH=. python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16   # GPU
-    PYTHONPATH=. python3 benchmarks/bench_store.py --quick        # CPU smoke test (tests/test_store.py)
+    PYTHONPATH=. python3 benchmarks/bench_store.py --quick        # CPU smoke test (tests/e2e/test_benchmarks.py)
 """
 
 from __future__ import annotations

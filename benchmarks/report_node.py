@@ -277,7 +277,7 @@ last. On virtual machines the host may still cache what was written or read in t
 whatever `drop_caches` does inside, which favours the form whose files were touched last: more
 rounds average that out. `fastsafetensors` falls back to its copier without GDS where the machine
 has no `/dev/nvidia-fs0`; it and `instanttensor` read the whole checkpoint in every rank process past
-the page cache (the GB read column). `--quick` runs it tiny on the CPU (`tests/unit/test_benchmarks.py`);
+the page cache (the GB read column). `--quick` runs it tiny on the CPU (`tests/e2e/test_benchmarks.py`);
 on a GPU machine, {COMMAND}.
 """.replace("{COMMAND}", COMMAND)
     runs = newest_first()

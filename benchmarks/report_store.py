@@ -32,7 +32,7 @@ rounds.
 ```bash
 PYTHONPATH=. python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8 --no-last-rank --cold \
     --save benchmarks/results/store-h100/ep8.json   # on a GPU machine (as root for --cold)
-PYTHONPATH=. python3 benchmarks/bench_store.py --quick   # CPU smoke run (tests/unit/test_store.py)
+PYTHONPATH=. python3 benchmarks/bench_store.py --quick   # CPU smoke run (tests/e2e/test_benchmarks.py)
 ```"""
 
 HEADER = ["| EP | rank | rank GB | form | warm, staging started early (s) (of it waiting for it) | warm, staging ready "

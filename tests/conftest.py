@@ -1,15 +1,17 @@
-"""Shared fixtures: real checkpoints on disk and real CLI runs in a subprocess."""
+"""Shared fixtures: real checkpoints on disk, and real CLI runs (``cli_runs``): in the pytest process
+(``run_cli``, the unit tier) or in a process of their own (``run_cli_process``, the e2e tier)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli, run_cli_process
 
 from megamoe_convert.synth.write import synthesize
+
+__all__ = ["REPO", "output_files", "run_cli", "run_cli_process"]
 
 REPO = Path(__file__).resolve().parent.parent
 #: The damage fixtures (sources of three kinds and their conversions), for every tier.
@@ -36,18 +38,6 @@ def output_files(out: Path) -> dict[str, bytes]:
     """Every file of a converted directory, by relative path, except the hidden conversion state."""
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and ".megamoe" not in p.relative_to(out).parts}
-
-
-def run_cli(*args: object, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None,
-            ) -> subprocess.CompletedProcess[str]:
-    """Run ``megamoe ARGS...`` as a real subprocess (the installed console script's module)."""
-    cmd = [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
-    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"megamoe {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                             f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
-    return proc
 
 
 @pytest.fixture(scope="session")

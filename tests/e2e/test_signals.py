@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 #: Seconds after the start, every 0.2 s: the interpreter's and the command line's imports, building the
 #: app, parsing, the command's own deferred imports as its body starts, and the conversion itself (held
@@ -62,3 +62,43 @@ def test_a_stop_landing_in_an_import_waits_for_it_then_ends_the_command(tmp_path
     assert proc.stdout.splitlines() == ["import finished"], proc.stdout
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr.strip().splitlines() == ["terminated (SIGTERM): rerun the same command"], proc.stderr
+
+
+# ----------------------------------------------------------------------------- mid-run: the same clean stop as Ctrl-C
+
+@pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated")])  # SIGINT: test_crashes.py
+def test_sigterm_stops_like_ctrl_c(tiny_ckpt, tmp_path, sig, code, word):
+    """`timeout` and Kubernetes send SIGTERM: the same clean stop as Ctrl-C (no partial file, a
+    resume hint, OUT refused as unfinished), exit 143; the rerun completes it."""
+    out, release = tmp_path / "out", tmp_path / "release"
+    cmd = [sys.executable, "-m", "megamoe_convert.cli", "convert", str(tiny_ckpt), str(out), "--ep-size", "2",
+           "--workers", "1"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=2:{release}"})
+    journal = out / ".megamoe" / "journal.jsonl"
+    deadline = time.monotonic() + 60
+    while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "convert did not get going"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    time.sleep(0.5)
+    release.touch()
+    assert proc.wait(timeout=120) == code
+    stderr = proc.stderr.read()
+    assert f"{word}" in stderr and "rerun the same command to resume" in stderr and "Traceback" not in stderr
+    assert not list(out.rglob("*.partial")) and not (out / "manifest.json").exists()
+    run_cli("convert", tiny_ckpt, out, "--ep-size", 2, "--workers", 1)
+    assert run_cli("verify", out).returncode == 0
+
+
+def test_a_synth_stopped_by_sigterm_removes_its_temporary_folder(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", "synth", str(tmp_path / "ckpt"),
+                             "--experts", "256", "--layers", "8"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    partial = tmp_path / ".ckpt.partial"
+    deadline = time.monotonic() + 120
+    while not any(partial.glob("*.safetensors")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.terminate()
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "terminated (SIGTERM)" in stderr and "Traceback" not in stderr, stderr
+    assert list(tmp_path.iterdir()) == []

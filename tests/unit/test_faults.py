@@ -1,7 +1,8 @@
-"""Crashes, full disks, bad input and concurrent runs never yield a wrong or half-written model.
+"""Full disks, bad input, failing writes and held locks never yield a wrong or half-written model.
 
-Faults are injected through ``MEGAMOE_TEST_FAULTS`` (megamoe_convert/faults.py) into real CLI
-subprocesses, plus SIGKILLs at random times; every outcome is checked against a clean run.
+Faults are injected through ``MEGAMOE_TEST_FAULTS`` (megamoe_convert/faults.py) into real CLI runs;
+every outcome is checked against a clean run. Kills, Ctrl-C and runs side by side, which need
+processes of their own: tests/e2e/test_crashes.py and tests/e2e/test_concurrent_runs.py.
 """
 
 from __future__ import annotations
@@ -9,11 +10,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -42,7 +40,6 @@ from megamoe_convert.verify import verify
 CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
 
 
-
 @pytest.fixture(scope="module")
 def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
     out = tmp_path_factory.mktemp("clean") / "out"
@@ -51,57 +48,12 @@ def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
     return output_files(out), time.perf_counter() - started
 
 
-def cli_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
-
-
 def assert_refused_as_unfinished(out: Path) -> None:
     assert not (out / "manifest.json").exists()
     with pytest.raises(MegamoeError, match="not a finished megamoe conversion"):
         load_rank(out, 0)
     report = verify(out)
     assert not report.ok and "not a finished megamoe conversion" in str(report.problems[0])
-
-
-# ----------------------------------------------------------------------------- crash safety
-
-KILL_POINTS = [
-    "kill-after-files=1", "kill-after-files=3", "kill-after-files=6", "kill-after-files=8",  # between files
-    "kill-after-bytes=5000", "kill-after-bytes=400000", "kill-after-bytes=1500000",  # in the middle of files
-    "kill-after-bytes=2900000",
-    "kill-before-rename=config.json",  # at the start
-    "kill-before-rename=layers.1.safetensors",  # a rank shard complete but not yet in place
-    "kill-before-rename=model.safetensors.index.json",  # after every shard, before the index
-    "kill-before-rename=manifest.json",  # the manifest write itself
-]
-
-
-@pytest.mark.parametrize("fault", KILL_POINTS)
-def test_sigkill_then_rerun_gives_the_clean_bytes(tiny_ckpt, tmp_path, clean, fault):
-    out = tmp_path / "out"
-    proc = subprocess.run(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), capture_output=True, text=True,
-                          cwd=REPO, env={**os.environ, "MEGAMOE_TEST_FAULTS": fault}, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    assert_refused_as_unfinished(out)
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
-    assert output_files(out) == clean[0]
-    assert not list(out.rglob(".*.partial"))
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_sigkill_at_a_random_moment_then_rerun_gives_the_clean_bytes(tiny_ckpt, tmp_path, clean, seed):
-    """The moment is a random byte of everything the run writes (the manifest included), so it
-    lands inside the run every time; a wall-clock delay would mostly hit start-up or the end."""
-    out = tmp_path / "out"
-    total = sum(len(data) for data in clean[0].values())
-    at = random.Random(seed).randint(1, total)
-    proc = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, check=False,
-                   env={"MEGAMOE_TEST_FAULTS": f"kill-after-bytes={at}"})
-    assert proc.returncode == -signal.SIGKILL, f"not killed at byte {at} of {total}"
-    assert_refused_as_unfinished(out)
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
-    assert output_files(out) == clean[0]
-    assert not list(out.rglob(".*.partial"))
 
 
 # ----------------------------------------------------------------------------- disk full
@@ -322,40 +274,6 @@ def test_loader_refuses_a_shard_of_another_model(tiny_ckpt, tiny_converted, tmp_
 # ----------------------------------------------------------------------------- concurrency
 
 
-def start_held(ckpt: Path, out: Path, release: Path, *extra: object) -> subprocess.Popen:
-    """A convert that holds its locks after committing one file, until ``release`` exists."""
-    run = subprocess.Popen(cli_cmd("convert", ckpt, out, *CONVERT_ARGS, *extra), cwd=REPO, stderr=subprocess.PIPE,
-                           text=True, env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=1:{release}"})
-    deadline = time.monotonic() + 60
-    while not Path(f"{release}.waiting").exists():
-        if time.monotonic() > deadline or run.poll() is not None:
-            run.kill()
-            pytest.fail(f"held convert did not start: {run.communicate()[1]}")
-        time.sleep(0.05)
-    return run
-
-
-@pytest.mark.parametrize("held, intruder, message", [
-    ((), ("convert",), "another `megamoe convert` or `megamoe merge` is writing this directory"),
-    ((), ("convert", "--shard", "1/2"), "a `megamoe convert` without --shard or a `megamoe merge` is writing"),
-    (("--shard", "0/2"), ("convert",), "part 0/2 of a split conversion is being written into this directory"),
-    (("--shard", "0/2"), ("convert", "--shard", "0/2"), "part 0/2 is already being converted"),
-])
-def test_runs_that_would_interleave_in_one_output_are_refused(tiny_ckpt, tmp_path, clean, held, intruder, message):
-    """Parts of one split conversion run side by side; nothing else runs beside a writer of OUT
-    (a whole conversion deletes what parts write, and the reverse)."""
-    out, release = tmp_path / "out", tmp_path / "release"
-    first = start_held(tiny_ckpt, out, release, *held)
-    second = run_cli(intruder[0], tiny_ckpt, out, *CONVERT_ARGS, *intruder[1:], check=False)
-    assert second.returncode == 2 and message in second.stderr, second.stderr
-    assert len(second.stderr.strip().splitlines()) == 1
-    release.touch()
-    assert first.wait(timeout=120) == 0, first.stderr.read()
-    if held:
-        run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, "--shard", "1/2")  # the last part merges them
-    assert output_files(out) == clean[0]
-
-
 def test_merge_waits_for_no_part_and_no_part_for_a_merge(tiny_ckpt, tmp_path, clean):
     """A merge refuses while any part holds its lock (an automatic merge leaves it to that part),
     and a part refuses while a merge holds OUT."""
@@ -371,30 +289,6 @@ def test_merge_waits_for_no_part_and_no_part_for_a_merge(tiny_ckpt, tmp_path, cl
         refused = run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS, "--shard", "1/2", check=False)
     assert refused.returncode == 2 and "a `megamoe convert` without --shard or a `megamoe merge`" in refused.stderr
     assert merge(out)["parts"] == 2
-    assert output_files(out) == clean[0]
-
-
-def test_ctrl_c_stops_cleanly_and_the_rerun_resumes(tiny_ckpt, tmp_path, clean):
-    """SIGINT (Ctrl-C) mid-run: exit 130 with a hint to rerun, no temporary file left, the directory
-    refused as unfinished; the same command then completes it with a clean run's bytes."""
-    out, release = tmp_path / "out", tmp_path / "release"
-    proc = subprocess.Popen(cli_cmd("convert", tiny_ckpt, out, *CONVERT_ARGS), cwd=REPO, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "MEGAMOE_TEST_FAULTS": f"wait-after-files=2:{release}"})
-    journal = out / ".megamoe" / "journal.jsonl"
-    deadline = time.monotonic() + 60
-    while not (journal.exists() and len(journal.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and proc.poll() is None, "convert did not get going"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
-    release.touch()  # let the held worker see the cancellation
-    code = proc.wait(timeout=120)
-    stderr = proc.stderr.read()
-    assert code == 130, stderr[-3000:]
-    assert "interrupted" in stderr and "rerun" in stderr and "Traceback" not in stderr
-    assert not list(out.rglob("*.partial"))
-    assert_refused_as_unfinished(out)
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
     assert output_files(out) == clean[0]
 
 

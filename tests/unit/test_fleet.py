@@ -8,77 +8,23 @@ byte for byte, whether the parts ran into separate directories or into one share
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import pytest
-from conftest import REPO, output_files, run_cli
+from conftest import output_files, run_cli
 
 from megamoe_convert.convert.fleet import MergeError, merge
 from megamoe_convert.convert.plan import ConvertOptions, parse_shard
 from megamoe_convert.convert.run import build_plan, convert
-from megamoe_convert.errors import ConvertError, MegamoeError
-from megamoe_convert.serve.loader import load_rank
+from megamoe_convert.errors import ConvertError
 from megamoe_convert.source.safetensors_io import FileCache
 
 EP4 = ("--ep-size", 4, "--num-redundant-experts", 4)
 
 
-
-def start_cli(*args: object) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", *map(str, args)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def finish(proc: subprocess.Popen[str]) -> dict:
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
-    return json.loads(stdout)
-
-
 def options(shard: tuple[int, int] | None = None, by: str = "layer", **kw: object) -> ConvertOptions:
     return ConvertOptions(ep_size=4, num_redundant_experts=4, shard=shard, shard_by=by, fsync=False, **kw)
-
-
-# ----------------------------------------------------------------------------- real CLI runs
-
-def test_parts_in_separate_directories_then_merge_equal_a_single_machine_convert(tiny_ckpt, tiny_converted,
-                                                                                 tmp_path):
-    parts = [tmp_path / f"part{i}" for i in range(3)]
-    procs = [start_cli("convert", tiny_ckpt, parts[i], *EP4, "--shard", f"{i}/3", "--json") for i in range(3)]
-    summaries = [finish(p) for p in procs]
-    assert [s["shard"] for s in summaries] == ["0/3", "1/3", "2/3"]
-    assert not any(s["merged"] for s in summaries)  # each OUT holds one part only
-    written = [set(output_files(p)) for p in parts]
-    for i, part in enumerate(parts):
-        assert not (part / "manifest.json").exists() and (part / f"manifest.part-0000{i}-of-00003.json").exists()
-        with pytest.raises(MegamoeError, match="megamoe merge"):  # a part is never loadable on its own
-            load_rank(part, 0)
-    assert not (written[0] & written[1]) and not (written[1] & written[2])  # no file converted twice
-
-    out = tmp_path / "merged"
-    relative = [os.path.relpath(d, REPO) for d in (out, *parts)]  # run_cli runs in REPO
-    result = json.loads(run_cli("merge", *relative, "--json").stdout)
-    assert result["out"] == str(out.resolve())  # --json: absolute paths, whatever the command line said
-    assert result["parts"] == 3 and result["verified"] == "checksum" and result["copied"] + result["linked"] == 15
-    assert output_files(out) == output_files(tiny_converted)
-    # OUT is now an ordinary conversion: the same single-machine command finds every file done.
-    again = convert(tiny_ckpt, out, options())
-    assert again.files_written == 0 and again.files_skipped == 15
-    assert output_files(out) == output_files(tiny_converted)
-
-
-def test_parts_running_at_once_into_one_shared_directory_merge_themselves(tiny_ckpt, tiny_converted, tmp_path):
-    out = tmp_path / "shared"
-    procs = [start_cli("convert", tiny_ckpt, out, *EP4, "--shard", f"{i}/2", "--shard-by", "rank", "--json")
-             for i in range(2)]
-    summaries = [finish(p) for p in procs]
-    assert any(s["merged"] for s in summaries)  # the last part to finish wrote the manifest
-    assert output_files(out) == output_files(tiny_converted)
-    assert not list(out.glob("manifest.part-*"))  # consumed (kept under .megamoe/ for a re-merge)
 
 
 # ----------------------------------------------------------------------------- the split itself

@@ -9,16 +9,12 @@ in offline mode over a pre-populated cache (in process, and through real CLI run
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
-from conftest import REPO
 from hub_fake import FakeHub, cache_put
 from typer.testing import CliRunner
 
@@ -305,24 +301,3 @@ def test_inspect_and_plan_take_a_revision_like_convert(offline_cache, tiny_ckpt,
         assert missing.exit_code == 2 and "HF_HUB_OFFLINE" in missing.output
     info = json.loads(runner.invoke(app, ["inspect", "deepseek-fake/tiny-v4", "--revision", "1" * 40, "--json"]).stdout)
     assert info["path"].endswith("1" * 40) and info["moe_layers"] == ["layers.0", "layers.1", "mtp.0"]
-
-
-def test_cli_offline_convert_from_repo_id_and_pull(offline_cache, tiny_converted, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(offline_cache), "COLUMNS": "200"}
-
-    def start(*args: object) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "megamoe_convert.cli", *map(str, args)], cwd=REPO, env=env,
-                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    out = tmp_path / "out"
-    procs = [start("convert", "deepseek-fake/tiny-v4", out, "--ep-size", 4, "--num-redundant-experts", 4, "--json"),
-             start("pull", REPO_ID, "--ranks", "2", "--experts-only", "--json")]
-    (c_out, c_err), (p_out, p_err) = (p.communicate(timeout=300) for p in procs)
-    assert [p.returncode for p in procs] == [0, 0], (c_err, p_err)
-    got, want = converted_files(out), converted_files(tiny_converted)
-    assert {k: v for k, v in got.items() if k != "manifest.json"} == \
-        {k: v for k, v in want.items() if k != "manifest.json"}
-    source = json.loads(got["manifest.json"])["source"]["path"]
-    assert source == str(offline_cache / "models--deepseek-fake--tiny-v4" / "snapshots" / ("1" * 40))
-    pulled = json.loads(p_out)
-    assert pulled["ranks"] == [2] and pulled["files"] == 5 and pulled["verified"] == "checksum"

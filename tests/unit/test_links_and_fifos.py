@@ -41,23 +41,6 @@ def test_a_linked_rank_folder_is_never_written_through(converted, tmp_path):
     assert (victim / "layers.0.safetensors").read_text() == "precious"
 
 
-def test_after_a_killed_run_the_rerun_never_writes_through_a_link(sources, tmp_path):
-    out = tmp_path / "out"
-    killed = run_cli("convert", sources["mx"], out, *EP2, "--workers", 1, check=False,
-                     env={"MEGAMOE_TEST_FAULTS": "kill-after-files=4"})
-    assert killed.returncode == -9 and not (out / "manifest.json").exists()
-    victim = tmp_path / "v"
-    victim.mkdir()
-    (victim / "layers.1.safetensors").write_text("precious")
-    shutil.rmtree(out / RANK0, ignore_errors=True)
-    (out / RANK0).symlink_to(victim)
-    one_line_refusal(run_cli("convert", sources["mx"], out, *EP2, check=False), RANK0, "symbolic link")
-    assert [p.read_text() for p in victim.iterdir()] == ["precious"]
-    (out / RANK0).unlink()  # the user removes the link: the rerun finishes the conversion
-    run_cli("convert", sources["mx"], out, *EP2)
-    assert run_cli("verify", out, "--source", sources["mx"]).returncode == 0
-
-
 def test_a_linked_journal_lock_or_state_folder_is_refused(converted, sources, tmp_path):
     out = copy(converted["mx"], tmp_path)
     elsewhere = tmp_path / "elsewhere.jsonl"

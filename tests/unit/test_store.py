@@ -242,49 +242,6 @@ def test_inspect_and_plan_on_a_store_show_what_each_rank_reads(tiny_store, comma
     assert "what each rank of EP 8 (0 redundant" in text and "distinct ranges" in text
 
 
-def test_the_store_benchmark_runs_its_cpu_smoke_mode(tmp_path):
-    """benchmarks/bench_store.py --quick: first calls in fresh processes, store vs per-rank form,
-    with a form under other settings and one from a baseline checkout (this one) side by side."""
-    import subprocess
-    import sys
-
-    from conftest import REPO
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
-                           str(tmp_path / "work"), "--save", str(tmp_path / "out.json"),
-                           "--store-knobs", "MEGAMOE_READ_THREADS=2", "--baseline-tree", str(REPO)],
-                          capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary == json.loads((tmp_path / "out.json").read_text()) | {"on_disk": summary["on_disk"]}
-    (row,) = summary["rows"]
-    assert row["ep_size"] == 2 and row["rank"] == 1 and row["same_bytes"] is True
-    assert row["forms"] == ["per_rank", "store", "store MEGAMOE_READ_THREADS=2", "store_baseline"]
-    for key in ("per_rank_warm", "store_warm", "store MEGAMOE_READ_THREADS=2_warm_ready", "store_baseline_warm",
-                "host_read", "h2d_pinned"):
-        assert row[key]["seconds"] > 0 and row[key]["gb_per_s"] > 0, key
-    assert summary["baseline_tree"]["path"] == str(REPO)
-    disk = summary["on_disk"]["2"]
-    assert disk["store_expert_bytes"] < disk["per_rank_expert_bytes_all_ranks"]  # the shared expert once, not twice
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--store-knobs", "RING_MB=8"], "expected MEGAMOE_NAME=VALUE settings"),
-    (["--cold-knobs", "MEGAMOE_WILLNEED"], "expected MEGAMOE_NAME=VALUE settings"),
-    (["--baseline-tree", "."], None),  # tmp_path: not a checkout
-])
-def test_the_store_benchmark_refuses_bad_forms_before_converting_anything(tmp_path, flags, message):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-    flags = [str(tmp_path) if f == "." else f for f in flags]
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
-                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert (message or "expected a megamoe-convert checkout") in proc.stderr.strip().splitlines()[-1]
-    assert not (tmp_path / "work").exists()
-
-
 @pytest.mark.parametrize("weight_format", ["nvfp4", "mxfp8"])
 def test_a_store_of_another_weight_format_serves_any_ranks_slots_with_its_extras(tmp_path, weight_format):
     """NVFP4's per-expert global scales follow the slots; its every-expert input scales are per layer."""

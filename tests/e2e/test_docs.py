@@ -34,15 +34,16 @@ NOT_RUNNABLE = {
     "RUN pip install ": "a Dockerfile line (the same pip install, inside an image build)",
     "make test": "is CI itself (.ci/run)",
     "make demo": "runs below, recipe by recipe (test_make_demo_runs), without rebuilding the environment",
-    "megamoe push ": "needs the Hugging Face hub: tests/test_hub.py runs push against its fake hub",
-    "megamoe pull ": "needs the Hugging Face hub: tests/test_hub.py runs pull against its fake hub",
-    "megamoe convert deepseek-ai/": "downloads from the Hugging Face hub: tests/test_hub.py converts a fake hub repo",
-    "megamoe merge OUT [PART_DIR": "a template (needs every part first): tests/test_fleet.py splits and merges",
-    "megamoe merge /models/V4-Pro-ep64 /scratch": "a template (needs every part first): tests/test_fleet.py",
-    "megamoe convert SRC OUT --ep-size 64 --shard": "one part of a split template: tests/test_fleet.py splits "
+    "megamoe push ": "needs the Hugging Face hub: tests/unit/test_hub.py runs push against its fake hub",
+    "megamoe pull ": "needs the Hugging Face hub: tests/unit/test_hub.py runs pull against its fake hub",
+    "megamoe convert deepseek-ai/": "downloads from the Hugging Face hub: tests/unit/test_hub.py converts a fake "
+                                    "hub repo",
+    "megamoe merge OUT [PART_DIR": "a template (needs every part first): tests/unit/test_fleet.py splits and merges",
+    "megamoe merge /models/V4-Pro-ep64 /scratch": "a template (needs every part first): tests/unit/test_fleet.py",
+    "megamoe convert SRC OUT --ep-size 64 --shard": "one part of a split template: tests/unit/test_fleet.py splits "
                                                    "and merges",
     "PYTHONPATH=. python3 benchmarks/": "a benchmark run (GPU or minutes): every script's smoke mode runs in "
-                                        "tests/test_benchmarks.py (bench_store.py's in tests/test_store.py)",
+                                        "tests/e2e/test_benchmarks.py",
     "megamoe preload ": "starts vLLM's weight-cache daemons (needs vLLM >= 0.33 and GPUs): "
                         "tests/engines/test_vllm_weight_cache.py runs it in vLLM 0.33's real code",
     "vllm serve ": "needs GPUs: its flags are parsed by vLLM 0.33's own parser (test_serve_commands_parse)",
@@ -52,7 +53,7 @@ NOT_RUNNABLE = {
 ENGINE_PYTHON = "/path/to/engine-env/bin/python -c "
 PYTHON_NOT_RUNNABLE = {
     "install(model,": "needs an engine's model: tests/engines run install() in vLLM's and SGLang's real code",
-    'load_rank("my-org/': "reads from the Hugging Face hub: tests/test_hub.py loads from its fake hub",
+    'load_rank("my-org/': "reads from the Hugging Face hub: tests/unit/test_hub.py loads from its fake hub",
 }
 
 
@@ -190,6 +191,7 @@ print("parsed", len(json.loads(sys.argv[1])))
 """
 
 
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_serve_commands_parse_with_vllms_own_parser(tiny_ckpt, tmp_path):
     """Documented `vllm serve` commands, and the one `inspect` prints with redundant experts, are
     accepted by vLLM 0.33's real argument parser (a flag vLLM does not know fails here)."""
@@ -223,6 +225,7 @@ print("parsed", len(json.loads(sys.argv[1])))
 """
 
 
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_sglang_launch_commands_parse_with_sglangs_own_parser():
     sys.path.insert(0, str(REPO / "tests"))
     from engine_envs import ensure

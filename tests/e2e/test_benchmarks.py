@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 BENCH = REPO / "benchmarks"
@@ -31,7 +32,7 @@ def test_every_script_has_a_test():
     tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
               "bench_probe.py",
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
-              "bench_store.py",  # bench_store.py --quick: tests/test_store.py
+              "bench_store.py",  # bench_store.py --quick: below
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
@@ -191,6 +192,7 @@ def test_device_startup_script_parses_and_its_runs_use_real_flags():
         bench_startup.parse_args(args)  # exits (SystemExit) on an unknown flag
 
 
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_startup_smoke_in_vllm_033(tmp_path):
     """The start-up benchmark's children build vLLM 0.33's real modules (on the CPU here) and load them
     both ways; their results must be identical."""
@@ -218,6 +220,7 @@ def test_device_node_script_parses_and_runs_real_flags():
     assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json" and args.shapes == ["slice"]
 
 
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_node_quick_in_vllm_033(tmp_path):
     """The node benchmark on the CPU: two rank processes per shape, released together, loading through
     vLLM 0.33's own loaders, install() and an ipc_cache restart into vLLM's real modules; every form
@@ -284,6 +287,7 @@ def test_node_report_sets_apart_warm_rows_run_right_after_their_files_first_read
     assert report_node.unprimed(twice) == [] and "left out" not in report_node.method_notes(twice)
 
 
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_probe_smoke_in_vllm_033(tmp_path):
     """The layout probe's benchmark: fresh children install into vLLM 0.33's real modules (on the CPU here)
     with and without the probe; the probe ran (once per process) and both give the same experts."""
@@ -301,3 +305,39 @@ def test_bench_probe_smoke_in_vllm_033(tmp_path):
     assert set(summary["probe_phases_s"]) == {"input", "reference", "engine", "compare", "fingerprint"}
     assert sum(summary["probe_phases_s"].values()) <= summary["probe_s"]
 
+
+# ----------------------------------------------------------------------------- bench_store.py
+
+def test_the_store_benchmark_runs_its_cpu_smoke_mode(tmp_path):
+    """benchmarks/bench_store.py --quick: first calls in fresh processes, store vs per-rank form,
+    with a form under other settings and one from a baseline checkout (this one) side by side."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
+                           str(tmp_path / "work"), "--save", str(tmp_path / "out.json"),
+                           "--store-knobs", "MEGAMOE_READ_THREADS=2", "--baseline-tree", str(REPO)],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary == json.loads((tmp_path / "out.json").read_text()) | {"on_disk": summary["on_disk"]}
+    (row,) = summary["rows"]
+    assert row["ep_size"] == 2 and row["rank"] == 1 and row["same_bytes"] is True
+    assert row["forms"] == ["per_rank", "store", "store MEGAMOE_READ_THREADS=2", "store_baseline"]
+    for key in ("per_rank_warm", "store_warm", "store MEGAMOE_READ_THREADS=2_warm_ready", "store_baseline_warm",
+                "host_read", "h2d_pinned"):
+        assert row[key]["seconds"] > 0 and row[key]["gb_per_s"] > 0, key
+    assert summary["baseline_tree"]["path"] == str(REPO)
+    disk = summary["on_disk"]["2"]
+    assert disk["store_expert_bytes"] < disk["per_rank_expert_bytes_all_ranks"]  # the shared expert once, not twice
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--store-knobs", "RING_MB=8"], "expected MEGAMOE_NAME=VALUE settings"),
+    (["--cold-knobs", "MEGAMOE_WILLNEED"], "expected MEGAMOE_NAME=VALUE settings"),
+    (["--baseline-tree", "."], None),  # tmp_path: not a checkout
+])
+def test_the_store_benchmark_refuses_bad_forms_before_converting_anything(tmp_path, flags, message):
+    flags = [str(tmp_path) if f == "." else f for f in flags]
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks/bench_store.py"), "--quick", "--workdir",
+                           str(tmp_path / "work"), *flags], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (message or "expected a megamoe-convert checkout") in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "work").exists()
