@@ -1,6 +1,7 @@
-# Two entry points, each doing all set-up on a fresh machine (a local venv in .venv):
-#   make demo   synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
-#   make test   lint (ruff), type-check (mypy), then run the whole test suite
+# Entry points, each doing all set-up on a fresh machine (a local venv in .venv):
+#   make demo       synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
+#   make test       lint (ruff), type-check (mypy), then every test tier (what CI runs), and its time
+#   make test-fast  the unit tier alone (tests/unit, in-process): the loop while editing
 VENV ?= .venv
 # Extra pip arguments for torch. Left empty, it is chosen here: where no NVIDIA driver answers
 # (no nvidia-smi) and pip, as configured, finds no torch==2.13.0 without an index (a local wheel
@@ -11,7 +12,7 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench report clean
+.PHONY: demo test test-fast bench report clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,10 +35,17 @@ demo: $(STAMP)
 	$(VENV)/bin/megamoe verify demo-out/converted --source demo-out/checkpoint --numerics
 	$(PY) -m megamoe_convert.cli.demo demo-out/converted
 
+# Every tier in one pytest run (tests/unit, tests/e2e, the engines' tests/test_engines_real.py), the
+# slowest tests listed, then the time it all took.
 test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -p no:cacheprovider
+	@start=$$(date +%s); status=0; \
+	$(VENV)/bin/ruff check . && $(VENV)/bin/mypy && \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests || status=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s (ruff, mypy, the unit, e2e and engines tiers)"; \
+	exit $$status
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m unit tests/unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_convert.py --quick
