@@ -1,6 +1,7 @@
-"""A newcomer's first run, on a fresh clone of the repository: the command line as they meet it,
-each of the tool's own outputs (finished, unfinished, a store, experts-only, another engine's) fed
-back to the commands, and every answer saying what it is and what to do next."""
+"""A newcomer's first run, on a fresh copy of the tree as a clone of it would hold it (what is being
+submitted, not the last commit): the command line as they meet it, each of the tool's own outputs
+(finished, unfinished, a store, experts-only, another engine's) fed back to the commands, and every
+answer saying what it is and what to do next."""
 
 from __future__ import annotations
 
@@ -15,12 +16,25 @@ import pytest
 from conftest import REPO
 
 
+def copy_tree(dest: Path) -> None:
+    """The files a clone of the working tree would hold: tracked ones as they are now and untracked
+    ones git does not ignore (a file deleted but not yet committed is left out)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True, timeout=120).stdout
+    for name in sorted({os.fsdecode(n) for n in listed.split(b"\0") if n}):
+        src = REPO / name
+        if src.is_file() or src.is_symlink():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name, follow_symlinks=False)
+
+
 class Clone:
-    """``git clone`` of this repository, its command line run from it (its own code, not the tree's)."""
+    """A fresh copy of the tree (:func:`copy_tree`), its command line run from it (its own code, not
+    the tree's)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root / "megamoe-convert"
-        subprocess.run(["git", "clone", "--quiet", str(REPO), str(self.root)], check=True, timeout=300)
+        copy_tree(self.root)
         self.work = root / "work"
         self.work.mkdir()
 
