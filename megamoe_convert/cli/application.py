@@ -9,6 +9,7 @@ import typer
 
 from megamoe_convert import __version__
 from megamoe_convert.cli import _run, conventions, convert, inspect, merge, plan, preload, pull, push, synth, verify
+from megamoe_convert.source import engines_table
 
 #: Every command in display order: its name, its function (the namesake of its module), the line the
 #: command list shows (click would cut the docstring at 45 characters), and further ``app.command`` settings.
@@ -26,9 +27,8 @@ COMMANDS: list[tuple[str, Callable[..., Any], str, dict[str, Any]]] = [
 
 app = typer.Typer(
     name="megamoe", context_settings={"help_option_names": conventions.HELP_OPTIONS},
-    help="Pre-bake DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 MoE experts into DeepGEMM's MegaMoE per-rank layout, "
-         "offline, "
-         "so that vLLM ranks load them with no transform work.",
+    help="Pre-bake MoE experts into DeepGEMM's MegaMoE per-rank layout, offline, so that the serving engine's "
+         f"ranks load them with no transform work. Served: {engines_table.support_matrix()}.",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: option names are never cut at 80 columns (CI logs)
 )

@@ -10,7 +10,6 @@ import typer
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import (
-    Engine,
     EngineOption,
     JsonOption,
     PlacementOption,
@@ -18,6 +17,7 @@ from megamoe_convert.cli.options import (
     resolve_source,
 )
 from megamoe_convert.devices import Device
+from megamoe_convert.source import engines_table
 from megamoe_convert.ui import ByteProgress, human_bytes, status
 
 
@@ -27,9 +27,9 @@ class ShardBy(str, Enum):
 
 
 def convert(
-    src: Annotated[str, typer.Argument(help="DeepSeek-V4, V4.1 or Kimi-K3 checkpoint directory (config.json + "
-                                            "safetensors index), "
-                                            "or a Hugging Face repo id (owner/name).")],
+    src: Annotated[str, typer.Argument(help=f"Checkpoint directory of a family an engine serves "
+                                            f"({engines_table.family_titles()}): config.json + safetensors "
+                                            "index, or a Hugging Face repo id (owner/name).")],
     out: Annotated[Path, typer.Argument(help="Output model directory (new, empty, or a previous run to resume).")],
     ep_size: Annotated[Optional[int], typer.Option(min=1, help="Expert-parallel size the model will be served with "
                                                                "(per-rank files). Without it: a store of every "
@@ -55,7 +55,7 @@ def convert(
     shard_by: Annotated[ShardBy, typer.Option(help="What --shard splits the expert shards by.")] = ShardBy.layer,
     auto_merge: Annotated[bool, typer.Option(help="With --shard: the last part to finish in a shared OUT writes "
                                                   "the manifest (merges all parts).")] = True,
-    engine: EngineOption = Engine.vllm,
+    engine: EngineOption = None,
 ) -> None:
     """Convert a checkpoint into per-rank MegaMoE shards (--ep-size) or a rank-agnostic store (experts/,
     every logical expert once), non-expert shards and manifest.json.
@@ -69,6 +69,8 @@ def convert(
         megamoe convert V4-Flash V4-Flash-ep8 --ep-size 8
         # no --ep-size: a store, which serves every EP size
         megamoe convert V4-Flash V4-Flash-store
+        # DeepSeek-V3 / Qwen3-MoE (FP8): SGLang's Hopper placement, their engine's
+        megamoe convert DeepSeek-V3 V3-ep8 --ep-size 8
         # from the hub, with redundant experts
         megamoe convert deepseek-ai/DeepSeek-V4.1-Flash V4.1-ep16 \\
             --ep-size 16 --num-redundant-experts 32
@@ -82,7 +84,7 @@ def convert(
                              placement_file=placement_file, device=device.value, workers=workers, ranks=ranks,
                              layers=layers, experts_only=experts_only, overwrite=overwrite,
                              chunk_bytes=chunk_mb << 20, fsync=not no_fsync, shard_by=shard_by.value,
-                             auto_merge=auto_merge, engine=engine.value)
+                             auto_merge=auto_merge, engine=engine and engine.value)
 
     def body() -> None:
         from megamoe_convert.cli.outputs import refuse_as_source

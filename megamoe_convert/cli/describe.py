@@ -3,7 +3,6 @@ writes), what a finished conversion is, and the serve command that matches it fo
 
 from __future__ import annotations
 
-import json
 import shlex
 import threading
 from pathlib import Path
@@ -11,10 +10,11 @@ from typing import Any
 
 from megamoe_convert.convert.plan import ConvertOptions, index_text, non_expert_index, working_ep_sizes
 from megamoe_convert.convert.run import build_plan
-from megamoe_convert.engines import shape_refusals
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME, format_ranges, rank_dir_name
+from megamoe_convert.source import engines_table
 from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.families import ModelFamily, by_name
 from megamoe_convert.source.safetensors_io import FileCache
 
 # --------------------------------------------------------------------------------------
@@ -39,7 +39,8 @@ def planned_sizes(src: Path, options: ConvertOptions) -> dict[str, Any]:
     index = non_expert_index(plan)
     index_bytes = len(index_text(index).encode()) if index is not None else 0
     rank_total = sum(per_rank.values())
-    return {"ep_size": plan.placement.ep_size, "ranks": plan.ranks, "layers": [layer.key for layer in plan.layers],
+    return {"engine": plan.engine, "ep_size": plan.placement.ep_size, "ranks": plan.ranks,
+            "layers": [layer.key for layer in plan.layers],
             "rank_bytes": {str(r): b for r, b in per_rank.items()},
             "expert_bytes_per_rank": max(per_rank.values(), default=0),
             "expert_bytes_total": rank_total, "non_expert_bytes": kinds["non_expert"] + index_bytes,
@@ -49,10 +50,11 @@ def planned_sizes(src: Path, options: ConvertOptions) -> dict[str, Any]:
 
 
 def ep_sizes(ckpt: Checkpoint, num_redundant: int = 0) -> dict[str, list[int]]:
-    """Per engine that can hold this family's placement: the EP sizes for which every MoE layer
-    (MTP layers with their own expert count included) divides over the ranks."""
+    """Per engine that serves this family: the EP sizes for which every MoE layer (MTP layers with
+    their own expert count included) divides over the ranks."""
     assert ckpt.family is not None
-    return {engine: working_ep_sizes(ckpt, num_redundant, engine, ckpt.layers) for engine in ckpt.family.engines}
+    return {engine: working_ep_sizes(ckpt, num_redundant, engine, ckpt.layers)
+            for engine in engines_table.engines_for(ckpt.family)}
 
 
 def engines_json(refusals: dict[str, str | None]) -> dict[str, dict[str, Any]]:
@@ -89,77 +91,53 @@ def conversion_sizes(out: Path, manifest: Manifest) -> dict[str, Any]:
 
 def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
     """Per engine: whether it can serve this conversion, the exact command when it can, and why not
-    when it cannot (engine the placement was built for, family, shapes, placement, partial)."""
+    when it cannot (family, weight format, shapes, engine the placement was built for, placement, partial)."""
     coverage = manifest.coverage()
-    n, placement = manifest.ep_size, manifest.placement
-    path = shlex.quote(out)
+    placement = manifest.placement
     result: dict[str, dict[str, Any]] = {}
-    for engine in ("vllm", "sglang"):
-        why = engine_problems(engine, manifest) if manifest.engine == engine else []
-        if manifest.engine != engine and not (why := family_refusal(engine, manifest)):
+    for engine in engines_table.ENGINE_NAMES:
+        why = engine_problems(engine, manifest)
+        if manifest.engine != engine and not engines_table.family_refusal(_family(manifest), engine):
             why.append(f"converted for {manifest.engine}'s expert placement (convert with --engine {engine})")
-        if engine == "vllm" and not placement.is_default():
-            why.append("an explicit placement: vLLM serves only its default one")
+        if not engines_table.engine(engine).explicit_placement and not placement.is_default():
+            why.append(f"an explicit placement: {engines_table.engine(engine).title} serves only its default one")
         if not coverage["servable"]:
             why.append(coverage["note"])
-        command, notes = serve_command(engine, path, str(n), placement.num_redundant, placement.is_default(),
-                                       manifest.family)
+        command, notes = serve_command(engine, shlex.quote(out), str(manifest.ep_size), placement.num_redundant,
+                                       manifest, placement.is_default())
         result[engine] = {"servable": not why, "command": command if not why else "", "reason": "; ".join(why),
                           "notes": notes if not why else []}
     return result
 
 
-def family_refusal(engine: str, manifest: Manifest) -> list[str]:
-    """Why ``engine`` serves no conversion of the manifest's family at all (empty: it may)."""
-    from megamoe_convert.layout.serving import serving_refusal
-    from megamoe_convert.source.families import by_name
-
-    refusal = serving_refusal(by_name(manifest.family, MANIFEST_NAME), engine, manifest.dims.n_routed_experts)
-    return [by_name(manifest.family, MANIFEST_NAME).engine_note] if refusal else []
+def _family(manifest: Manifest) -> ModelFamily:
+    return by_name(manifest.family, MANIFEST_NAME)
 
 
 def engine_problems(engine: str, manifest: Manifest) -> list[str]:
-    """Why ``engine`` cannot serve what the manifest holds, whatever its placement: the family's
-    engines, the shapes, the weight format (empty: it can)."""
-    from megamoe_convert.source.families import by_name
-
-    family = by_name(manifest.family, MANIFEST_NAME)
-    refusal = shape_refusals(manifest.dims.hidden_size, manifest.dims.moe_intermediate_size, family).get(engine)
-    why = [str(refusal)] if refusal else []
-    if engine == "sglang" and manifest.dims.weight_format not in ("mxfp4", "fp8_block") and not why:
-        why.append(f"SGLang's MegaMoE takes MXFP4 (Blackwell) or fp8_block (Hopper) experts, these are "
-                   f"{manifest.dims.weight_format}")
-    return why
+    """Why no release of ``engine`` serves what the manifest holds, whatever its placement: the family,
+    the weight format, the shapes (empty: one does)."""
+    d = manifest.dims
+    return engines_table.problems(engine, _family(manifest), d.weight_format, d.hidden_size, d.moe_intermediate_size)
 
 
-def serve_command(engine: str, path: str, n: str, num_redundant: int, default_placement: bool,
-                  family: str | None = None) -> tuple[str, list[str]]:
+def serve_command(engine: str, path: str, n: str, num_redundant: int, manifest: Manifest,
+                  default_placement: bool = True) -> tuple[str, list[str]]:
     """The command that serves ``path`` (shell-quoted) with ``engine`` at EP size ``n`` (a number, or
-    ``N`` for a store's any), and the notes that go with it."""
-    if engine == "vllm":
-        command = (f"vllm serve {path} --load-format megamoe --data-parallel-size {n} --enable-expert-parallel "
-                   "--moe-backend deep_gemm_mega_moe")
-        if num_redundant:
-            command += (" --enable-eplb --eplb-config "
-                        + shlex.quote(json.dumps({"num_redundant_experts": num_redundant})))
-        return command, ["vLLM 0.30-0.33; one process per GPU (EP over data parallel)"]
-    command = (f"python -m sglang.launch_server --model-path {path} --load-format megamoe --tp-size {n} "
-               f"--ep-size {n} --moe-a2a-backend megamoe")
-    if num_redundant:
-        command += f" --ep-num-redundant-experts {num_redundant}"
-    if family is not None:
-        from megamoe_convert.source.families import by_name
-
-        command += "".join(f" {flag}" for flag in by_name(family, MANIFEST_NAME).sglang_serve_flags)
-    notes = [] if default_placement else ["add --init-expert-location with this placement (manifest.json: "
-                                          "placement.physical_to_logical) for every layer"]
-    return command, [*notes, "SGLang 0.5.23"]
+    ``N`` for a store's any), and the notes that go with it: the releases and GPUs that serve it first."""
+    d = manifest.dims
+    family = _family(manifest)
+    command = engines_table.serve_command(engine, path, n, num_redundant, family.name)
+    served = engines_table.served_by(engine, family, d.weight_format, d.hidden_size, d.moe_intermediate_size)
+    notes = [f"{served}; {note}" if (note := engines_table.engine(engine).note) else served]
+    if not default_placement:
+        notes.append("add --init-expert-location with this placement (manifest.json: placement.physical_to_logical) "
+                     "for every layer")
+    return command, notes
 
 
 def describe_conversion(out: Path, manifest: Manifest) -> dict[str, Any]:
     """What ``inspect OUT`` prints (``--json``: the same keys)."""
-    from megamoe_convert.source.families import by_name
-
     placement, coverage = manifest.placement, manifest.coverage()
     absolute = str(Path(out).resolve())
     return {

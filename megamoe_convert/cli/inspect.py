@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
-from megamoe_convert.cli.options import Engine, EngineOption, RedundantOption, RevisionOption, resolve_source
+from megamoe_convert.cli.options import EngineOption, RedundantOption, RevisionOption, resolve_source
 from megamoe_convert.ui import human_bytes, out_console
 
 
@@ -21,7 +21,7 @@ def inspect(
                                                                "per rank and in all (default: list the EP "
                                                                "sizes that work).")] = None,
     num_redundant_experts: RedundantOption = 0,
-    engine: EngineOption = Engine.vllm,
+    engine: EngineOption = None,
     experts_only: Annotated[bool, typer.Option(help="Size an --experts-only conversion.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary on stdout.")] = False,
     revision: RevisionOption = None,
@@ -46,7 +46,7 @@ def inspect(
 
     def body() -> None:
         if (manifest := store_manifest(src)) is not None:
-            _inspect_store(src, manifest, ep_size, num_redundant_experts, engine.value, as_json)
+            _inspect_store(src, manifest, ep_size, num_redundant_experts, engine and engine.value, as_json)
         elif is_conversion(Path(src)):
             _inspect_conversion(Path(src), as_json)
         elif (unfinished := describe_unfinished(Path(src))) is not None:
@@ -56,16 +56,16 @@ def inspect(
                 out_console.print(f"{src}: {unfinished['what']}\nnext: {unfinished['next']}", markup=False,
                                   highlight=False)
         else:
-            _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts, engine.value,
-                                experts_only, as_json)
+            _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts,
+                                engine and engine.value, experts_only, as_json)
     run_command(body)
 
 
-def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str, experts_only: bool,
+def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine: str | None, experts_only: bool,
                         as_json: bool) -> None:
     from megamoe_convert.cli.describe import engines_json, ep_sizes, planned_sizes
     from megamoe_convert.convert.plan import ConvertOptions
-    from megamoe_convert.engines import describe_engines, shape_refusals
+    from megamoe_convert.layout.serving import describe_engines, shape_refusals
     from megamoe_convert.source.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(path)
@@ -73,7 +73,7 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     d = ckpt.dims
     first = ckpt.layers[0]
     dtypes = {f"{p}.{k}": ckpt.expert_entry(first, 0, p, k).dtype for p, k in d.expert_byte_shapes()}
-    refusals = shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)
+    refusals = shape_refusals(ckpt.family, d.weight_format, d.hidden_size, d.moe_intermediate_size)
     working = {name: sizes for name, sizes in ep_sizes(ckpt, redundant).items() if refusals.get(name) is None}
     summary: dict[str, Any] = {
         "next": "convert it: megamoe convert SRC OUT --ep-size N (or without --ep-size: a store, any EP size)",
@@ -86,11 +86,11 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
         "shards": len(ckpt.headers), "tensors": len(ckpt.tensors),
         "expert_bytes": ckpt.expert_bytes(), "non_expert_bytes": sum(e.nbytes for e in ckpt.non_expert_tensors()),
         "num_redundant_experts": redundant, "working_ep_sizes": working,
-        "engines": engines_json(shape_refusals(d.hidden_size, d.moe_intermediate_size, ckpt.family)),
+        "engines": engines_json(refusals),
     }
     if ep_size is not None:
         options = ConvertOptions(ep_size, redundant, engine=engine, experts_only=experts_only)
-        summary["conversion"] = {"engine": engine, "experts_only": experts_only, **planned_sizes(ckpt.root, options)}
+        summary["conversion"] = {"experts_only": experts_only, **planned_sizes(ckpt.root, options)}
     if as_json:
         print_json(summary)
         return
@@ -114,13 +114,13 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
         table.add_row(f"EP sizes for {name}{redundant_text}", ", ".join(map(str, sizes)) or "none")
     if ep_size is not None:
         c = summary["conversion"]
-        table.add_row(f"convert --ep-size {ep_size} ({engine})",
+        table.add_row(f"convert --ep-size {ep_size} ({c['engine']})",
                       f"{human_bytes(c['expert_bytes_per_rank'])} per rank ({c['experts_per_rank']} slots/layer, "
                       "shared expert and all extras included); "
                       f"{human_bytes(c['total_bytes'])} in all")
     else:
         table.add_row("bytes per rank", "pass --ep-size N to size a conversion")
-    table.add_row("served by", describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family))
+    table.add_row("served by", describe_engines(ckpt.family, d.weight_format, d.hidden_size, d.moe_intermediate_size))
     out_console.print(table)
 
 
@@ -153,7 +153,7 @@ def _print_output(info: dict[str, Any], kind: str, rows: list[tuple[str, str]], 
     for row in rows:
         table.add_row(*row)
     table.add_row("fused shared expert", "pre-baked" if info["shared_expert_prebaked"] else "not pre-baked")
-    table.add_row("layout identity", _describe_layout(info["layout"]))
+    table.add_row("layout identity", _describe_layout(info["layout"], info["family"]))
     table.add_row("partial", f"yes: {info['coverage']['note']}" if info["partial"] else "no")
     table.add_row("size", size)
     out_console.print(table)
@@ -176,9 +176,10 @@ def _print_serve(serve: dict[str, dict[str, Any]]) -> None:
             out_console.print(f"not servable with {engine}: {how['reason']}", markup=False, highlight=False)
 
 
-def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int, engine: str, as_json: bool) -> None:
-    """A store: what it is, the EP sizes and the command each engine serves it with; with ``--ep-size``,
-    what each rank reads of it."""
+def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int, engine: str | None,
+                   as_json: bool) -> None:
+    """A store: what it is, the EP sizes and the command each engine that serves it takes; with ``--ep-size``,
+    what each rank reads of it (``engine=None``: under the rule of the engine that serves its family)."""
     from megamoe_convert.cli.outputs import describe_store
     from megamoe_convert.cli.store import reads_table, store_reads
 
@@ -193,7 +194,7 @@ def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int,
         ("experts", f"{info['n_routed_experts']} routed, each once (slots, redundant experts and the placement "
                     "are the server's choice)"),
         *((f"EP sizes for {name}" + (f" with {redundant} redundant" if redundant else ""),
-           ", ".join(map(str, how["ep_sizes"])) or "none") for name, how in info["serve"].items()),
+           ", ".join(map(str, how["ep_sizes"]))) for name, how in info["serve"].items() if how["ep_sizes"]),
     ], f"{human_bytes(sizes['expert_bytes_total'])} of experts, {human_bytes(sizes['total_bytes'])} in all")
     if reads is not None:
         out_console.print(reads_table(reads))
@@ -202,11 +203,16 @@ def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int,
                           highlight=False)
 
 
-def _describe_layout(record: dict[str, Any] | None) -> str:
-    """The recorded transform, its fingerprints and the releases it is proven against, in one cell."""
+def _describe_layout(record: dict[str, Any] | None, family: str) -> str:
+    """The recorded transform, its fingerprints and the releases it is proven against, in one cell: of
+    the engines, those that serve the family (the serving table's)."""
+    from megamoe_convert.source.engines_table import ENGINE_NAMES, engines_for
+    from megamoe_convert.source.families import by_name
+
     if record is None:
         return "not recorded (converted before megamoe-convert recorded it); the engine's probe still runs"
     prints = ", ".join(f"{part} {value}" for part, value in record["fingerprints"].items())
-    proven = "; ".join(f"{name} {', '.join(versions)}" for name, versions in record["proven"].items())
+    served = engines_for(by_name(family))
+    proven = "; ".join(f"{name} {', '.join(versions)}" for name, versions in record["proven"].items()
+                       if name in served or name not in ENGINE_NAMES)
     return f"{record['transform']} ({prints}); proven with {proven}"
-

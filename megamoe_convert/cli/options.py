@@ -8,15 +8,19 @@ from typing import Annotated, Optional
 
 import typer
 
+from megamoe_convert.source import engines_table
+
 
 class Engine(str, Enum):
     vllm = "vllm"
     sglang = "sglang"
 
 
-#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way).
-EngineOption = Annotated[Engine, typer.Option(help="Serving engine whose expert placement the ranks follow: "
-                                                   "SGLang builds the MTP layer without redundant experts.")]
+#: ``--engine``: whose per-layer expert placement to use (SGLang builds the MTP layer its own way);
+#: left out, the engine that serves the checkpoint's family (``engines_table.resolve_engine``).
+EngineOption = Annotated[Optional[Engine], typer.Option(
+    help="Serving engine whose expert placement the ranks follow: SGLang builds the MTP layer without redundant "
+         f"experts (default: the engine that serves the model family: {engines_table.engine_defaults()}).")]
 
 #: ``--revision`` of the commands that read a source checkpoint.
 RevisionOption = Annotated[Optional[str], typer.Option(help="SRC is a hub repo id: branch, tag or commit to "

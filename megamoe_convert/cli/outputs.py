@@ -19,9 +19,8 @@ from megamoe_convert.output.manifest import Manifest, is_tool_output
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
 from megamoe_convert.output.resume import read_state_json
 from megamoe_convert.serve import store
+from megamoe_convert.source.engines_table import ENGINE_NAMES as ENGINES
 from megamoe_convert.source.families import by_name
-
-ENGINES = ("vllm", "sglang")
 
 
 def store_ep_sizes(manifest: Manifest, num_redundant: int, engine: str) -> list[int]:
@@ -60,7 +59,7 @@ def describe_store(src: str, manifest: Manifest, ep_size: int | None, num_redund
         if not coverage["servable"]:
             why.append(coverage["note"])
         n = str(ep_size) if ep_size is not None else "N"
-        command, notes = serve_command(engine, shlex.quote(absolute), n, num_redundant, True, manifest.family)
+        command, notes = serve_command(engine, shlex.quote(absolute), n, num_redundant, manifest)
         if ep_size is None and sizes:
             notes = [f"N: any of {', '.join(map(str, sizes))}", *notes]
         serve[engine] = {"servable": not why, "command": "" if why else command, "reason": "; ".join(why),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -9,7 +11,6 @@ from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import (
-    Engine,
     EngineOption,
     PlacementOption,
     RedundantOption,
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
 
 
 def plan(
-    src: Annotated[str, typer.Argument(help="Checkpoint directory.")],
-    ep_size: Annotated[int, typer.Option(min=1, help="Expert-parallel size (number of ranks).")],
+    src: Annotated[str, typer.Argument(help="Checkpoint directory (or a store).")],
+    ep_size: Annotated[Optional[int], typer.Option(min=1, help="Expert-parallel size (number of ranks; "
+                                                               "default: list the EP sizes that work).")] = None,
     num_redundant_experts: RedundantOption = 0,
     placement_file: PlacementOption = None,
-    engine: EngineOption = Engine.vllm,
+    engine: EngineOption = None,
     layers: Annotated[Optional[str], typer.Option(help="Only these MoE layers, e.g. 0-3,mtp.0 (default: "
                                                        "all).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the placement as JSON on stdout.")] = False,
@@ -35,7 +37,7 @@ def plan(
 ) -> None:
     """Print which logical experts every rank's slots hold, per layer where the engine's rule
     differs (SGLang's MTP layer, DeepSeek-V4.1's DSpark MTP layers), and which engines can serve
-    the checkpoint's shapes.
+    the checkpoint's shapes; without --ep-size, the EP sizes that work.
     \f
     Examples::
 
@@ -43,41 +45,90 @@ def plan(
         megamoe plan V4-Flash --ep-size 8 --num-redundant-experts 32 \\
             --engine sglang
         megamoe plan V4-Flash --ep-size 8 --placement eplb.json --json
+        # the EP sizes that work
+        megamoe plan V4-Flash --num-redundant-experts 32
         # a store: what each rank of EP 16 reads of it
         megamoe plan V4-Flash-store --ep-size 16
     """
-    from megamoe_convert.cli.describe import engines_json
     from megamoe_convert.cli.outputs import refuse_as_source
     from megamoe_convert.cli.store import print_store_reads
-    from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
-    from megamoe_convert.engines import describe_engines, shape_refusals
-    from megamoe_convert.layout.placement import layer_placement
-    from megamoe_convert.source.checkpoint import Checkpoint
+
+    name = engine and engine.value
 
     def body() -> None:
-        if print_store_reads(src, as_json, ep_size, num_redundant_experts, placement_file, engine.value):
-            return
-        refuse_as_source(src, "plan", ep_size)  # a per-rank conversion's placement is fixed: inspect shows it
-        ckpt = Checkpoint.open(resolve_source(src, revision))
-        options = ConvertOptions(ep_size, num_redundant_experts, placement_file, engine=engine.value,
-                                 layers=layers)
-        placement = make_placement(ckpt, options)
-        assert ckpt.family is not None
-        own = {layer.key: p for layer in select_layers(ckpt, layers)
-               if (p := layer_placement(engine.value, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
-                                        ckpt.family.sglang_mtp_like_decoder)) != placement}
-        d = ckpt.dims
-        if as_json:
-            print_json({**placement.to_json(), "engine": engine.value,
-                        "layer_placements": {key: p.to_json() for key, p in own.items()},
-                        "engines": engines_json(shape_refusals(d.hidden_size, d.moe_intermediate_size,
-                                                               ckpt.family))})
-            return
-        out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
-        for key, p in own.items():
-            out_console.print(_placement_table(p, f"{key} ({engine.value})"))
-        out_console.print(f"served by: {describe_engines(d.hidden_size, d.moe_intermediate_size, ckpt.family)}")
+        if ep_size is None:
+            _print_ep_sizes(src, num_redundant_experts, name, revision, as_json)
+        elif not print_store_reads(src, as_json, ep_size, num_redundant_experts, placement_file, name):
+            refuse_as_source(src, "plan", ep_size)  # a per-rank conversion's placement is fixed: inspect shows it
+            _print_placement(resolve_source(src, revision), ep_size, num_redundant_experts, placement_file, name,
+                             layers, as_json)
     run_command(body)
+
+
+def _print_placement(src: Path, ep_size: int, redundant: int, placement_file: Path | None, engine: str | None,
+                     layers: str | None, as_json: bool) -> None:
+    """A checkpoint's plan: the decoder layers' placement, each layer the engine builds its own way, and
+    the releases that serve its shapes."""
+    from megamoe_convert.cli.describe import engines_json
+    from megamoe_convert.convert.plan import ConvertOptions, make_placement, select_layers
+    from megamoe_convert.layout.placement import layer_placement
+    from megamoe_convert.layout.serving import describe_engines, shape_refusals
+    from megamoe_convert.source.checkpoint import Checkpoint
+    from megamoe_convert.source.engines_table import resolve_engine
+
+    ckpt = Checkpoint.open(src)
+    assert ckpt.family is not None
+    placement = make_placement(ckpt, ConvertOptions(ep_size, redundant, placement_file, engine=engine, layers=layers))
+    engine = resolve_engine(ckpt.family, engine)
+    own = {layer.key: p for layer in select_layers(ckpt, layers)
+           if (p := layer_placement(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+                                    ckpt.family.sglang_mtp_like_decoder)) != placement}
+    d = ckpt.dims
+    if as_json:
+        print_json({**placement.to_json(), "engine": engine,
+                    "layer_placements": {key: p.to_json() for key, p in own.items()},
+                    "engines": engines_json(shape_refusals(ckpt.family, d.weight_format, d.hidden_size,
+                                                           d.moe_intermediate_size))})
+        return
+    out_console.print(_placement_table(placement, "every MoE layer" if not own else "decoder layers"))
+    for key, p in own.items():
+        out_console.print(_placement_table(p, f"{key} ({engine})"))
+    served = describe_engines(ckpt.family, d.weight_format, d.hidden_size, d.moe_intermediate_size)
+    out_console.print(f"served by: {served}", markup=False, highlight=False)
+
+
+def _print_ep_sizes(src: str, redundant: int, engine: str | None, revision: str | None, as_json: bool) -> None:
+    """``plan`` without ``--ep-size``: the EP sizes that work per engine that serves the checkpoint or
+    store (``engine``: that one only), as ``inspect`` lists them."""
+    from megamoe_convert.cli.describe import ep_sizes
+    from megamoe_convert.cli.outputs import refuse_as_source, store_ep_sizes
+    from megamoe_convert.cli.store import store_manifest
+    from megamoe_convert.layout.serving import shape_refusals
+    from megamoe_convert.source.checkpoint import Checkpoint
+    from megamoe_convert.source.engines_table import engines_for
+    from megamoe_convert.source.families import by_name
+
+    if (manifest := store_manifest(src)) is not None:
+        sizes = {e: store_ep_sizes(manifest, redundant, e) for e in engines_for(by_name(manifest.family))}
+    else:
+        refuse_as_source(src, "plan")
+        ckpt = Checkpoint.open(resolve_source(src, revision))
+        assert ckpt.family is not None
+        d = ckpt.dims
+        refusals = shape_refusals(ckpt.family, d.weight_format, d.hidden_size, d.moe_intermediate_size)
+        sizes = {e: s for e, s in ep_sizes(ckpt, redundant).items() if refusals.get(e) is None}
+    sizes = {e: s for e, s in sizes.items() if engine in (None, e)}
+    if as_json:
+        print_json({"working_ep_sizes": sizes, "num_redundant_experts": redundant})
+        return
+    with_redundant = f" with {redundant} redundant experts" if redundant else ""
+    for name, found in sizes.items():
+        out_console.print(f"EP sizes for {name}{with_redundant}: {', '.join(map(str, found)) or 'none'}",
+                          markup=False, highlight=False)
+    if not sizes:
+        out_console.print("no engine serves it: megamoe inspect says why", markup=False, highlight=False)
+    out_console.print(f"which experts each rank holds: megamoe plan {shlex.quote(src)} --ep-size N", markup=False,
+                      highlight=False)
 
 
 def _placement_table(placement: "Placement", what: str) -> Table:

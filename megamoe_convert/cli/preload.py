@@ -33,4 +33,26 @@ def preload(
     """
     from megamoe_convert.engines.vllm.preload import run_preload
 
-    run_command(lambda: run_preload(model, ctx.args))
+    def body() -> None:
+        refuse_unserved(model)
+        run_preload(model, ctx.args)
+    run_command(body)
+
+
+def refuse_unserved(model: str) -> None:
+    """A conversion of a family vLLM does not serve: the daemon is vLLM's only, so it is refused
+    naming the engine that serves it (a conversion for that engine's placement is its own)."""
+    from megamoe_convert.errors import PreloadError
+    from megamoe_convert.hub.resolve import open_converted
+    from megamoe_convert.source import engines_table
+
+    converted = open_converted(model, ())
+    family, d = converted.family, converted.manifest.dims
+    if (why := engines_table.family_refusal(family, "vllm")) is None:
+        return
+    served = " or ".join(engines_table.served_by(e, family, d.weight_format, d.hidden_size, d.moe_intermediate_size)
+                         for e in engines_table.engines_for(family))
+    instead = (f"serve it with {served} (megamoe inspect {model} prints the command)" if served else
+               engines_table.unserved_note(family))
+    raise PreloadError(f"{model}: a conversion of {family.title}, which vLLM cannot serve ({why}); megamoe preload "
+                       f"starts vLLM's weight-cache daemons only: {instead}")

@@ -27,6 +27,7 @@ from megamoe_convert.output.shards import LAYOUT_VERSION
 from megamoe_convert.output.stamps import stamp_files
 from megamoe_convert.output.writer import FileRecord
 from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.engines_table import resolve_engine
 from megamoe_convert.source.layer_spec import parse_layer_spec
 from megamoe_convert.source.layers import MoELayer
 
@@ -55,7 +56,9 @@ class ConvertOptions:
     shard: tuple[int, int] | None = None
     shard_by: str = "layer"  # "layer" | "rank": what a part's expert shards are split by
     auto_merge: bool = True  # the last part to finish in a shared OUT merges all parts
-    engine: str = "vllm"  # whose per-layer placement the ranks hold (placement.layer_placement)
+    #: Whose per-layer placement the ranks hold (placement.layer_placement); ``None``: the engine that
+    #: serves the checkpoint's family (:func:`resolve_engine`, once the family is known).
+    engine: str | None = None
     #: Refuse what the engine cannot serve (vLLM: any placement but its default) before any work;
     #: off only to build such a directory on purpose (tests of ``install``'s own refusal).
     check_serving: bool = True
@@ -86,7 +89,7 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
     if options.store:  # every logical expert once; the engine's placement is read at install
         given = [flag for flag, on in (("--num-redundant-experts", options.num_redundant_experts),
                                        ("--placement", options.placement_file is not None),
-                                       ("--ranks", options.ranks is not None), ("--engine", options.engine != "vllm"),
+                                       ("--ranks", options.ranks is not None), ("--engine", options.engine is not None),
                                        ("--shard-by rank", options.shard is not None and options.shard_by == "rank"))
                  if on]
         if given:
@@ -94,15 +97,16 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
                                "expert once, which serves any EP size, redundant experts, placement and engine")
         return Placement.default(n, 1)
     assert options.ep_size is not None
+    engine = resolve_engine(family, options.engine)
     layers = select_layers(ckpt, options.layers)
     if options.placement_file is not None:
         if options.num_redundant_experts:
             raise PlacementError("give either --placement or --num-redundant-experts, not both")
         placement, extra = Placement.read_file(options.placement_file, n, options.ep_size)
-        check_file_fields(extra, placement, options.engine, options.placement_file,
+        check_file_fields(extra, placement, engine, options.placement_file,
                           [(layer.key, layer.is_mtp, ckpt.dims.experts_of(layer)) for layer in ckpt.layers],
                           family.sglang_mtp_like_decoder)
-        if options.check_serving and (problem := serving_refusal(family, options.engine, n,
+        if options.check_serving and (problem := serving_refusal(family, engine, n,
                                                                  placement_file=options.placement_file,
                                                                  placement=placement)):
             raise ConvertError(f"{ckpt.root}: {problem}")
@@ -111,10 +115,10 @@ def make_placement(ckpt: Checkpoint, options: ConvertOptions) -> Placement:
     else:
         placement = Placement.default(n, options.ep_size, options.num_redundant_experts)
     for layer in layers:
-        problem = layer_placement_problem(options.engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
+        problem = layer_placement_problem(engine, placement, layer.is_mtp, ckpt.dims.experts_of(layer),
                                           family.sglang_mtp_like_decoder)
         if problem is not None:
-            failing = _failing(ckpt, options.engine, placement, layers)
+            failing = _failing(ckpt, engine, placement, layers)
             keep = [layer for layer in layers if layer not in failing]
             left_out = ", ".join(layer.key for layer in failing)
             way_out = f"or leave {left_out} out: --layers {layer_spec(keep)}" if keep else ""
@@ -150,7 +154,8 @@ def working_ep_sizes(ckpt: Checkpoint, num_redundant: int, engine: str, layers: 
 
 
 def _sizes_text(ckpt: Checkpoint, options: ConvertOptions, layers: Sequence[MoELayer]) -> str:
-    sizes = working_ep_sizes(ckpt, options.num_redundant_experts, options.engine, layers)
+    assert ckpt.family is not None
+    sizes = working_ep_sizes(ckpt, options.num_redundant_experts, resolve_engine(ckpt.family, options.engine), layers)
     redundant = f" with {options.num_redundant_experts} redundant experts" if options.num_redundant_experts else ""
     what = "every selected MoE layer" if any(layer.is_mtp for layer in layers) else "these layers"
     return (f"EP sizes that work for {what}{redundant}: {', '.join(map(str, sizes))}" if sizes else
@@ -207,7 +212,8 @@ class Plan:
     @property
     def engine(self) -> str:
         """The manifest's ``engine``: a store holds none's placement."""
-        return ANY_ENGINE if self.options.store else self.options.engine
+        assert self.ckpt.family is not None
+        return ANY_ENGINE if self.options.store else resolve_engine(self.ckpt.family, self.options.engine)
 
     def placement_for(self, layer: MoELayer) -> Placement:
         """The placement the engine builds ``layer`` with (SGLang's MTP layer, and MTP layers with
@@ -215,7 +221,7 @@ class Plan:
         if self.options.store:
             return Placement.default(self.ckpt.dims.experts_of(layer), 1)
         assert self.ckpt.family is not None
-        return layer_placement(self.options.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
+        return layer_placement(self.engine, self.placement, layer.is_mtp, self.ckpt.dims.experts_of(layer),
                                self.ckpt.family.sglang_mtp_like_decoder, where=f"{layer.key}: ")
 
     def source_paths(self) -> dict[str, Path]:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import PlacementError
+from megamoe_convert.source.engines_table import ENGINE_NAMES
 from megamoe_convert.source.layer_spec import parse_range
 from megamoe_convert.source.model_dims import MAX_PHYSICAL_EXPERTS
 
@@ -21,8 +22,8 @@ from megamoe_convert.source.model_dims import MAX_PHYSICAL_EXPERTS
 MAX_EP_SIZE = 1 << 16
 
 
-#: Engines whose placement a conversion can hold (``convert --engine``); vLLM is the default.
-ENGINES = ("vllm", "sglang")
+#: Engines whose placement a conversion can hold (``convert --engine``): the serving table's.
+ENGINES = ENGINE_NAMES
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from megamoe_convert.output.writer import file_problems
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer, check_destinations, kernel_form
 from megamoe_convert.source import families, formats
+from megamoe_convert.source.engines_table import resolve_engine
 from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.safetensors_io import (
     TensorEntry,
@@ -273,15 +274,17 @@ def merged_ranges(reads: Sequence[Read]) -> list[tuple[int, int]]:
 
 
 def store_placements(manifest: Manifest, ep_size: int, num_redundant: int = 0, placement_file: Path | None = None,
-                     engine: str = "vllm", where: object = "store", error: type[Exception] = LoadError,
+                     engine: str | None = None, where: object = "store", error: type[Exception] = LoadError,
                      ) -> dict[MoELayer, Placement]:
     """Each layer's placement at ``ep_size`` under the engine's rule (``inspect`` / ``plan`` / ``pull
-    --ep-size``), refused where the store's family and the engine cannot serve it, in the words a
-    checkpoint's ``plan`` uses (:func:`serving.serving_refusal`)."""
+    --ep-size``; ``engine=None``: the engine that serves the store's family), refused where the store's
+    family and the engine cannot serve it, in the words a checkpoint's ``plan`` uses
+    (:func:`serving.serving_refusal`)."""
     family = families.by_name(manifest.family)
     n = manifest.dims.n_routed_experts
     if problem := serving_refusal(family, engine, n, num_redundant=num_redundant, placement_file=placement_file):
         raise error(f"{where}: {problem}")
+    engine = resolve_engine(family, engine)
     placement = (Placement.from_file(placement_file, n, ep_size) if placement_file is not None
                  else Placement.default(n, ep_size, num_redundant))
     if problem := serving_refusal(family, engine, n, placement_file=placement_file, placement=placement):
@@ -340,11 +343,12 @@ def rank_reads(manifest: Manifest, placements: Mapping[MoELayer, Placement], ran
 def load_store_rank(converted: ConvertedModel, rank: int, ep_size: int, layers: Sequence[MoELayer],
                     device: torch.device, verify: bool, into: Mapping[str, Destinations] | None,
                     before_writes: staging.BeforeWrites = None) -> dict[str, ExpertLayer]:
-    """``load_rank(store, rank, ep_size=N)``: the rank's slots under vLLM's default placement."""
+    """``load_rank(store, rank, ep_size=N)``: the rank's slots as the engine that serves the store's family
+    places them with no redundant experts and no explicit placement (vLLM's and SGLang's default alike:
+    slot ``p`` holds logical ``p``), each layer by that engine's rule."""
     placements = store_placements(converted.manifest, ep_size, where=converted.path, error=LoadError)
     by_prefix = {layer.prefix: layer for layer in layers}
     return load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in layers},
                       starts={layer: placements[layer].experts_start(rank) for layer in layers},
                       device=device, verify=verify, before_writes=before_writes,
                       into=None if into is None else {by_prefix[p]: d for p, d in into.items()})
-

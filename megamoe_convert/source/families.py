@@ -25,6 +25,7 @@ Qwen3-MoE       qwen3_moe     the same names                                    
 GLM-4.5/4.6     glm4_moe      the same names                                       nothing; SGLang 0.5.23 neither
 ==============  ============  ===================================================  ===============================
 
+Which engine serves which family is the serving table's (``engines_table.py``), not a family's.
 ``w1`` / ``w3`` / ``w2`` are the project's names of an expert's gate, up and down projections; a
 family whose checkpoint calls them otherwise (``gate_proj`` / ``up_proj`` / ``down_proj``) says so in
 ``projections``.
@@ -72,14 +73,6 @@ class ModelFamily:
     kinds: Mapping[str, str] = field(default_factory=lambda: {k: k for k in KINDS})
     #: vLLM can run the family's shared expert inside the MegaMoE launch (``shared_l*``).
     fuses_shared_expert: bool = True
-    #: Flags SGLang's launch needs for a pre-baked conversion of the family (``inspect`` prints them).
-    sglang_serve_flags: tuple[str, ...] = ()
-    #: vLLM builds the family's MegaMoE layers with EPLB's redundant experts.
-    redundant_experts: bool = True
-    #: Engines whose MegaMoE modules take the family's pre-baked experts (``convert --engine``),
-    #: and why not the others.
-    engines: tuple[str, ...] = ("vllm", "sglang")
-    engine_note: str = ""
     #: The routed experts' gated activation: ``swiglu`` (``swiglu_limit`` clamp) or ``situ``.
     activation: str = "swiglu"
     #: The routed-expert weight formats (``formats.FORMATS`` names) the family's checkpoints come in:
@@ -223,9 +216,7 @@ DEEPSEEK_V4 = ModelFamily(
 DEEPSEEK_V41 = ModelFamily(
     name="deepseek_v41", title="DeepSeek-V4.1", model_types=("deepseek_v41",), text_key="text_config",
     keys={**DEEPSEEK_V4.keys, "mtp_experts": "dspark_n_routed_experts"},
-    block="layers.{index}.ffn", mtp_block="mtp.{index}.ffn",
-    engines=("vllm",), engine_note="SGLang's DeepSeek-V4.1 model is not one megamoe-convert's SGLang contract "
-                                   "is proven against (DeepSeek-V4 only)")
+    block="layers.{index}.ffn", mtp_block="mtp.{index}.ffn")
 
 #: Kimi-K3: a latent MoE (the routed experts run at ``routed_expert_hidden_size``), compressed-tensors
 #: MXFP4 names, the first ``first_k_dense_replace`` layers dense. vLLM's ``KimiMoE`` builds its
@@ -238,16 +229,13 @@ KIMI_K3 = ModelFamily(
     block="language_model.model.layers.{index}.block_sparse_moe", mtp_block=None,
     kinds={"weight": "weight_packed", "scale": "weight_scale", "weight_scale_2": "weight_global_scale",
            "input_scale": "input_global_scale"},
-    fuses_shared_expert=False, redundant_experts=False, activation="situ", engines=("vllm",), weight_formats=("mxfp4",),
-    engine_note="SGLang's Kimi-K3 MegaMoE path (mxfp4.py) rebuilds the experts whatever is installed",
+    fuses_shared_expert=False, activation="situ", weight_formats=("mxfp4",),
     first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq")
 
 #: The Hugging Face naming of DeepSeek-V3, Qwen3-MoE and GLM-4.5: ``model.layers.L.mlp.experts.E.gate_proj``.
 _HF_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _HF_KINDS = {"weight": "weight", "scale": "weight_scale_inv", "weight_scale_2": "weight_scale_2",
              "input_scale": "input_scale"}
-#: Why vLLM serves none of the FP8 MegaMoE families below.
-_NO_VLLM = "vLLM 0.33 runs MegaMoE for DeepSeek-V4 and Kimi-K3 only; SGLang's SM90 FP8 MegaMoE serves this family"
 
 #: DeepSeek-V3 / R1 (and V3.1): FP8 e4m3 experts with FP32 128x128 block scales (``weight_scale_inv``),
 #: the first ``first_k_dense_replace`` layers dense, the MTP layer numbered after the decoder layers
@@ -257,11 +245,8 @@ DEEPSEEK_V3 = ModelFamily(
     name="deepseek_v3", title="DeepSeek-V3", model_types=("deepseek_v3",), text_key=None,
     keys={**DEEPSEEK_V4.keys},
     block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
-    fuses_shared_expert=False, engines=("sglang",), engine_note=_NO_VLLM, weight_formats=("fp8_block",),
-    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq", sglang_mtp_like_decoder=True,
-    # SGLang fuses V3's shared expert into the routed experts by default (deepseek_v2.py:
-    # shared_experts_fusion_disable_reason), which the pre-baked routed slots do not hold.
-    sglang_serve_flags=("--disable-shared-experts-fusion",))
+    fuses_shared_expert=False, weight_formats=("fp8_block",),
+    first_dense_key="first_k_dense_replace", freq_key="moe_layer_freq", sglang_mtp_like_decoder=True)
 
 #: Qwen3-MoE (Qwen3-235B-A22B-FP8, Qwen3-30B-A3B-FP8): every layer MoE (as every release:
 #: ``decoder_sparse_step`` 1, no ``mlp_only_layers``; a checkpoint with dense layers is refused by its
@@ -271,7 +256,7 @@ QWEN3_MOE = ModelFamily(
     keys={"hidden": "hidden_size", "intermediate": "moe_intermediate_size", "experts": "num_experts",
           "top_k": "num_experts_per_tok", "layers": "num_hidden_layers", "mtp_layers": "num_nextn_predict_layers"},
     block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
-    fuses_shared_expert=False, engines=("sglang",), engine_note=_NO_VLLM, weight_formats=("fp8_block",))
+    fuses_shared_expert=False, weight_formats=("fp8_block",))
 
 #: GLM-4.5 / 4.6 (FP8 releases): DeepSeek-V3's naming and dense/MoE split, one MTP layer
 #: (``model.layers.92``). Converted and verified, but served by no engine yet: SGLang 0.5.23's
@@ -280,9 +265,7 @@ GLM4_MOE = ModelFamily(
     name="glm4_moe", title="GLM-4.5", model_types=("glm4_moe",), text_key=None,
     keys={**DEEPSEEK_V4.keys},
     block="model.layers.{index}.mlp", mtp_block=None, kinds=_HF_KINDS, projections=_HF_PROJECTIONS,
-    fuses_shared_expert=False, engines=(), weight_formats=("fp8_block",),
-    engine_note="no engine runs GLM-4.5's MegaMoE yet: SGLang 0.5.23's Glm4MoeSparseMoeBlock never takes the "
-                "MegaMoE forward, vLLM 0.33 has none",
+    fuses_shared_expert=False, weight_formats=("fp8_block",),
     first_dense_key="first_k_dense_replace", sglang_mtp_like_decoder=True)
 
 FAMILIES: tuple[ModelFamily, ...] = (DEEPSEEK_V4, DEEPSEEK_V41, KIMI_K3, DEEPSEEK_V3, QWEN3_MOE, GLM4_MOE)

@@ -37,7 +37,8 @@ def parsed(path):
 @pytest.mark.parametrize("preset,title", [("deepseek-v3-tiny", "DeepSeek-V3"), ("qwen3-moe-tiny", "Qwen3-MoE")])
 def test_vllm_refuses_a_conversion_of_a_family_it_runs_no_megamoe_for(outputs, preset, title, form):
     with pytest.raises(InstallError, match=f"a megamoe-convert conversion of {title}, which vLLM cannot serve: "
-                                           "vLLM 0.33 runs MegaMoE for DeepSeek-V4 and Kimi-K3 only") as info:
+                                           "vLLM 0.30-0.33 runs MegaMoE for DeepSeek-V4, DeepSeek-V4.1 and Kimi-K3 "
+                                           "only") as info:
         parsed(outputs[preset] / form)
     assert "\n" not in str(info.value)
     source = parsed(outputs[preset] / "ckpt")  # the source itself is vLLM's to serve as it always was

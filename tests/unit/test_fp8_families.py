@@ -163,12 +163,14 @@ def test_verify_runs_the_fp8_moe_reference_and_catches_one_changed_byte(ckpts, v
 
 
 @pytest.mark.parametrize("preset,args,message", [
-    ("deepseek-v3-tiny", ["--ep-size", 4], "DeepSeek-V3 conversions are for sglang only, not vllm \\(vLLM 0.33 runs "
-                                            "MegaMoE for DeepSeek-V4 and Kimi-K3 only"),
-    ("qwen3-moe-tiny", ["--ep-size", 2], "Qwen3-MoE conversions are for sglang only, not vllm"),
+    ("deepseek-v3-tiny", ["--ep-size", 4, "--engine", "vllm"],
+     r"DeepSeek-V3 conversions are for sglang only, not vllm \(vLLM 0.30-0.33 runs MegaMoE for DeepSeek-V4, "
+     r"DeepSeek-V4.1 and Kimi-K3 only\); drop --engine vllm: DeepSeek-V3 defaults to sglang"),
+    ("qwen3-moe-tiny", ["--ep-size", 2, "--engine", "vllm"], "Qwen3-MoE conversions are for sglang only, not vllm"),
     ("glm-4.5-tiny", ["--ep-size", 2, "--engine", "sglang"],
      r"GLM-4.5 checkpoints are read \(inspect, plan\) but not converted: no engine runs GLM-4.5's MegaMoE yet: "
-     "SGLang 0.5.23's Glm4MoeSparseMoeBlock never takes the MegaMoE forward"),
+     r"vLLM 0.30-0.33 runs MegaMoE for .* only; SGLang 0.5.23's Glm4MoeSparseMoeBlock never takes the MegaMoE "
+     "forward"),
     ("glm-4.5-tiny", [], r"GLM-4.5 checkpoints are read \(inspect, plan\) but not converted"),
 ])
 def test_what_no_engine_serves_is_refused_in_one_line(ckpts, tmp_path, preset, args, message):
@@ -230,3 +232,70 @@ def test_the_serve_command_turns_off_sglangs_shared_expert_fusion_where_it_is_on
     run_cli("convert", ckpts["qwen3-moe-tiny"], tmp_path / "qwen", "--ep-size", 2, "--engine", "sglang")
     qwen = json.loads(run_cli("inspect", tmp_path / "qwen", "--json").stdout)
     assert qwen["serve"]["sglang"]["command"] and "fusion" not in qwen["serve"]["sglang"]["command"]
+
+
+@pytest.fixture(scope="module")
+def v3_store(ckpts, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("v3-store") / "store"
+    run_cli("convert", ckpts["deepseek-v3-tiny"], out)
+    return out
+
+
+def test_the_fp8_families_convert_for_sglang_without_naming_it(ckpts, v3_converted, tmp_path):
+    """SGLang is the only engine that serves them: ``convert`` makes its placement by default, and the
+    bytes are those of ``--engine sglang``."""
+    run_cli("convert", ckpts["deepseek-v3-tiny"], tmp_path / "out", "--ep-size", 4, "--num-redundant-experts", 4)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["engine"] == "sglang"
+    for rank in (0, 3):
+        got, want = load_rank(tmp_path / "out", rank), load_rank(v3_converted, rank)
+        for prefix, layer in want.items():
+            assert got[prefix].logical_ids == layer.logical_ids
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(got[prefix].tensors.values(), layer.tensors.values(), strict=True))
+
+
+def test_a_store_of_an_fp8_family_is_served_end_to_end(v3_store, v3_converted):
+    """Every step the store's ``inspect`` suggests works: its EP sizes, what each rank reads, its plan,
+    and ``load_rank(store, rank, ep_size=N)`` under SGLang's placement, equal to the per-rank files."""
+    info = json.loads(run_cli("inspect", v3_store, "--json").stdout)
+    assert info["serve"]["sglang"]["servable"] and info["serve"]["sglang"]["ep_sizes"] == [1, 2, 4, 8]
+    assert "SGLang 0.5.23 on Hopper" in info["serve"]["sglang"]["notes"]
+    assert "--disable-shared-experts-fusion" in info["serve"]["sglang"]["command"]
+    assert not info["serve"]["vllm"]["servable"] and info["serve"]["vllm"]["reason"].startswith("vLLM 0.30-0.33 runs")
+    reads = json.loads(run_cli("inspect", v3_store, "--ep-size", 4, "--num-redundant-experts", 4, "--json").stdout)
+    assert reads["reads"]["engine"] == "sglang" and len(reads["reads"]["ranks"]) == 4
+    plan = json.loads(run_cli("plan", v3_store, "--ep-size", 4, "--json").stdout)
+    assert plan["engine"] == "sglang" and [r["rank"] for r in plan["ranks"]] == [0, 1, 2, 3]
+    sizes = json.loads(run_cli("plan", v3_store, "--json").stdout)
+    assert sizes["working_ep_sizes"] == {"sglang": [1, 2, 4, 8]}
+    for rank in range(4):
+        from_store = load_rank(v3_store, rank, ep_size=4)
+        assert [list(layer.logical_ids) for layer in from_store.values()] == [[2 * rank, 2 * rank + 1]] * 3
+    from megamoe_convert import load_slots
+    from megamoe_convert.serve.loader import open_converted
+
+    per_rank = load_rank(v3_converted, 1)  # EP 4 with 4 redundant: the slots' experts, read from the store
+    slots = load_slots(open_converted(v3_store), {MoELayer.parse(layer.key): layer.logical_ids
+                                                  for layer in per_rank.values()})
+    for prefix, layer in per_rank.items():
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(slots[prefix].tensors.values(), layer.tensors.values(), strict=True))
+
+
+def test_an_ep_size_a_store_cannot_take_is_refused_with_those_it_can(v3_store):
+    for command in ("inspect", "plan"):
+        done = run_cli(command, v3_store, "--ep-size", 3, check=False)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert ("sglang cannot place the store's 8 experts over EP 3; EP sizes that work for every MoE layer: "
+                "1, 2, 4, 8") in done.stderr
+
+
+def test_preload_of_an_fp8_conversion_names_the_engine_that_serves_it(v3_store, v3_converted):
+    """``megamoe preload`` is vLLM's weight-cache daemon: a conversion vLLM cannot serve is refused
+    before anything starts, naming what serves it (not a convert for vLLM, which is refused too)."""
+    for out in (v3_store, v3_converted):
+        done = run_cli("preload", "--model", out, check=False)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert "which vLLM cannot serve" in done.stderr and "serve it with SGLang 0.5.23 on Hopper" in done.stderr
+        assert "--engine vllm" not in done.stderr

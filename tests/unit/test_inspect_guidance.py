@@ -57,7 +57,9 @@ def test_inspect_of_a_conversion_says_what_it_is_and_how_to_serve_it(tiny_conver
     assert info["engine"] == "vllm" and info["num_redundant_experts"] == 4 and info["placement"] == "default"
     assert info["partial"] is False and info["servable"] is True and info["path"] == str(tiny_converted.resolve())
     assert info["serve"]["vllm"] == {"servable": True, "command": command, "reason": "",
-                                     "notes": ["vLLM 0.30-0.33; one process per GPU (EP over data parallel)"]}
+                                     # the tiny preset's I = 128: vLLM 0.30 pads it to 512 in finalize_weights
+                                     "notes": ["vLLM 0.31-0.33 on Blackwell; one process per GPU (EP over data "
+                                               "parallel)"]}
     assert info["serve"]["sglang"]["servable"] is False and "--engine sglang" in info["serve"]["sglang"]["reason"]
     assert info["sizes"]["total_bytes"] == written_bytes(tiny_converted)
     # the command's flags are vLLM's: their names are checked against the real parser in tests/engines

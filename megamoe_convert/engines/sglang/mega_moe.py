@@ -29,10 +29,10 @@ from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.probe import LayoutProbe
 from megamoe_convert.engines.sglang.experts import check_ep_numbers
 from megamoe_convert.engines.sglang.layout_probe import mega_moe_probe
-from megamoe_convert.engines.shapes import SHAPE_RULES
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout import checks, inverse, scales
 from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer
+from megamoe_convert.source import engines_table
 from megamoe_convert.source.layers import MoELayer
 
 MARKERS = ("layer_name", "layer_id", "moe_ep_rank", "moe_ep_size", "moe_tp_size", "num_experts",
@@ -81,7 +81,7 @@ class MegaMoEContract(Contract):
             raise InstallError(f"{where}: SGLang's fp8.py MegaMoE build takes MXFP4 experts, but {converted.path} "
                                f"holds {converted.weight_format}")
         placement, dims = converted.placement_for(layer), converted.manifest.dims
-        h_rule, i_rule = SHAPE_RULES["sglang"]
+        h_rule, i_rule = engines_table.rows("sglang", weight_format="mxfp4")[0].shape
         if dims.hidden_size % h_rule or dims.moe_intermediate_size % i_rule:
             raise InstallError(f"{where}: SGLang's MegaMoE needs hidden_size % {h_rule} == 0 and "
                                f"moe_intermediate_size % {i_rule} == 0; {converted.path} has "

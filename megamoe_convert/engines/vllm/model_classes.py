@@ -52,7 +52,7 @@ from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.serve.staging import prepare_gpu_staging
-from megamoe_convert.source import families
+from megamoe_convert.source import engines_table, families
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +182,8 @@ def refuse_family_vllm_cannot_serve(model: Any, model_type: Any) -> None:
     refused when its config is read: vLLM would build the family's own modules, which take none of
     the pre-baked experts, and serve them empty."""
     family = next((f for f in families.FAMILIES if model_type in f.model_types), None)
-    if family is not None and "vllm" not in family.engines:
-        raise InstallError(f"{model}: a megamoe-convert conversion of {family.title}, which vLLM cannot serve: "
-                           f"{family.engine_note}")
+    if family is not None and (why := engines_table.family_refusal(family, "vllm")) is not None:
+        raise InstallError(f"{model}: a megamoe-convert conversion of {family.title}, which vLLM cannot serve: {why}")
 
 
 def register_config_parser() -> None:
