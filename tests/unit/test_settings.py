@@ -20,7 +20,7 @@ BAD = [
     ("MEGAMOE_CUDART", "2", "expected 0 (off) or 1 (on)", "verify"),
     ("MEGAMOE_FAST_PIN", "yes", "expected 0 (off) or 1 (on)", "convert"),
     ("MEGAMOE_LAYOUT_PROBE", "off", "expected 0 (off) or 1 (on)", "inspect"),
-    ("MEGAMOE_TEST_FAULTS", "kill-after-files=two", "expected one fault of kill-after-files=N", "convert"),
+    ("MEGAMOE_TEST_FAULTS", "free-bytes=lots", "expected one fault of kill-after-files=N", "convert"),
 ]
 
 
