@@ -337,7 +337,7 @@ def measure_size(src: Path, out: Path, args: argparse.Namespace, device: torch.d
         methods["h2d_pageable"] = h2d.pageable_copy
         from megamoe_convert.serve import staging
 
-        host_read = HostRead(files, staging.READ_THREADS, staging.RING_BUFFER_BYTES)
+        host_read = HostRead(files, staging.read_threads(), staging.RING_BUFFER_BYTES)
         methods["host_read"] = host_read.run
 
     # Correctness first (and warm-up: CUDA context, kernels, pinned allocator, page cache).
@@ -415,21 +415,24 @@ def _staging_of(threads: int, count: int, nbytes: int) -> None:
     makes its own once per process, from ``MEGAMOE_READ_THREADS``; only this sweep reshapes it."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from megamoe_convert import settings
     from megamoe_convert.serve import staging
 
     with staging.RING_LOCK:
         if staging._READERS is not None:
             staging._READERS.shutdown()
-        staging.READ_THREADS, staging.COLD_READ_THREADS = threads, 2 * threads
+        os.environ[settings.READ_THREADS] = str(threads)  # the lanes of each load, read as it starts
         staging._RING = staging.PinnedRing(count, nbytes)  # the old ring's memory stays pinned
         staging._READERS = ThreadPoolExecutor(staging.reader_count(), thread_name_prefix="megamoe-read")
 
 
 def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> list[dict[str, Any]]:
     """Warm ``load_rank`` under other read-thread counts and pinned-ring sizes (then the defaults again)."""
+    from megamoe_convert import settings
     from megamoe_convert.serve import staging
 
-    defaults = (staging.READ_THREADS, staging.RING_BUFFERS, staging.RING_BUFFER_BYTES)
+    defaults = (staging.read_threads(), staging.ring_buffers(), staging.RING_BUFFER_BYTES)
+    setting = os.environ.get(settings.READ_THREADS)  # put back as it was once the sweep is done
     rows = []
     try:
         for threads, count, mb in ((4, 6, 32), (6, 12, 32), (8, 12, 32), (8, 16, 32), (8, 8, 64), (12, 16, 32),
@@ -447,6 +450,9 @@ def loader_sweep(out: Path, rank: int, device: torch.device, repeats: int) -> li
                          "pin_s": round(staging._RING.pin_seconds, 4)})  # pinned before the first call
     finally:
         _staging_of(*defaults)
+        os.environ.pop(settings.READ_THREADS)
+        if setting is not None:
+            os.environ[settings.READ_THREADS] = setting
     return rows
 
 

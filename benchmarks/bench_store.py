@@ -165,9 +165,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         flat.copy_(host, non_blocking=True)
     elif args.child in ("host_read", "disk_read"):  # the rank's store ranges, best of the reader shapes
         ranges = store_ranges(Path(args.store), args.ep, args.rank)
-        cold = staging.lane_shape(staging.RING_BUFFERS, cold=True)  # the loader's own shape for a cold load
-        shapes = [(staging.READ_THREADS, staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
-            else [(staging.READ_THREADS, staging.RING_BUFFER_BYTES),
+        cold = staging.lane_shape(staging.ring_buffers(), cold=True)  # the loader's own shape for a cold load
+        shapes = [(staging.read_threads(), staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
+            else [(staging.read_threads(), staging.RING_BUFFER_BYTES),
                   (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),
                   (64, 4 << 20)]
         best = {}
