@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -20,25 +20,63 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-#: Width of a console that is not a terminal (a pipe, a CI log) and was told no ``COLUMNS``: wide
-#: enough that rich never breaks a line; the reader's own viewer wraps.
+#: Width of a console that is not a terminal (a pipe, a CI log) when neither ``COLUMNS`` nor a terminal
+#: on stderr or stdin says one: wide enough that rich never breaks a line; the reader's own viewer wraps.
 PIPE_WIDTH = 1 << 14
 #: Below this terminal width a progress bar drops the file being worked on, the elapsed time and
 #: the speed, so that its line never wraps (an 80-column terminal's line garbles once it does).
 WIDE_PROGRESS = 120
+#: How far a command's continuation lines (after a trailing backslash) are indented past its first.
+CONTINUATION_INDENT = "    "
 
 
 def pipe_width() -> int:
-    """``COLUMNS`` where the user set it (tables fit it), else :data:`PIPE_WIDTH`."""
+    """The width of output that goes to no terminal: ``COLUMNS`` where it is set (a shell rarely
+    exports it), else the width of the terminal the user reads stderr or types into
+    (``megamoe inspect OUT | less``), else :data:`PIPE_WIDTH`."""
     columns = os.environ.get("COLUMNS", "")
-    return int(columns) if columns.isdigit() and int(columns) > 0 else PIPE_WIDTH
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    for stream in (sys.stderr, sys.stdin):
+        try:
+            if stream is not None and stream.isatty():
+                return os.get_terminal_size(stream.fileno()).columns or PIPE_WIDTH
+        except (AttributeError, OSError, ValueError):  # a replaced stream, or one closed already
+            continue
+    return PIPE_WIDTH
+
+
+class StreamConsole(Console):
+    """A console whose width and wrapping follow where its stream goes at each print: on a terminal,
+    rich's own; to a pipe or a file, lines never soft-wrapped (a command stays whole) and tables as
+    wide as :func:`pipe_width`. Read at each print, not once at import, so that a command run inside
+    another program (a test, a notebook) honours the stream and ``COLUMNS`` it is given."""
+
+    def __init__(self, stderr: bool) -> None:
+        super().__init__(stderr=stderr)
+        self._width = self._height = None  # rich reads COLUMNS once here: :attr:`size` reads it at each print
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        return dims if self.is_terminal else ConsoleDimensions(pipe_width(), dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+    @property
+    def soft_wrap(self) -> bool:
+        return not self.is_terminal
+
+    @soft_wrap.setter
+    def soft_wrap(self, value: bool) -> None:
+        """Ignored (rich's ``__init__`` sets it): whether lines wrap follows the stream."""
 
 
 def make_console(stderr: bool) -> Console:
-    """A terminal gets rich's usual console; a pipe or file gets lines that are never soft-wrapped
-    and tables as wide as ``COLUMNS`` says (unbounded without it)."""
-    console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=pipe_width(), soft_wrap=True)
+    """stderr's or stdout's console (:class:`StreamConsole`)."""
+    return StreamConsole(stderr=stderr)
 
 
 #: Status and progress go to stderr so that ``--json`` output on stdout stays clean.
@@ -58,9 +96,80 @@ def is_quiet() -> bool:
 
 
 def status(text: str) -> None:
-    """A status line on stderr (``done: ...``), unless ``--quiet``."""
+    """A status line on stderr (``done: ...``), unless ``--quiet``: never broken by rich, since it may
+    end with a command to paste (the terminal wraps it, and a copy of it stays one line)."""
     if not is_quiet():
-        err_console.print(text)
+        err_console.print(text, soft_wrap=True)
+
+
+def line(text: str) -> None:
+    """A plain line on stdout that rich never breaks (it holds a command or a path to paste)."""
+    out_console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def say(text: str) -> None:
+    """A plain line of prose on stdout: on a terminal, rich wraps it between words."""
+    out_console.print(text, markup=False, highlight=False)
+
+
+def command(text: str, indent: str = "  ", stderr: bool = False) -> None:
+    """A shell command meant to be pasted, on a line of its own: whole on one line, or, on a terminal
+    narrower than it, split between its arguments with a backslash ending each line but the last
+    (rich's wrapping would break it with bare newlines, and the paste would run it cut short). On
+    stderr it is a status line (``--quiet`` drops it)."""
+    if stderr and is_quiet():
+        return
+    console = err_console if stderr else out_console
+    lines = command_lines(text, console.width, indent) if console.is_terminal else [indent + text]
+    for text_line in lines:
+        console.print(text_line, markup=False, highlight=False, soft_wrap=True)
+
+
+def command_lines(text: str, width: int, indent: str = "  ") -> list[str]:
+    """``text`` indented, in lines of at most ``width`` with `` \\`` continuations, broken only
+    between arguments (an option stays with its value); an argument longer than a line gets one
+    of its own."""
+    if len(indent) + len(text) <= width:
+        return [indent + text]
+    lines, current = [], indent
+    for piece in (" ".join(group) for group in _option_groups(shell_words(text))):
+        if current.strip() and len(current) + 1 + len(piece) + 2 > width:
+            lines.append(current + " \\")
+            current = indent + CONTINUATION_INDENT
+        current += (" " if current.strip() else "") + piece
+    return [*lines, current]
+
+
+def shell_words(text: str) -> list[str]:
+    """The words of a shell command as written (quotes and backslashes kept): split only at blanks
+    outside quotes, so that re-joining them with blanks gives the same command."""
+    words: list[str] = []
+    word, quote, escaped = "", "", False
+    for char in text:
+        if escaped:
+            word, escaped = word + char, False
+        elif char == "\\" and quote != "'":  # escapes the next character, outside quotes or in double ones
+            word, escaped = word + char, True
+        elif quote and char != quote or not quote and char not in " \t'\"":
+            word += char
+        elif char in "'\"":  # opens a quote, or closes the one open
+            word, quote = word + char, "" if quote else char
+        elif word:  # a blank outside quotes ends a word
+            words.append(word)
+            word = ""
+    return [*words, word] if word else words
+
+
+def _option_groups(words: list[str]) -> list[list[str]]:
+    """Each option with the value after it (``--ep-size 8``); every other word alone."""
+    groups: list[list[str]] = []
+    for word in words:
+        last = groups[-1] if groups else []
+        if len(last) == 1 and last[0].startswith("-") and "=" not in last[0] and not word.startswith("-"):
+            last.append(word)
+        else:
+            groups.append([word])
+    return groups
 
 
 def is_interactive() -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import (
@@ -122,14 +124,14 @@ def done_line(out: Path, data: dict[str, Any], shard: str | None) -> str:
     work = (f"{data['files_written']} files written, {data['files_skipped']} already done, "
             f"{human_bytes(data['bytes_written'])} in {data['seconds']:.1f} s{rate}")
     if shard is not None:
-        return (f"[green]done[/green]: part {shard} in {out} ({work}); " + (
+        return (f"[green]done[/green]: part {shard} in {escape(str(out))} ({work}); " + (
             "all parts present: merged, manifest.json written" if data["merged"] else
             "run `megamoe merge` once every part is done"))
     coverage = data["coverage"]
-    tail = (f"; [yellow]partial[/yellow]: {coverage['note']}" if coverage["partial"] else
-            f"; [yellow]{data['engine']} cannot serve it[/yellow]: {'; '.join(data['engine_problems'])} (the files "
-            "are right: verify and load_rank read them)" if data.get("engine_problems") else
-            f"; serve it: megamoe inspect {out}")
+    tail = (f"; [yellow]partial[/yellow]: {escape(coverage['note'])}" if coverage["partial"] else
+            f"; [yellow]{data['engine']} cannot serve it[/yellow]: {escape('; '.join(data['engine_problems']))} (the "
+            "files are right: verify and load_rank read them)" if data.get("engine_problems") else
+            f"; serve it: megamoe inspect {escape(shlex.quote(str(out)))}")
     what = (" is a store (no --ep-size: every logical expert once, served at any EP size; --ep-size N writes "
             "per-rank files instead)" if data.get("store") else "")
-    return f"[green]done[/green]: {out}{what} ({work}){tail}"
+    return f"[green]done[/green]: {escape(str(out))}{what} ({work}){tail}"

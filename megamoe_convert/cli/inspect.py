@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -10,7 +11,7 @@ from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import EngineOption, RedundantOption, RevisionOption, resolve_source
-from megamoe_convert.ui import human_bytes, out_console
+from megamoe_convert.ui import command, human_bytes, line, out_console, say
 
 
 def inspect(
@@ -53,8 +54,8 @@ def inspect(
             if as_json:
                 print_json(unfinished)
             else:
-                out_console.print(f"{src}: {unfinished['what']}\nnext: {unfinished['next']}", markup=False,
-                                  highlight=False)
+                say(f"{src}: {unfinished['what']}")
+                line(f"next: {unfinished['next']}")
         else:
             _inspect_checkpoint(resolve_source(src, revision), ep_size, num_redundant_experts,
                                 engine and engine.value, experts_only, as_json)
@@ -168,12 +169,12 @@ def _describe_layers(layers: list[str]) -> str:
 def _print_serve(serve: dict[str, dict[str, Any]]) -> None:
     for engine, how in serve.items():
         if how["servable"]:
-            out_console.print(f"serve with {engine}:", markup=False, highlight=False)
-            out_console.print(f"  {how['command']}", markup=False, highlight=False)
+            say(f"serve with {engine}:")
+            command(how["command"])
             for note in how["notes"]:
-                out_console.print(f"  ({note})", markup=False, highlight=False)
+                say(f"  ({note})")
         else:
-            out_console.print(f"not servable with {engine}: {how['reason']}", markup=False, highlight=False)
+            say(f"not servable with {engine}: {how['reason']}")
 
 
 def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int, engine: str | None,
@@ -199,8 +200,7 @@ def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int,
     if reads is not None:
         out_console.print(reads_table(reads))
     else:
-        out_console.print(f"what each rank reads of it: megamoe inspect {src} --ep-size N", markup=False,
-                          highlight=False)
+        line(f"what each rank reads of it: megamoe inspect {shlex.quote(src)} --ep-size N")
 
 
 def _describe_layout(record: dict[str, Any] | None, family: str) -> str:
@@ -216,3 +216,4 @@ def _describe_layout(record: dict[str, Any] | None, family: str) -> str:
     proven = "; ".join(f"{name} {', '.join(versions)}" for name, versions in record["proven"].items()
                        if name in served or name not in ENGINE_NAMES)
     return f"{record['transform']} ({prints}); proven with {proven}"
+

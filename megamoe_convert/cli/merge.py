@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import JsonOption
@@ -46,7 +47,7 @@ def merge(
         if as_json:
             print_json(result)
         else:
-            status(f"[green]merged[/green] {result['parts']} parts into {out} ({result['files']} "
+            status(f"[green]merged[/green] {result['parts']} parts into {escape(str(out))} ({result['files']} "
                    f"files, {human_bytes(result['bytes'])}: {result['linked']} linked, "
                    f"{result['copied']} copied, {result['in_place'] + result['present']} already "
                    f"in place; {result['verified']}s verified)")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import JsonOption
@@ -63,7 +64,7 @@ def pull(
             print_json(data)
         else:
             status(f"[green]pulled[/green] {repo_id}@{result.commit[:12]} ranks "
-                   f"{','.join(map(str, result.ranks))} into {result.path} ({data['files']} files, "
+                   f"{','.join(map(str, result.ranks))} into {escape(str(result.path))} ({data['files']} files, "
                    f"{human_bytes(data['bytes'])}, {data['verified']}s verified)")
             print(result.path)
     run_command(body)
@@ -87,7 +88,7 @@ def _pull_ranges(repo_id: str, ranks: Optional[str], local_dir: Optional[Path], 
             print_json(data)
         else:
             status(f"[green]pulled[/green] {repo_id}@{data['commit'][:12]} ranks "
-                   f"{','.join(map(str, data['ranks']))} of EP {ep_size} into {local_dir}: "
+                   f"{','.join(map(str, data['ranks']))} of EP {ep_size} into {escape(str(local_dir))}: "
                    f"{human_bytes(data['fetched_bytes'])} of the store's "
                    f"{human_bytes(data['store_expert_bytes'])} in {data['requests']} ranged reads")
             print(local_dir)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.cli.options import JsonOption
@@ -41,6 +42,6 @@ def push(
         if as_json:
             print_json(result)
         else:
-            status(f"[green]pushed[/green] {out} to {result['url']} @ {result['revision']} "
+            status(f"[green]pushed[/green] {escape(str(out))} to {result['url']} @ {result['revision']} "
                    f"({result['files']} files, {human_bytes(result['bytes'])}, EP {result['ep_size']})")
     run_command(body)
