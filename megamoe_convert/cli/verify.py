@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from megamoe_convert.cli._run import print_json, run_command
 from megamoe_convert.devices import Device
-from megamoe_convert.ui import ByteProgress, human_bytes, out_console, status
+from megamoe_convert.ui import ByteProgress, human_bytes, line, out_console, status
+
+if TYPE_CHECKING:
+    from megamoe_convert.output.manifest import Manifest
+    from megamoe_convert.source.layers import MoELayer
 
 
 def verify(
@@ -57,6 +63,7 @@ def verify(
     def body() -> Any:
         def say_cost() -> None:  # said when numerics starts: after every check that could refuse the source
             if cost := numerics_cost(out, ranks, numerics_every_rank, device.value):
+                progress.finish()  # the comparison with the source it follows says it finished first
                 status(cost)
 
         with ByteProgress("verify") as progress:
@@ -75,33 +82,51 @@ def verify(
 
 
 def numerics_cost(out: Path, ranks: str | None, every_rank: bool, device: str) -> str | None:
-    """What ``--numerics`` will cost, said before it starts: its checks and the weights it dequantises
-    (``None`` where OUT is no finished conversion: verify then says so)."""
+    """What ``--numerics`` will cost, said before it starts: its checks, the weights it dequantises and
+    the memory one check holds at once (``None`` where OUT is no finished conversion: verify then says so)."""
     from megamoe_convert.devices import usable_device
     from megamoe_convert.errors import MegamoeError
     from megamoe_convert.layout.placement import parse_ranks
     from megamoe_convert.output.manifest import read_manifest
-    from megamoe_convert.verify import NUMERICS_MAX_EXPERTS, numerics_checks
+    from megamoe_convert.verify import numerics_checks
 
     try:
-        usable_device(device)  # an unusable device is refused by verify itself, before any cost is told
+        usable_device(device, "--device")  # an unusable device is refused by verify itself, before any cost is told
         manifest = read_manifest(out)
         chosen = manifest.ranks if ranks is None else parse_ranks(ranks, manifest.ep_size)
     except MegamoeError:
         return None
-    checks = numerics_checks(chosen, manifest.layers, every_rank)
-    d = manifest.dims
-    experts = sum(min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank) for _, layer in checks)
-    weights = 2 * experts * 3 * d.hidden_size * d.moe_intermediate_size * 4  # float32, layout and source
+    checks = numerics_checks([r for r in chosen if r in manifest.ranks], manifest.layers, every_rank)
+    weights = sum(2 * _routed_bytes(manifest, layer) for _, layer in checks)  # layout and source
+    peak = max((_check_peak(manifest, rank, layer) for rank, layer in checks), default=0)
     which = "every rank x layer" if every_rank else "every MoE layer once, the ranks in turn"
     hint = "; --device cuda runs it on a GPU" if device == "cpu" else ""
-    return (f"numerics: {len(checks)} checks ({which}), {human_bytes(weights)} of weights dequantised and multiplied "
-            f"on {device}: the progress lines say the time left{hint}")
+    count = f"{len(checks)} check{'s' if len(checks) != 1 else ''}"
+    return (f"numerics: {count} ({which}), {human_bytes(weights)} of weights dequantised and multiplied on {device}, "
+            f"holding up to about {human_bytes(peak)} at once: the progress lines say the time left{hint}")
+
+
+def _routed_bytes(manifest: "Manifest", layer: "MoELayer") -> int:
+    """The float32 routed experts one side of a numerics check dequantises for ``layer``."""
+    from megamoe_convert.verify import NUMERICS_MAX_EXPERTS
+
+    d = manifest.dims
+    experts = min(NUMERICS_MAX_EXPERTS, manifest.placement_for(layer).experts_per_rank)
+    return experts * 3 * d.hidden_size * d.moe_intermediate_size * 4
+
+
+def _check_peak(manifest: "Manifest", rank: int, layer: "MoELayer") -> int:
+    """Memory one numerics check holds at once: the rank's layer file as loaded, the dequantised routed
+    experts of both sides and one more side's worth for dequantising, and both sides' shared expert."""
+    d = manifest.dims
+    shared = 3 * d.hidden_size * d.shared_intermediate_size * 4
+    return manifest.file(manifest.expert_file(layer, rank)).size + 3 * _routed_bytes(manifest, layer) + 2 * shared
 
 
 def print_report(report: Any) -> None:
     """The report as a table, then OK or every problem found, one per line."""
-    table = Table(title=f"megamoe verify {report.out}")
+    line(f"megamoe verify {shlex.quote(report.out)}")
+    table = Table()
     table.add_column("check")
     table.add_column("result")
     for check, count in report.checks.items():
@@ -121,10 +146,10 @@ def print_report(report: Any) -> None:
         coverage = report.coverage or {}
         if coverage.get("partial"):
             out_console.print(f"[green]OK[/green]: no problems found; [yellow]partial conversion[/yellow], not "
-                              f"servable as it is: {coverage['note']}")
+                              f"servable as it is: {escape(coverage['note'])}", soft_wrap=True)
         else:
             out_console.print("[green]OK[/green]: no problems found; a complete conversion "
-                              f"(serve it: megamoe inspect {report.out})")
+                              f"(serve it: megamoe inspect {escape(shlex.quote(report.out))})", soft_wrap=True)
         return
     out_console.print(f"[red]{len(report.problems)} problem(s)[/red]:")
     for problem in report.problems:
