@@ -17,7 +17,7 @@ from megamoe_convert.cli.describe import engine_problems, serve_command
 from megamoe_convert.errors import ManifestError, MegamoeError, PlacementError, UsageError
 from megamoe_convert.output.manifest import Manifest, is_tool_output
 from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
-from megamoe_convert.output.resume import read_state_json
+from megamoe_convert.output.resume import read_state_json, recorded_source
 from megamoe_convert.serve import store
 from megamoe_convert.source.engines_table import ENGINE_NAMES as ENGINES
 from megamoe_convert.source.families import by_name
@@ -103,11 +103,13 @@ def describe_unfinished(path: Path) -> dict[str, Any] | None:
         options += f" --num-redundant-experts {redundant}" if redundant else ""
     if plan.get("engine") == "sglang":
         options += " --engine sglang"
+    recorded = recorded_source(path)
+    source = shlex.quote(recorded) if recorded is not None else "SRC"
     what = ("an unfinished megamoe store" if plan.get("store") else
             f"an unfinished megamoe conversion for EP {plan['ep_size']}" if "ep_size" in plan else
             "an unfinished megamoe conversion")
     return {**common, "kind": "unfinished", "what": f"{what} (its convert was interrupted, or is still running)",
-            "next": f"rerun the convert that made it to finish it, from where it stopped: megamoe convert SRC "
+            "next": f"rerun the convert that made it to finish it, from where it stopped: megamoe convert {source} "
                     f"{shlex.quote(str(path))}{options}"}
 
 
@@ -130,9 +132,10 @@ def refuse_as_source(src: str, command: str, ep_size: int | None = None) -> None
         return
     what = (f"a megamoe store of {manifest.family}" if manifest.store else
             f"a megamoe conversion of {manifest.family} for EP {manifest.ep_size} ({manifest.engine})")
-    source = manifest.source.get("repo_id") or manifest.source.get("path") or "its source checkpoint"
-    instead = {"plan": f"`megamoe inspect {src}` shows its placement and serve command; to plan another EP size, "
-                       f"plan its source: megamoe plan {source} --ep-size {ep_size or 'N'} "
+    recorded = manifest.source.get("repo_id") or manifest.source.get("path")
+    source = shlex.quote(recorded) if isinstance(recorded, str) and recorded else "SRC"
+    instead = {"plan": f"`megamoe inspect {shlex.quote(src)}` shows its placement and serve command; to plan another "
+                       f"EP size, plan its source: megamoe plan {source} --ep-size {ep_size or 'N'} "
                        "(or convert without --ep-size: a store serves every EP size)",
                "convert": f"convert its source instead: megamoe convert {source} OUT ..."}[command]
     raise UsageError(f"{src}: {what}, not a source checkpoint; {instead}")

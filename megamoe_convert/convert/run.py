@@ -38,7 +38,7 @@ from megamoe_convert.output.journal import is_done
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.preflight import check_before_converting
-from megamoe_convert.output.resume import OutputState, PartState, check_output_dir
+from megamoe_convert.output.resume import SOURCE_ROOT_KEY, OutputState, PartState, check_output_dir
 from megamoe_convert.output.stamps import SourceWatch
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
 from megamoe_convert.progress import NoProgress, Progress
@@ -139,7 +139,8 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
     out = plan.out
     check_before_converting(plan, state)  # journal readable, no link on the way, room on the disk
     # Refuses (a different plan, a changed source) before anything is touched.
-    state.prepare(plan.fingerprint(), plan.options.overwrite, plan.source_stamp())
+    source = {**plan.source_stamp(), SOURCE_ROOT_KEY: str(plan.ckpt.root.resolve())}  # the SRC a resume hint names
+    state.prepare(plan.fingerprint(), plan.options.overwrite, source)
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished
     state.remove_partials()
     journal = state.journal()

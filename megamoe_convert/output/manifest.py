@@ -12,6 +12,7 @@ naming the file and the field, but the placement's own, which its parser raises 
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -332,6 +333,6 @@ def read_manifest(out: Path) -> Manifest:
                                 "into it was interrupted (or is still running); rerun that command to finish it, it "
                                 "resumes where it stopped")
         raise ManifestError(f"{path}: missing; {out} is not a megamoe conversion (a source checkpoint?): convert it "
-                            f"first, `megamoe convert {out} OUT --ep-size N` (or without --ep-size: a store every EP "
-                            "size reads)")
+                            f"first, `megamoe convert {shlex.quote(str(out))} OUT --ep-size N` (or without --ep-size: "
+                            "a store every EP size reads)")
     return Manifest.from_json(jsonio.read(path, ManifestError, "manifest", jsonio.MAX_MANIFEST_BYTES), str(path))

@@ -30,13 +30,22 @@ from megamoe_convert.output.locks import hold_part, hold_whole_output
 from megamoe_convert.output.naming import MERGED_PARTS_DIR, STATE_DIR, format_ranges, part_manifest_name, part_name
 from megamoe_convert.output.writer import FileRecord, write_json_atomic
 
+#: The key of ``.megamoe/source.json`` that holds the source directory itself (no file of it is named
+#: ``.``): the SRC an unfinished conversion's resume hint names. Not compared between runs: the files'
+#: stamps say whether the source is the same, wherever it now lies.
+SOURCE_ROOT_KEY = "."
+
 
 def check_output_dir(out: Path, source: Path | None = None) -> None:
     """OUT must be new, empty, or a previous megamoe output: never someone else's files, and never
-    the ``source`` being read (whatever ``.megamoe/`` folder it holds)."""
-    if source is not None and out.exists() and source.exists() and os.path.samefile(out, source):
-        raise ConvertError(f"{out}: is the source checkpoint being converted ({source}); megamoe never writes into "
-                           "what it reads: choose another output directory")
+    the ``source`` being read or a folder inside it (whatever ``.megamoe/`` folder it holds)."""
+    if source is not None and source.exists():
+        if out.exists() and os.path.samefile(out, source):
+            raise ConvertError(f"{out}: is the source checkpoint being converted ({source}); megamoe never writes "
+                               "into what it reads: choose another output directory")
+        if Path(os.path.realpath(source)) in Path(os.path.realpath(out)).parents:
+            raise ConvertError(f"{out}: is inside the source checkpoint being converted ({source}); megamoe never "
+                               "writes into what it reads: choose an output directory outside it")
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out}: exists and is not a directory")
     if (out / STATE_DIR).is_symlink() or (out / STATE_DIR).exists() and not (out / STATE_DIR).is_dir():
@@ -52,6 +61,12 @@ def read_state_json(path: Path) -> dict[str, Any] | None:
     except JsonError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def recorded_source(out: Path) -> str | None:
+    """The source directory an unfinished conversion into ``out`` was reading (``None``: not recorded)."""
+    root = (read_state_json(out / STATE_DIR / "source.json") or {}).get(SOURCE_ROOT_KEY)
+    return root if isinstance(root, str) and root else None
 
 
 def differing_keys(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -136,7 +151,8 @@ class OutputState:
     def prepare(self, fingerprint: dict[str, Any], overwrite: bool, source: dict[str, Any]) -> None:
         """Refuse foreign, differently-planned or stale output (source files changed since, or no
         record of the source at all), or state a crash or a person damaged; clear it when
-        ``overwrite``. ``source``: :func:`stamps.stamp_files` of the source, plus its ``"path"``."""
+        ``overwrite``. ``source``: :func:`stamps.stamp_files` of the source, plus its directory under
+        :data:`SOURCE_ROOT_KEY`."""
         if self.plan_path.exists():
             problem = self._plan_problem(fingerprint) or self._source_problem(source)
             if problem:
@@ -179,8 +195,8 @@ class OutputState:
         is unreadable, since nothing then says they are unchanged)."""
         previous = read_state_json(self.source_path)
         if previous is None:
-            return sorted(source)
-        return [name for name, stamp in source.items() if previous.get(name) != stamp]
+            return sorted(set(source) - {SOURCE_ROOT_KEY})
+        return [name for name, stamp in source.items() if name != SOURCE_ROOT_KEY and previous.get(name) != stamp]
 
     def clear(self) -> None:
         """Remove what a previous conversion (or merge) wrote, and nothing else

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
@@ -81,6 +82,8 @@ class Checkpoint:
         if not root.is_dir():
             raise CheckpointError(f"{root}: not a checkpoint directory")
         config_path = root / CONFIG_NAME
+        if not os.path.lexists(config_path):
+            raise CheckpointError(f"{root}: not a checkpoint directory (no {CONFIG_NAME})")
         config = jsonio.Fields(config_path, CheckpointError).obj(
             jsonio.read(config_path, CheckpointError, "config.json", jsonio.MAX_CONFIG_BYTES), name="config.json")
         family = detect(config, config_path)

@@ -60,26 +60,39 @@ def checkpoint_tensors(config: dict[str, Any], fmt: WeightFormat = formats.MXFP4
     yield from deepseek_tensors(family, config, fmt, weight_dtype, scale_dtype)
 
 
-def _tensor_bytes(t: SynthTensor, rng: np.random.Generator) -> bytes:
+#: Bytes of one tensor generated at a time: a large tensor (a vocabulary's embedding, GBs) is made in
+#: pieces, so that memory holds one piece and its float32 temporaries, never the whole tensor several
+#: times over. A multiple of every element size; a tensor up to this size is made in one piece.
+SYNTH_CHUNK_BYTES = 64 << 20
+
+
+def _tensor_chunks(t: SynthTensor, rng: np.random.Generator) -> Iterator[bytes]:
+    """The bytes of ``t``, in pieces of at most :data:`SYNTH_CHUNK_BYTES` (same seed, same bytes)."""
+    for start in range(0, t.nbytes, SYNTH_CHUNK_BYTES):
+        yield _fill_bytes(t, min(SYNTH_CHUNK_BYTES, t.nbytes - start), rng)
+
+
+def _fill_bytes(t: SynthTensor, nbytes: int, rng: np.random.Generator) -> bytes:
+    """``nbytes`` of ``t``'s kind of content (its ``fill``)."""
     if t.fill in ("scale", "e4m3_scale"):
         low, high = SCALE_BYTE_RANGE if t.fill == "scale" else E4M3_SCALE_BYTE_RANGE
-        return rng.integers(low, high, size=t.nbytes, dtype=np.uint8).tobytes()
+        return rng.integers(low, high, size=nbytes, dtype=np.uint8).tobytes()
     if t.fill == "fp32_scale":  # positive, finite: 2**-12 .. 2**-4 with random mantissas, in the tensor's dtype
-        values = rng.uniform(2.0 ** -12, 2.0 ** -4, size=t.nbytes * 8 // DTYPE_BITS[t.dtype]).astype(np.float32)
+        values = rng.uniform(2.0 ** -12, 2.0 ** -4, size=nbytes * 8 // DTYPE_BITS[t.dtype]).astype(np.float32)
         if t.dtype == "BF16":  # the high halves of the float32 values
             return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
         return values.astype(np.float16 if t.dtype == "F16" else np.float32).tobytes()
     if t.fill == "ones":
-        return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
+        return np.full(nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()  # bf16 1.0
     if t.fill == "e4m3":  # every byte but the two NaNs (0x7F, 0xFF)
-        codes = rng.integers(0, 256, size=t.nbytes, dtype=np.uint8)
+        codes = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
         return np.where(codes & 0x7F == 0x7F, codes - 1, codes).astype(np.uint8).tobytes()
     if t.fill == "bf16":  # the high halves of small float32 values
-        words = (rng.standard_normal(t.nbytes // 2, dtype=np.float32) * 0.05).view(np.uint32)
+        words = (rng.standard_normal(nbytes // 2, dtype=np.float32) * 0.05).view(np.uint32)
         return (words >> 16).astype(np.uint16).tobytes()
     if t.fill == "value":
-        return np.full(t.nbytes // 4, t.value, dtype=np.float32).tobytes()
-    return rng.bytes(t.nbytes)
+        return np.full(nbytes // 4, t.value, dtype=np.float32).tobytes()
+    return rng.bytes(nbytes)
 
 
 def _shards(tensors: list[SynthTensor], shard_bytes: int) -> list[list[SynthTensor]]:
@@ -173,7 +186,7 @@ def _write_checkpoint(out: Path, config: dict[str, Any], tensors: list[SynthTens
     for number, shard in enumerate(shards, start=1):
         filename = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
         rng = np.random.default_rng([seed, number])
-        chunks = (_tensor_bytes(t, rng) for t in shard)
+        chunks = (chunk for t in shard for chunk in _tensor_chunks(t, rng))
         write_safetensors(out / filename, out, [t.spec() for t in shard], _reporting(chunks, filename, progress),
                           metadata={"format": "pt"}, fsync=False)
         if progress:

@@ -94,11 +94,10 @@ def test_an_interrupted_conversion_says_how_to_finish_it(clone):
     (unfinished / "manifest.json").unlink()  # what a stop before the last step leaves
     text = clone.run("inspect", "unfinished").stdout
     assert "an unfinished megamoe conversion for EP 4" in text
-    assert "next: rerun the convert that made it to finish it, from where it stopped: megamoe convert SRC " \
-           "unfinished --ep-size 4" in text
+    resume = f"megamoe convert {clone.work.resolve() / 'ckpt'} unfinished --ep-size 4"  # the real SRC, pasteable
+    assert f"next: rerun the convert that made it to finish it, from where it stopped: {resume}" in text
     assert json.loads(clone.run("inspect", "unfinished", "--json").stdout)["kind"] == "unfinished"
-    assert "megamoe convert SRC unfinished --ep-size 4" in clone.run("plan", "unfinished", "--ep-size", 4,
-                                                                      code=2).stderr
+    assert resume in clone.run("plan", "unfinished", "--ep-size", 4, code=2).stderr
     verified = clone.run("verify", "unfinished", code=1).stdout
     assert "a `megamoe convert` into it was interrupted (or is still running); rerun that command" in verified
     clone.run("convert", "ckpt", "unfinished", "--ep-size", 4, "-q")  # the advice works: it resumes

@@ -191,7 +191,7 @@ BAD_INPUTS = {
     "placement missing a logical expert": (lambda s: (s / "p.json").write_text(json.dumps([0, 1, 2, 3, 4, 5, 6, 6])),
                                            ("--ep-size", 2, "--placement", "{src}/p.json"),
                                            r"p.json: logical experts \[7\] have no physical slot"),
-    "no config": (lambda s: (s / "config.json").unlink(), (), r"config.json: missing config.json"),
+    "no config": (lambda s: (s / "config.json").unlink(), (), r"src: not a checkpoint directory \(no config.json\)"),
 }
 
 

@@ -10,6 +10,7 @@ this importable module. The cache key and the ``ipc_cache`` loader: :mod:`.weigh
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -66,8 +67,9 @@ def preload_parser(prog: str = "megamoe preload") -> Any:
         from vllm.entrypoints.cli.preload import PreloadSubcommand
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except ImportError as e:
-        raise PreloadError(f"megamoe preload needs vLLM >= 0.33 in this environment ({e}); install "
-                           "megamoe-convert into the serving engine's environment") from None
+        raise PreloadError(f"megamoe preload needs vLLM >= 0.33, which {sys.executable} cannot import ({e}): run it "
+                           "with the python of vLLM's environment, megamoe-convert installed there too: "
+                           "VLLM_ENV/bin/python -m megamoe_convert.cli preload --model OUT ...") from None
     parser = FlexibleArgumentParser(prog=prog, description="vLLM's `vllm preload`, serving a conversion.")
     PreloadSubcommand.add_cli_args(parser)
     return parser
