@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	   ! $(PY) -m pip install -q --dry-run --no-index --no-deps torch==2.13.0 >/dev/null 2>&1; then \
 	  args='--index-url $(TORCH_CPU_INDEX)'; \
 	fi; \
-	echo "installing torch==2.13.0 $$args into $(VENV) (the longest step of a first run)"; \
+	echo "installing torch==2.13.0$${args:+ $$args} into $(VENV) (the longest step of a first run)"; \
 	$(PY) -m pip install -q torch==2.13.0 $$args
 	@echo "installing megamoe-convert and its test dependencies into $(VENV)"
 	$(PY) -m pip install -q -e '.[test]'

@@ -29,6 +29,8 @@ SHELL_FENCES = ("bash", "sh", "shell", "console")
 NOT_RUNNABLE = {
     "python3 -m pip install .": "installs into the running environment; CI's `make test` installs the same "
                                 "project with `pip install -e '.[test]'`",
+    "python3 -m pip install torch --index-url ": "installs torch into the running environment; the Makefile installs "
+                                                 "the same CPU build into .venv where no NVIDIA driver answers",
     "/path/to/engine-env/bin/python -m pip install ": "installs into an engine's environment: tests/engine_envs.py "
                                                       "builds each engine's environment with the project on its path",
     "RUN pip install ": "a Dockerfile line (the same pip install, inside an image build)",
