@@ -95,7 +95,8 @@ def _inspect_checkpoint(path: Path, ep_size: int | None, redundant: int, engine:
     if as_json:
         print_json(summary)
         return
-    table = Table(title=f"{ckpt.root}", show_header=False)
+    line(str(ckpt.root))  # a path to copy: above the table, where rich never breaks it
+    table = Table(show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("model family / weight format", f"{ckpt.family.title} ({summary['model_type']}) / {d.weight_format}")
@@ -147,7 +148,8 @@ def _inspect_conversion(out: Path, as_json: bool) -> None:
 def _print_output(info: dict[str, Any], kind: str, rows: list[tuple[str, str]], size: str) -> None:
     """What a conversion or a store is (its family and format, then ``rows`` of its own kind, then what
     both record: shared expert, layout identity, coverage and ``size``), and the commands that serve it."""
-    table = Table(title=f"{info['path']} ({kind})", show_header=False)
+    line(f"{info['path']} ({kind})")  # a path to copy: above the table, where rich never breaks it
+    table = Table(show_header=False)
     table.add_column("", style="bold")
     table.add_column("")
     table.add_row("model family / weight format", f"{info['model_family']} / {info['weight_format']}")

@@ -46,12 +46,13 @@ def in_terminal(*args: object, columns: int) -> list[str]:
     return [line.rsplit("\r", 1)[-1] for line in text.split("\n")]
 
 
-def pasted(lines: list[str], first: str) -> list[str]:
-    """The words a shell reads when the lines from the one starting with ``first`` are pasted: a
-    trailing backslash joins the next line."""
+def pasted(lines: list[str], first: str) -> tuple[list[str], list[str]]:
+    """The words a shell reads when the lines from the one starting with ``first`` are pasted (a
+    trailing backslash joins the next line), and those lines."""
     start = next(i for i, line in enumerate(lines) if line.lstrip().startswith(first))
     end = next(i for i in range(start, len(lines)) if not lines[i].endswith("\\"))
-    return shlex.split("\n".join(lines[start:end + 1]).replace(" \\\n", " "))
+    block = lines[start:end + 1]
+    return shlex.split("\n".join(block).replace(" \\\n", " ")), block
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +70,13 @@ def test_serve_command_pastes_from_a_terminal(converted, columns):
     command = json.loads(run_cli("inspect", converted, "--json").stdout)["serve"]["vllm"]["command"]
     assert len(command) > 120
     lines = in_terminal("inspect", converted, columns=columns)
-    assert pasted(lines, "vllm serve") == shlex.split(command)
-    for line in lines:  # broken by the tool only between words: a longer line is one word the terminal wraps
+    words, block = pasted(lines, "vllm serve")
+    assert words == shlex.split(command)
+    for line in block:  # broken only between words: a longer line is one word, which the terminal wraps
         assert len(line) <= columns or len(line.strip().removesuffix(" \\").split()) == 1, line
+    assert f"{converted} (a megamoe conversion)" in lines  # the path above the table, whole
+    table = [line for line in lines if line[:1] in "┌│├└"]
+    assert table and max(map(len, table)) <= columns
 
 
 def test_convert_done_line_and_resume_hint_stay_whole_in_a_terminal(converted, tmp_path):
