@@ -32,8 +32,9 @@ def pull(
     num_redundant_experts: Annotated[int, typer.Option(min=0, help="With --ep-size: redundant experts.")] = 0,
     placement_file: Annotated[Optional[Path], typer.Option("--placement", help="With --ep-size: JSON list, "
                                                                              "logical expert of every slot.")] = None,
-    engine: Annotated[str, typer.Option(help="With --ep-size: whose per-layer placement rule (vllm, sglang).")]
-        = "vllm",
+    engine: Annotated[Optional[str], typer.Option(help="With --ep-size: whose per-layer placement rule (vllm, "
+                                                       "sglang; default: the engine that serves the store's "
+                                                       "family).")] = None,
 ) -> None:
     """Download the manifest, small files, non-expert shards and just the named ranks' shards of a
     pushed conversion, then verify them against manifest.json. Honours HF_HUB_OFFLINE and the cache.
@@ -72,7 +73,7 @@ def pull(
 
 def _pull_ranges(repo_id: str, ranks: Optional[str], local_dir: Optional[Path], revision: Optional[str],
                  experts_only: bool, verify: bool, as_json: bool, ep_size: int, redundant: int,
-                 placement_file: Optional[Path], engine: str) -> None:
+                 placement_file: Optional[Path], engine: Optional[str]) -> None:
     """``pull --ep-size``: just the byte ranges of a store that the named ranks read."""
     from megamoe_convert.errors import HubError
     from megamoe_convert.hub.ranges import pull_ranges

@@ -42,7 +42,7 @@ GAP_BUDGET = 0.05
 
 
 def layer_placements(manifest: Manifest, ep_size: int, num_redundant: int = 0, placement_file: Path | None = None,
-                     engine: str = "vllm") -> dict[MoELayer, Placement]:
+                     engine: str | None = None) -> dict[MoELayer, Placement]:
     """Each layer's placement at ``ep_size`` under the engine's rule (as ``inspect``/``plan`` show it),
     refused where the store's family and the engine cannot serve it."""
     return store.store_placements(manifest, ep_size, num_redundant, placement_file, engine, "store", HubError)
@@ -95,7 +95,7 @@ def _fetch(fs: Any, url: str, start: int, n: int, where: str) -> bytes:
 
 
 def pull_ranges(repo_id: str, local_dir: Path | str, ep_size: int, ranks: str | None = None, *,
-                num_redundant: int = 0, placement_file: Path | None = None, engine: str = "vllm",
+                num_redundant: int = 0, placement_file: Path | None = None, engine: str | None = None,
                 revision: str | None = None, non_expert: bool = True, verify: bool = True,
                 max_workers: int = 8) -> dict[str, Any]:
     """Pull the manifest, small files (and non-expert shards) of a store on the hub, then just the

@@ -150,7 +150,8 @@ def load_rank(out: "Path | str | ConvertedModel", rank: int, device: str | torch
     given, must be the one converted for (a serving job states what it expects). A hub repo id
     goes through :func:`megamoe_convert.hub.pull.load_rank`, which pulls just this rank first.
     A store (``convert`` without ``--ep-size``) serves every EP size: ``ep_size`` names the one whose
-    rank to load (vLLM's default placement; :func:`.store.load_slots` takes any other); without it,
+    rank to load (the default placement of the engine that serves the store's family;
+    :func:`.store.load_slots` takes any other); without it,
     its EP 1 view, rank 0: every logical expert in order.
 
     ``into`` (keyed like the result; implies those layers) names caller-owned tensors to fill,

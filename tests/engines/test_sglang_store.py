@@ -5,6 +5,7 @@ NextN rule (no expert location, no redundant experts): byte-exact against SGLang
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import sglang_harness as h
@@ -88,3 +89,53 @@ def test_load_format_megamoe_serves_a_store_at_sglangs_own_ep_rank(sglang_ckpt, 
             for name, tensor in h.state(module).items():
                 h.assert_same_tensor(tensor, h.state(want[prefix])[name], f"{prefix}.{name}")
     assert seen and not any(".experts." in name and ".shared_experts." not in name for name in seen)
+
+
+def test_a_store_passes_sglangs_own_config_reading_and_serves_through_its_default_loader(sglang_ckpt, sglang_store):
+    """``launch_server --model-path STORE``: SGLang's own (hooked) ``get_config`` reads the store's
+    config (its manifest's engine is ``any``: the placement is SGLang's, read at install), its
+    ``get_model_architecture`` resolves SGLang's own class, and its default loader (``auto``) feeds
+    the model's hooked ``load_weights``, which installs the rank's slots from the store: byte-exact
+    against SGLang's own loading of the source."""
+    from sglang.srt.configs.model_config import ModelImpl
+    from sglang.srt.model_loader import utils
+    from sglang_model_classes_harness import hooked_load_weights, load, parsed, tree_config
+
+    from megamoe_convert.engines.sglang import model_classes
+    from megamoe_convert.output import marker
+
+    config = parsed(sglang_store)
+    assert config.architectures == ["DeepseekV4ForCausalLM"]
+    assert getattr(config, marker.SECTION)[model_classes.PATH_KEY] == str(sglang_store)
+    model_config = types.SimpleNamespace(model_path=str(sglang_store), revision=None, hf_config=config,
+                                         hf_text_config=config, quantization=None, is_generation=True,
+                                         is_multimodal=False, model_impl=ModelImpl.AUTO)
+    assert utils.get_model_architecture(model_config)[0] is h.DeepseekV4ForCausalLM
+    seen: list[str] = []
+    with h.patched(2, EP_SIZE, REDUNDANT):
+        reference = h.build_main_model(h.hf_config(sglang_ckpt), 2, REDUNDANT)
+        h.sglang_load(reference, sglang_ckpt)
+        tree = tree_config(sglang_ckpt, sglang_store)
+        model = h.build_main_model(tree, 2, REDUNDANT)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, seen):
+            load("auto", model, sglang_store, tree)
+        want = h.experts_of(reference)
+        for prefix, module in h.experts_of(model).items():
+            for name, tensor in h.state(module).items():
+                h.assert_same_tensor(tensor, h.state(want[prefix])[name], f"{prefix}.{name}")
+    assert seen and not any(".experts." in n and ".shared_experts." not in n for n in seen)
+
+
+def test_sglang_refuses_a_store_of_a_family_it_does_not_serve_when_it_reads_the_config(tmp_path):
+    """A DeepSeek-V4.1 store: the serving table gives SGLang none of its conversions, and SGLang's
+    config hook says so, by the store's manifest, before anything loads."""
+    from megamoe_convert.convert.plan import ConvertOptions
+    from megamoe_convert.convert.run import convert
+    from megamoe_convert.engines.sglang.model_classes import manifest_refusal
+    from megamoe_convert.synth.write import synthesize
+
+    synthesize(tmp_path / "ckpt", "v4.1-tiny", seed=3)
+    convert(tmp_path / "ckpt", tmp_path / "store", ConvertOptions(ep_size=None, fsync=False))
+    assert manifest_refusal(str(tmp_path / "store")) == (
+        "a conversion of DeepSeek-V4.1, which SGLang does not serve (SGLang's DeepSeek-V4.1 model is not one "
+        "megamoe-convert's SGLang contract is proven against)")

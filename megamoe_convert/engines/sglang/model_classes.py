@@ -9,10 +9,11 @@ model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry po
 
 - around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
   and configures the model exactly as for the source); the ``megamoe`` section stays on the
-  config and records the directory. A conversion SGLang cannot serve (converted for vLLM's
-  placement: every DeepSeek-V4.1 and Kimi-K3 conversion, a DeepSeek-V4 one without
-  ``--engine sglang``) is refused right there, in one line.
-- around ``load_weights`` of SGLang's DeepSeek-V4 model classes (the model and its NextN draft):
+  config and records the directory. A conversion SGLang cannot serve (of a family the serving
+  table gives SGLang none of, such as DeepSeek-V4.1 and Kimi-K3, or per-rank files for vLLM's
+  placement) is refused right there, in one line; a store of a family SGLang serves passes (its
+  placement is read from SGLang's modules at install).
+- around ``load_weights`` of SGLang's MegaMoE model classes (and their NextN drafts):
   the rank's experts are installed first (:func:`.install.install_layers`, which refuses a model
   that does not match), then everything else loads as SGLang would. Every loader that calls the
   model's ``load_weights`` (``auto``, ``safetensors``, ``megamoe``, ``pt``, ...) therefore serves
@@ -42,7 +43,9 @@ from megamoe_convert.engines.load_formats import (
 from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
+from megamoe_convert.output.manifest import ANY_ENGINE
 from megamoe_convert.serve.staging import prepare_gpu_staging
+from megamoe_convert.source import engines_table, families
 
 #: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; the
 #: ``HookRegistry`` re-points those bindings).
@@ -60,11 +63,22 @@ LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weight
 PATH_KEY = "path"
 
 
-def manifest_engine(path: str, revision: str | None = None) -> str | None:
-    """The engine a conversion (local, or a hub repo's) was made for (``None``: no manifest could be
-    read: install decides)."""
+def manifest_refusal(path: str, revision: str | None = None) -> str | None:
+    """Why SGLang serves none of a conversion (local, or a hub repo's), by its manifest: a family no
+    SGLang contract serves (the serving table's word), or per-rank files for another engine's
+    placement; a store of a family SGLang serves passes (its placement is SGLang's own, read at
+    install). ``None`` also where no manifest could be read: install decides."""
     data = conversion_manifest(path, revision)
-    return data.get("engine", "vllm") if data is not None else None
+    if data is None:
+        return None
+    family = next((f for f in families.FAMILIES if f.name == data.get("family")), None)
+    if family is not None and (why := engines_table.family_refusal(family, "sglang")) is not None:
+        return f"a conversion of {family.title}, which SGLang does not serve ({why})"
+    engine = data.get("engine")
+    if engine not in ("sglang", ANY_ENGINE):
+        return (f"converted for {engine}'s expert placement, which SGLang does not serve; convert it with "
+                f"--engine sglang, or without --ep-size (a store), or serve this one with {engine}")
+    return None
 
 
 def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -77,10 +91,8 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
         setattr(config, marker.SECTION, section)
     if section is None:
         return config
-    engine = manifest_engine(str(model), revision)
-    if engine is not None and engine != "sglang":
-        raise InstallError(f"{model}: converted for {engine}'s expert placement, which SGLang does not serve; "
-                           "convert a DeepSeek-V4 checkpoint with --engine sglang (or serve this one with vLLM)")
+    if (refusal := manifest_refusal(str(model), revision)) is not None:
+        raise InstallError(f"{model}: {refusal}")
     section[PATH_KEY] = served_reference(str(model), revision)
     return config
 
