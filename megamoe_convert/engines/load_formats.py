@@ -1,9 +1,9 @@
 """What every engine's ``--load-format megamoe`` and model classes share: the engine's default loader
 underneath reads the converted directory's non-expert shards as plain safetensors, minus the
 routed-expert tensors and the shared experts that ``install`` put in place (both from the rank's
-own shards), and never fetches the rank folders of a hub repo; a conversion made before the marker
-is recognised by its manifest (local, or a hub repo's), and a checkpoint without routed experts
-that nobody recognised is refused (:class:`ExpertTensorCount`).
+own shards), and never fetches the rank folders of a hub repo; a conversion's manifest (local, or a
+hub repo's) is read where an engine must know more than its marker says (:func:`conversion_manifest`),
+and a checkpoint without routed experts that no marker names is refused (:class:`ExpertTensorCount`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from megamoe_convert.engines.contract import Contract
 from megamoe_convert.engines.driver import Installed
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
+from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.source import families
 
 LOAD_FORMAT = "megamoe"
@@ -44,22 +45,13 @@ Weights = Iterable[tuple[str, torch.Tensor]]
 log = logging.getLogger(__name__)
 
 
-def is_unmarked_conversion(model: Any, revision: str | None = None, *, hub: bool = True) -> bool:
-    """A conversion made before the marker existed (a megamoe manifest, no marker): a local
-    directory, or (``hub``) a hub repo id or a snapshot of one in the HF cache, whose
-    ``manifest.json`` is read from the cache or downloaded (one small file, as the engine
-    downloads ``config.json``). A repo whose manifest cannot be had (offline and not cached, the
-    hub unreachable) is not recognised here: the models' ``load_weights`` then refuses a checkpoint
-    without routed experts (:class:`ExpertTensorCount`)."""
-    return conversion_manifest(model, revision, hub=hub) is not None
-
-
-def conversion_manifest(model: Any, revision: str | None = None, *, hub: bool = True) -> dict[str, Any] | None:
-    """The megamoe ``manifest.json`` of ``model`` (a local directory or, ``hub``, a hub repo, see
-    :func:`is_unmarked_conversion`) as read, or None when it has none."""
-    manifest = Path(str(model)) / marker.MANIFEST_NAME
+def conversion_manifest(model: Any, revision: str | None = None) -> dict[str, Any] | None:
+    """The megamoe ``manifest.json`` of ``model`` as read: a local directory's, or a hub repo's (a
+    repo id or a snapshot of one in the HF cache: :func:`hub_manifest`, one small file, as the
+    engine downloads ``config.json``); None when it has none or it cannot be had."""
+    manifest = Path(str(model)) / MANIFEST_NAME
     if not manifest.is_file():
-        found = hub_manifest(model, revision) if hub else None
+        found = hub_manifest(model, revision)
         if found is None:
             return None
         manifest = found
@@ -68,12 +60,6 @@ def conversion_manifest(model: Any, revision: str | None = None, *, hub: bool = 
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and "layout_version" in data and "placement" in data else None
-
-
-def may_be_conversion(model_type: Any) -> bool:
-    """A config of a family megamoe-convert converts (by ``model_type``; none: DeepSeek-V4's flat
-    config): only those are looked up on the hub by :func:`is_unmarked_conversion`."""
-    return model_type is None or any(model_type in family.model_types for family in families.FAMILIES)
 
 
 def hub_manifest(model: Any, revision: str | None = None) -> Path | None:
@@ -96,13 +82,13 @@ def hub_manifest(model: Any, revision: str | None = None) -> Path | None:
     import huggingface_hub
 
     try:
-        cached = huggingface_hub.try_to_load_from_cache(repo_id, marker.MANIFEST_NAME, revision=revision)
+        cached = huggingface_hub.try_to_load_from_cache(repo_id, MANIFEST_NAME, revision=revision)
         if isinstance(cached, str):
             return Path(cached)
         if cached is not None:  # the cache knows the repo has no manifest
             return None
-        return Path(huggingface_hub.hf_hub_download(repo_id, marker.MANIFEST_NAME, revision=revision))
-    except Exception as e:  # no such file or repo, offline, unreachable: not recognised (see above)
+        return Path(huggingface_hub.hf_hub_download(repo_id, MANIFEST_NAME, revision=revision))
+    except Exception as e:  # no such file or repo, offline, unreachable: no manifest to read
         log.debug("megamoe: no manifest for %s@%s: %s", repo_id, revision, e)
         return None
 
@@ -110,7 +96,7 @@ def hub_manifest(model: Any, revision: str | None = None) -> Path | None:
 class ExpertTensorCount:
     """The weights an engine feeds a model's ``load_weights``, counted as they pass: a checkpoint
     of a MegaMoE model always holds routed-expert tensors, so a stream without any (while other
-    tensors came) is a conversion nobody recognised, whose experts would stay zeros:
+    tensors came) is a conversion no marker named, whose experts would stay zeros:
     :meth:`refusal` says so."""
 
     def __init__(self, weights: Weights) -> None:
@@ -126,9 +112,9 @@ class ExpertTensorCount:
         if self.experts or not self.tensors:
             return None
         return (f"{model}: {engine} read {self.tensors} tensors and not one routed expert: the checkpoint holds "
-                "none, so its MegaMoE experts would stay zeros (a megamoe-convert conversion that could not be "
-                "recognised, e.g. a hub repo whose manifest.json is neither cached nor reachable); serve a "
-                f"conversion with --load-format {LOAD_FORMAT}, or rerun the megamoe convert that made it")
+                "none, so its MegaMoE experts would stay zeros (a megamoe-convert conversion whose config.json "
+                f"lost its {marker.SECTION} section, say); serve a conversion with --load-format {LOAD_FORMAT}, or "
+                "rerun the megamoe convert that made it")
 
 
 def without_expert_tensors(weights: Weights, installed: Installed | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -151,7 +137,7 @@ def as_safetensors_config(load_config: Any) -> Any:
     return config
 
 
-#: Set on a model that is no recognised conversion once its first ``load_weights`` was checked.
+#: Set on a model that is no marked conversion once its first ``load_weights`` was checked.
 CHECKED_ATTR = "megamoe_checked"
 
 
@@ -162,7 +148,7 @@ def served_reference(model: str, revision: str | None) -> str:
 
 
 def load_checked(model: Any, load: Callable[[Weights], Any], weights: Weights, name: str, engine: str) -> Any:
-    """``load(weights)`` for a MegaMoE model that is no recognised conversion: its first load is
+    """``load(weights)`` for a MegaMoE model that is no marked conversion: its first load is
     counted, and refused when the engine fed it tensors but not one routed expert
     (:class:`ExpertTensorCount`); later loads (and an installed model's) pass through."""
     if getattr(model, CHECKED_ATTR, False) or getattr(model, INSTALLED_ATTR, None) is not None:
@@ -196,20 +182,3 @@ def load_installing(model: Any, load: Callable[[Weights], Any], weights: Weights
     if not any(c.detect(m) for m in model.modules() for c in contracts):
         return load(weights)
     return load_checked(model, load, weights, name, engine)
-
-
-def revision_argument(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """The revision an engine's config reader was asked for: ``(model, trust_remote_code, revision, ...)``
-    in both engines."""
-    return kwargs.get("revision", args[1] if len(args) > 1 else None)
-
-
-def warn_if_unmarked(model: Any, config: Any, revision: str | None, engine: str) -> bool:
-    """Whether ``config``, read without the marker's section, is of a conversion made before the
-    marker existed (see :func:`is_unmarked_conversion`); if so, it says that ``engine`` without
-    megamoe-convert would serve it without experts."""
-    if not (may_be_conversion(getattr(config, "model_type", None)) and is_unmarked_conversion(model, revision)):
-        return False
-    log.warning("megamoe: %s was converted before the marker existed: its experts are installed, but %s without "
-                "megamoe-convert would serve none; rerun the same megamoe convert", model, engine)
-    return True

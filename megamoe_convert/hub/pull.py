@@ -34,11 +34,7 @@ import huggingface_hub.errors
 import huggingface_hub.file_download
 import huggingface_hub.utils
 
-from megamoe_convert.errors import (
-    HubError,  # noqa: F401
-    ManifestError,
-    PlacementError,
-)
+from megamoe_convert.errors import HubError, ManifestError, PlacementError
 from megamoe_convert.hub.card import CARD_NAME
 from megamoe_convert.layout.placement import parse_ranks
 from megamoe_convert.output import ranged
@@ -193,8 +189,6 @@ def select_files(manifest: Manifest, ranks: Sequence[int], non_expert: bool = Tr
             chosen.append(record)
     patterns = [glob.escape(MANIFEST_NAME)] + [f"{glob.escape(d)}/*" for d in sorted(rank_dirs)]
     patterns += [glob.escape(r.path) for r in chosen if "/" not in r.path]
-    if non_expert and not manifest.experts_only:
-        patterns.append(glob.escape(INDEX_NAME))  # older manifests do not list it
     return chosen, list(dict.fromkeys(patterns))
 
 

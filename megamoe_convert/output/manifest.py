@@ -38,7 +38,7 @@ from megamoe_convert.output.naming import (
     rank_file,
     store_file,
 )
-from megamoe_convert.output.seal import SEAL_KEY, check_seal, seal
+from megamoe_convert.output.seal import check_seal, seal
 from megamoe_convert.output.shards import LAYOUT_VERSION, rank_shard_size
 from megamoe_convert.output.writer import CHECKSUM_ALGORITHM, FileRecord
 from megamoe_convert.source import families, formats
@@ -46,8 +46,8 @@ from megamoe_convert.source.layers import MoELayer
 from megamoe_convert.source.model_dims import MAX_DIM, ModelDims
 
 FORMAT_NAME = "megamoe-convert"
-#: Version of this directory format (file names, manifest fields). 2: the manifest carries
-#: ``manifest_checksum`` (:mod:`seal`); version 1 manifests (no checksum) are still read.
+#: Version of this directory format (file names, manifest fields, the manifest's own checksum
+#: ``manifest_checksum``: :mod:`seal`); a manifest of any other version is refused.
 FORMAT_VERSION = 2
 #: A store's ``engine``: it holds no engine's placement; the engine's own one is read at install.
 ANY_ENGINE = "any"
@@ -176,10 +176,12 @@ class Manifest:
             if value > known:
                 raise f.fail(f"{key} {value} is newer than this megamoe-convert understands ({known}); "
                              "upgrade megamoe-convert")
+            if value < known:
+                raise f.fail(f"{key} {value} is not {known}, the one this megamoe-convert reads; convert again")
         if data.get("complete") is not True:
             raise f.fail("the conversion did not finish (manifest marked incomplete); "
                          "rerun the same `megamoe convert` command to complete it")
-        if sealed and (versions[0] >= 2 or SEAL_KEY in data):
+        if sealed:
             check_seal(data, f)
         manifest = _parse(data, f, versions)
         problems = manifest_problems(manifest, data)
@@ -235,18 +237,18 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
     placement = Placement.from_json(f.obj(data, "placement"), f.where)
     if f.int(data, "ep_size", lo=1, hi=MAX_EP_SIZE) != placement.ep_size:
         raise f.fail(f"ep_size {data['ep_size']} disagrees with placement.ep_size {placement.ep_size}")
-    engine = f.str(data, "engine") if "engine" in data else "vllm"  # before per-engine placement: vLLM's
+    engine = f.str(data, "engine")
     store = f.bool(data, "store") if "store" in data else False
     if store != (engine == ANY_ENGINE):
         raise f.fail(f"engine {jsonio.short(engine)} with store={store}: a store (and only a store) "
                      f"holds engine {ANY_ENGINE!r}")
     if engine not in (*ENGINES, ANY_ENGINE):
         raise f.fail(f"unknown engine {jsonio.short(engine)} (known: {', '.join(ENGINES)})")
-    family = f.str(data, "family") if "family" in data else "deepseek_v4"  # before model families
+    family = f.str(data, "family")
     known = [k.name for k in families.FAMILIES]
     if family not in known:
         raise f.fail(f"family: unknown model family {family!r} (known: {', '.join(known)})")
-    algorithm = f.str(data, "checksum_algorithm") if "checksum_algorithm" in data else CHECKSUM_ALGORITHM
+    algorithm = f.str(data, "checksum_algorithm")
     if algorithm != CHECKSUM_ALGORITHM:
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
     layers = f.each(f.list(data, "layers", max_len=1 << 16), lambda x, label: _layer(f, x, label), "layers")

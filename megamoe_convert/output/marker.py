@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from megamoe_convert.errors import MarkerError  # noqa: F401
+from megamoe_convert.errors import MarkerError
 
 #: The ``config.json`` key of the section (also the attribute engines' config objects carry).
 SECTION = "megamoe"
@@ -43,8 +43,6 @@ MOVED = ("architectures", "auto_map")
 INSTALL = "install megamoe-convert into this serving environment"
 #: The key replaced by a marker model type; the section holds the original (``None``: the source had none).
 MODEL_TYPE = "model_type"
-#: Converted directories recognised without a marker (made before the marker existed).
-MANIFEST_NAME = "manifest.json"
 
 
 def marker_name(architecture: str) -> str:
@@ -93,7 +91,8 @@ def section_of(config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def original(config: dict[str, Any], where: str = "config.json") -> dict[str, Any]:
-    """The source's ``config.json`` object back from a marked one (a copy; unmarked: unchanged)."""
+    """The source's ``config.json`` object back from a marked one (a copy; a config with no section:
+    unchanged)."""
     section = section_of(config)
     if section is None:
         return dict(config)
@@ -103,7 +102,9 @@ def original(config: dict[str, Any], where: str = "config.json") -> dict[str, An
     if config.get("architectures") != [marker_name(a) for a in architectures]:
         raise MarkerError(f"{where}: architectures {config.get('architectures')!r} are not the markers of "
                           f"{architectures!r}")
-    if MODEL_TYPE in section and config.get(MODEL_TYPE) != marker_model_type(section[MODEL_TYPE]):
+    if MODEL_TYPE not in section:
+        raise MarkerError(f"{where}: the {SECTION!r} section names no original model_type")
+    if config.get(MODEL_TYPE) != marker_model_type(section[MODEL_TYPE]):
         raise MarkerError(f"{where}: model_type {config.get(MODEL_TYPE)!r} is not the marker of "
                           f"{section[MODEL_TYPE]!r}")
     restored = restore_model_type({k: v for k, v in config.items() if k != SECTION}, section)
@@ -115,8 +116,8 @@ def restore_model_type(config: dict[str, Any], section: dict[str, Any] | None = 
     """``config`` (a ``config.json`` object) with the original ``model_type`` in place of the marker
     model type, everything else as it is (architecture markers and the section included): what
     the plugin makes transformers read, so that every reader of the config sees the source's model
-    type. Anything else (no conversion's, an older marker, a model type already changed) is
-    returned unchanged, as the same object."""
+    type. Anything else (no conversion's, a model type already changed) is returned unchanged, as
+    the same object."""
     section = section_of(config) if section is None else section
     if section is None or MODEL_TYPE not in section or config.get(MODEL_TYPE) != marker_model_type(section[MODEL_TYPE]):
         return config
@@ -153,14 +154,10 @@ def problem(config_bytes: bytes) -> str | None:
     try:
         config = json.loads(config_bytes)
         if not isinstance(config, dict) or section_of(config) is None:
-            return ("has no megamoe marker (converted by an older megamoe-convert): an engine without "
-                    "megamoe-convert would serve no experts; rerun the same convert command")
+            return ("has no megamoe marker: an engine without megamoe-convert would serve no experts; rerun the "
+                    "same convert command")
         original(config)
-        if MODEL_TYPE not in config[SECTION]:
-            return ("its model_type is not marked (converted by an older megamoe-convert): an engine without "
-                    "megamoe-convert that builds the model from model_type (SGLang's --model-impl transformers) "
-                    "would serve no experts; rerun the same convert command")
-    except (UnicodeDecodeError, ValueError) as e:
+    except (ValueError, MarkerError) as e:  # not JSON (nor UTF-8), or not a marker original() reads
         return str(e)
     return None
 

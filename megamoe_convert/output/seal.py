@@ -32,6 +32,6 @@ def seal(data: dict[str, Any]) -> str:
 def check_seal(data: dict[str, Any], f: jsonio.Fields) -> None:
     """Raise ``f``'s error where ``data`` carries no seal or one that does not match its content."""
     if SEAL_KEY not in data:
-        raise f.fail(f"no {SEAL_KEY} (a format_version 2 manifest carries its own checksum)")
+        raise f.fail(f"no {SEAL_KEY} (every manifest carries its own checksum)")
     if f.str(data, SEAL_KEY) != xxhash.xxh3_128_hexdigest(_canonical(data)):
         raise f.fail(f"{SEAL_KEY} does not match its content (the manifest is corrupted or was edited)")

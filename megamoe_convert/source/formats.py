@@ -36,7 +36,7 @@ from typing import Any, Iterator
 import torch
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import FormatError  # noqa: F401
+from megamoe_convert.errors import FormatError
 from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
@@ -322,14 +322,12 @@ def shared_expert_problem(weight_dtype: str, weight_shape: tuple[int, ...], scal
 
 def manifest_fields(dims: dict[str, Any], fields: jsonio.Fields, max_dim: int) -> dict[str, Any]:
     """``weight_format`` and ``shared_intermediate_size`` of a manifest's ``dims``, read through
-    the manifest's validating ``fields`` (a manifest written before they existed holds MXFP4
-    experts and no shared expert)."""
-    name = fields.str(dims, "weight_format", name="dims.weight_format") if "weight_format" in dims else MXFP4.name
+    the manifest's validating ``fields``."""
+    name = fields.str(dims, "weight_format", name="dims.weight_format")
     if name not in FORMATS:
         raise fields.fail(f"dims.weight_format: unknown MegaMoE weight format {jsonio.short(name)} "
                           f"(known: {', '.join(FORMATS)})")
-    shared = (fields.int(dims, "shared_intermediate_size", hi=max_dim, name="dims.shared_intermediate_size")
-              if "shared_intermediate_size" in dims else 0)
+    shared = fields.int(dims, "shared_intermediate_size", hi=max_dim, name="dims.shared_intermediate_size")
     return {"weight_format": name, "shared_intermediate_size": shared}
 
 

@@ -9,28 +9,29 @@ from contextlib import contextmanager
 from unittest import mock
 
 
-def old_conversion(ckpt, converted, root):
-    """A conversion as an older megamoe-convert left it: the source's ``config.json`` (no marker),
-    recorded so in its sealed manifest."""
+def without_marker(ckpt, converted, root):
+    """A conversion whose ``config.json`` lost its marker (the source's put back), recorded so in its
+    sealed manifest: only the marker would have said what it is."""
     from megamoe_convert.output.seal import SEAL_KEY, seal
     from megamoe_convert.output.writer import file_checksum
 
-    old = root / "old"
-    shutil.copytree(converted, old)
-    shutil.copy(ckpt / "config.json", old / "config.json")
-    data = json.loads((old / "manifest.json").read_bytes())
+    out = root / "marker-lost"
+    shutil.copytree(converted, out)
+    shutil.copy(ckpt / "config.json", out / "config.json")
+    data = json.loads((out / "manifest.json").read_bytes())
     del data[SEAL_KEY]
     (record,) = [f for f in data["files"] if f["path"] == "config.json"]
-    record.update(size=(old / "config.json").stat().st_size, checksum=file_checksum(old / "config.json"))
-    (old / "manifest.json").write_text(seal(data))
-    return old
+    record.update(size=(out / "config.json").stat().st_size, checksum=file_checksum(out / "config.json"))
+    (out / "manifest.json").write_text(seal(data))
+    return out
 
 
 @contextmanager
 def hub_repos(root, monkeypatch, **repos):
     """``repos`` (``owner/name`` -> a directory) on the project's fake hub, and in the HF cache what
     the engine downloaded before the model is built (``config.json``, the weights, their index), but
-    not ``manifest.json``. Inside: offline, as the engine and transformers then read that cache."""
+    not ``manifest.json`` (the plugin fetches it where it needs it). Inside: offline, as the engine and
+    transformers then read that cache."""
     import huggingface_hub
     from hub_fake import FakeHub, cache_put
 

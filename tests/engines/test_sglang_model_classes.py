@@ -18,7 +18,7 @@ import types
 import bare_env
 import pytest
 import sglang_harness as h
-from model_classes_common import hub_repos, old_conversion
+from model_classes_common import hub_repos, without_marker
 from sglang_model_classes_harness import hooked_load_weights, load, parsed, tree_config
 
 from megamoe_convert.engines.sglang import model_classes
@@ -121,30 +121,17 @@ def test_the_default_loader_refuses_an_experts_only_conversion(sglang_ckpt, tmp_
             load("auto", model, out, model.config)
 
 
-def test_a_conversion_made_before_the_marker_is_still_served(sglang_ckpt, sglang_converted, tmp_path):
-    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
-    with h.patched(2, EP_SIZE, REDUNDANT):
-        want = reference(sglang_ckpt, 2)
-        config = tree_config(sglang_ckpt, old)
-        model = h.build_main_model(config, 2, REDUNDANT)
-        with hooked_load_weights(h.DeepseekV4ForCausalLM, []):
-            load("auto", model, old, config)
-        assert_experts(model, want)
-
-
-def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_ckpt, sglang_converted, tmp_path,
-                                                                         monkeypatch):
-    """``launch_server --model-path owner/old``, a conversion made before the marker pulled from the
-    hub by repo id: SGLang's own (hooked) ``get_config`` reads the cached ``config.json``, the plugin
-    fetches the repo's ``manifest.json`` and recognises it; SGLang's default loader reads the cached
+def test_a_hub_repo_is_served_by_repo_id(sglang_ckpt, sglang_converted, tmp_path, monkeypatch):
+    """``launch_server --model-path owner/sg``: SGLang's own (hooked) ``get_config`` reads the cached
+    ``config.json``, whose marker says it is a conversion, and the plugin fetches the repo's
+    ``manifest.json`` to check the engine it was made for; SGLang's default loader reads the cached
     weights and the hooked ``load_weights`` installs the experts from the repo's rank."""
-    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
-    with hub_repos(tmp_path, monkeypatch, **{"owner/sg-old": old, "owner/sg-src": sglang_ckpt}) as hub:
-        config = parsed("owner/sg-old")
+    with hub_repos(tmp_path, monkeypatch, **{"owner/sg": sglang_converted, "owner/sg-src": sglang_ckpt}) as hub:
+        config = parsed("owner/sg")
         assert config.architectures == ["DeepseekV4ForCausalLM"]
-        assert getattr(config, marker.SECTION)[model_classes.PATH_KEY] == "owner/sg-old"
+        assert getattr(config, marker.SECTION)[model_classes.PATH_KEY] == "owner/sg"
         assert "manifest.json" in hub.downloaded
-        assert not hasattr(parsed("owner/sg-src"), marker.SECTION)  # the hub has no manifest for it
+        assert not hasattr(parsed("owner/sg-src"), marker.SECTION)
         seen: list[str] = []
         with h.patched(2, EP_SIZE, REDUNDANT):
             want = reference(sglang_ckpt, 2)
@@ -152,31 +139,24 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(sglang_
             setattr(tree, marker.SECTION, getattr(config, marker.SECTION))
             model = h.build_main_model(tree, 2, REDUNDANT)
             with hooked_load_weights(h.DeepseekV4ForCausalLM, seen):
-                load("auto", model, "owner/sg-old", tree)
+                load("auto", model, "owner/sg", tree)
             assert_experts(model, want)
         assert any(name.startswith("layers.0.attn.") for name in seen)
 
 
-def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(sglang_ckpt, sglang_converted,
-                                                                               tmp_path, monkeypatch):
-    """The same repo when its ``manifest.json`` can be had neither from the cache nor from the hub
-    (offline): not recognised, and the hooked ``load_weights`` refuses once SGLang's default
-    loader fed it a checkpoint without one routed-expert tensor: never the zeros."""
-    import huggingface_hub
-
-    old = old_conversion(sglang_ckpt, sglang_converted, tmp_path)
-    with hub_repos(tmp_path, monkeypatch, **{"owner/sg-offline": old}):
-        def offline(*args, **kwargs):
-            raise huggingface_hub.errors.LocalEntryNotFoundError("offline, and not in the cache")
-
-        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-        assert not hasattr(parsed("owner/sg-offline"), marker.SECTION)
-        with h.patched(0, EP_SIZE, REDUNDANT):
-            model = h.build_main_model(h.hf_config(sglang_ckpt), 0, REDUNDANT)
-            with hooked_load_weights(h.DeepseekV4ForCausalLM, []), \
-                    pytest.raises(InstallError, match=r"SGLang read \d+ tensors and not one routed expert.*"
-                                                      r"--load-format megamoe"):
-                load("auto", model, "owner/sg-offline", model.config)
+def test_a_checkpoint_without_routed_experts_that_no_marker_names_is_refused(sglang_ckpt, sglang_converted,
+                                                                              tmp_path):
+    """A conversion whose ``config.json`` lost its marker: nothing says it is one, and the hooked
+    ``load_weights`` refuses once SGLang's default loader fed it a checkpoint without one
+    routed-expert tensor: never the zeros."""
+    lost = without_marker(sglang_ckpt, sglang_converted, tmp_path)
+    assert not hasattr(parsed(lost), marker.SECTION)
+    with h.patched(0, EP_SIZE, REDUNDANT):
+        model = h.build_main_model(h.hf_config(sglang_ckpt), 0, REDUNDANT)
+        with hooked_load_weights(h.DeepseekV4ForCausalLM, []), \
+                pytest.raises(InstallError, match=r"SGLang read \d+ tensors and not one routed expert.*"
+                                                  r"--load-format megamoe"):
+            load("auto", model, lost, model.config)
 
 
 def test_the_transformers_backend_is_refused_for_a_conversion(sglang_converted):

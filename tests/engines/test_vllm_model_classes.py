@@ -11,6 +11,7 @@ loading of the source, or a refusal before serving; never the construction zeros
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import types
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ import bare_env
 import pytest
 import torch
 import vllm_harness as h
-from model_classes_common import hub_repos, old_conversion
+from model_classes_common import hub_repos, without_marker
 
 from megamoe_convert.engines.vllm import model_classes
 from megamoe_convert.errors import InstallError
@@ -210,37 +211,21 @@ def test_the_default_loader_refuses_an_experts_only_conversion(engine_ckpt, engi
             load("auto", model, config)
 
 
-def test_a_conversion_made_before_the_marker_is_still_served(engine_ckpt, engine_converted, tmp_path):
-    """No marker in ``config.json`` (an older megamoe-convert): recognised by its manifest."""
-    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
-    config = model_config(old)
-    assert config.hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(config.hf_config, "megamoe")
-    with h.patched(2, EP_SIZE):
-        want = reference(engine_ckpt, 2)
-        model = main_model(engine_ckpt, 2, config)
-        with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []):
-            load("auto", model, config)
-        assert_experts(model, want)
-
-
-def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_ckpt, engine_converted, tmp_path,
-                                                                         monkeypatch):
-    """``vllm serve owner/old``, a conversion made before the marker pulled from the hub by repo id:
-    vLLM's own config parsing (transformers reading the HF cache), the plugin fetches the repo's
-    ``manifest.json`` (the one small file vLLM had not yet) and recognises it; vLLM's default loader
-    then reads the cached weights and the subclass installs the experts from the repo's rank."""
-    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
-    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old, "owner/src": engine_ckpt}) as hub:
+def test_a_hub_repo_is_served_by_repo_id(engine_ckpt, engine_converted, tmp_path, monkeypatch):
+    """``vllm serve owner/conv``: vLLM's own config parsing reads the repo's ``config.json`` from the
+    HF cache, whose marker says it is a conversion; vLLM's default loader then reads the cached
+    weights and the subclass installs the experts from the repo's rank, pulled for it."""
+    with hub_repos(tmp_path, monkeypatch, **{"owner/conv": engine_converted, "owner/src": engine_ckpt}) as hub:
         from vllm.transformers_utils.config import get_config
 
         plugins()
-        hf_config = get_config("owner/old", trust_remote_code=False)
-        assert hf_config.architectures == ["DeepseekV4ForCausalLM"] and not hasattr(hf_config, marker.SECTION)
-        config = types.SimpleNamespace(model="owner/old", revision=None, quantization="fp8", is_moe=True,
+        hf_config = get_config("owner/conv", trust_remote_code=False)
+        assert hf_config.architectures == ["DeepseekV4ForCausalLM"] and hasattr(hf_config, marker.SECTION)
+        config = types.SimpleNamespace(model="owner/conv", revision=None, quantization="fp8", is_moe=True,
                                        multimodal_config=None, hf_config=hf_config)
-        assert model_classes.conversion_of(config) == "owner/old" and "manifest.json" in hub.downloaded
+        assert model_classes.conversion_of(config) == "owner/conv"
         source = types.SimpleNamespace(model="owner/src", revision=None, hf_config=get_config("owner/src", False))
-        assert model_classes.conversion_of(source) is None  # the hub has no manifest for it
+        assert model_classes.conversion_of(source) is None
         with h.patched(2, EP_SIZE):
             want = reference(engine_ckpt, 2)
             model = main_model(engine_ckpt, 2, config)
@@ -248,32 +233,24 @@ def test_a_hub_repo_converted_before_the_marker_is_recognised_and_served(engine_
             with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, seen):
                 load("auto", model, config)
             assert_experts(model, want)
-        assert any(name.startswith("layers.0.attn.") for name in seen)
+        assert any(name.startswith("layers.0.attn.") for name in seen) and "manifest.json" in hub.downloaded
 
 
-def test_a_checkpoint_without_routed_experts_that_nobody_recognised_is_refused(engine_ckpt, engine_converted,
-                                                                               tmp_path, monkeypatch):
-    """The same repo when its ``manifest.json`` can be had neither from the cache nor from the hub
-    (offline): not recognised, so vLLM's class loads it, and the subclass refuses once vLLM's
-    default loader fed it a checkpoint without one routed-expert tensor: never the zeros."""
-    import huggingface_hub
-
-    old = old_conversion(engine_ckpt, engine_converted, tmp_path)
-    with hub_repos(tmp_path, monkeypatch, **{"owner/old": old}):
-        def offline(*args, **kwargs):
-            raise huggingface_hub.errors.LocalEntryNotFoundError("offline, and not in the cache")
-
-        monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
-        plugins()
-        config = model_config("owner/old")
-        assert model_classes.conversion_of(config) is None
-        with h.patched(0, EP_SIZE):
-            model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT), None)
-            setattr(model, model_classes.MODEL_ATTR, "owner/old")
-            with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
-                    pytest.raises(InstallError, match=r"owner/old: vLLM read \d+ tensors and not one routed expert.*"
-                                                      r"--load-format megamoe"):
-                load("auto", model, config)
+def test_a_checkpoint_without_routed_experts_that_no_marker_names_is_refused(engine_ckpt, engine_converted,
+                                                                              tmp_path):
+    """A conversion whose ``config.json`` lost its marker: nothing says it is one, so vLLM's class
+    loads it, and the subclass refuses once vLLM's default loader fed it a checkpoint without one
+    routed-expert tensor: never the zeros."""
+    lost = without_marker(engine_ckpt, engine_converted, tmp_path)
+    config = model_config(lost)
+    assert model_classes.conversion_of(config) is None
+    with h.patched(0, EP_SIZE):
+        model = megamoe_model(h.build_main_model(h.hf_config(engine_ckpt), 0, EP_SIZE, REDUNDANT), None)
+        setattr(model, model_classes.MODEL_ATTR, str(lost))
+        with parent_load_weights(h.model_py.DeepseekV4ForCausalLM, []), \
+                pytest.raises(InstallError, match=re.escape(str(lost)) + r": vLLM read \d+ tensors and not one "
+                                                  r"routed expert.*--load-format megamoe"):
+            load("auto", model, config)
 
 
 def test_a_model_that_is_no_conversion_loads_as_vllms_class(engine_ckpt):

@@ -93,6 +93,14 @@ def test_unknown_newer_layout_version_is_refused(tiny_converted, tmp_path):
         load_rank(out, 0)
 
 
+@pytest.mark.parametrize("version, message", [(1, "format_version 1 is not 2, the one this megamoe-convert reads"),
+                                              (3, "format_version 3 is newer than this megamoe-convert understands")])
+def test_a_manifest_of_another_format_version_is_refused(tiny_converted, tmp_path, version, message):
+    out = edited_copy(tiny_converted, tmp_path, lambda m, _: m.update(format_version=version))
+    with pytest.raises(MegamoeError, match=message):
+        load_rank(out, 0)
+
+
 def test_missing_and_resized_files_are_refused(tiny_converted, tmp_path):
     out = edited_copy(tiny_converted, tmp_path,
                       lambda m, o: (o / "rank-00001-of-00004" / "layers.0.safetensors").unlink())

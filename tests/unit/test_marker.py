@@ -1,4 +1,4 @@
-"""What ``convert`` writes into ``OUT/config.json`` (the marker every door relies on), and what
+"""What ``convert`` writes into ``OUT/config.json`` (the marker every load format relies on), and what
 ``verify`` checks of it, through the real CLI on real files."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import shutil
 import pytest
 from conftest import run_cli
 
+from megamoe_convert import load_rank
+from megamoe_convert.errors import LoadError
 from megamoe_convert.output import marker
 
 
@@ -40,7 +42,7 @@ def test_verify_checks_the_marker_and_the_small_files_against_the_source(tiny_ck
     assert report["ok"] and report["checks"]["marker"] == 1 and report["checks"]["small_files_vs_source"] == 2
     out = tmp_path / "unmarked"
     shutil.copytree(tiny_converted, out)
-    shutil.copy(tiny_ckpt / "config.json", out / "config.json")  # as an older megamoe-convert left it
+    shutil.copy(tiny_ckpt / "config.json", out / "config.json")  # its marker lost
     proc = run_cli("verify", out, "--source", tiny_ckpt, check=False)
     assert proc.returncode != 0
     assert "config.json: has no megamoe marker" in proc.stdout and "rerun the same convert command" in proc.stdout
@@ -84,21 +86,18 @@ def test_mark_refuses_a_model_type_that_is_no_name():
         marker.mark(json.dumps({"architectures": ["X"], "model_type": ["x"]}).encode(), "src/config.json")
 
 
-def test_verify_reports_a_marker_that_leaves_model_type_unmarked(tiny_ckpt, tiny_converted, tmp_path):
-    """A conversion marked before the model type was (architectures only): SGLang's
-    ``--model-impl transformers`` without megamoe-convert would build it from ``model_type``;
-    ``verify`` says to rerun ``convert``, and :func:`marker.original` still reads it."""
-    out = tmp_path / "older-marker"
+def test_verify_reports_a_section_that_names_no_original_model_type(tiny_converted, tmp_path):
+    """Without it the source's ``config.json`` cannot be given back: ``verify`` lists the marker as
+    broken and the loader refuses the directory."""
+    out = tmp_path / "edited"
     shutil.copytree(tiny_converted, out)
-    source = json.loads((tiny_ckpt / "config.json").read_bytes())
     config = json.loads((out / "config.json").read_bytes())
-    config["model_type"] = config["megamoe"].pop("model_type")
+    del config["megamoe"]["model_type"]
     (out / "config.json").write_text(json.dumps(config))
-    assert marker.original(config) == source and marker.restore_model_type(config) is config
-    assert "model_type is not marked" in marker.problem((out / "config.json").read_bytes())
     proc = run_cli("verify", out, check=False)
-    assert proc.returncode != 0 and "config.json: its model_type is not marked" in proc.stdout
-    assert "rerun the same convert command" in proc.stdout
+    assert proc.returncode != 0 and "the 'megamoe' section names no original model_type" in proc.stdout
+    with pytest.raises(LoadError, match="the 'megamoe' section names no original model_type"):
+        load_rank(out, 0)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -116,23 +115,3 @@ def test_convert_refuses_a_config_it_cannot_mark_in_one_line(tmp_path, tiny_ckpt
     assert proc.returncode != 0 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "out" / "manifest.json").exists()
-
-
-def test_rerunning_convert_marks_an_older_conversion(tiny_ckpt, tmp_path):
-    """An older megamoe-convert copied config.json verbatim (and journaled it so): the same command
-    rewrites just that file, and the conversion then verifies."""
-    out = tmp_path / "out"
-    run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
-    journal = out / ".megamoe" / "journal.jsonl"
-    lines = [json.loads(line) for line in journal.read_text().splitlines()]
-    from megamoe_convert.output.writer import file_checksum
-
-    shutil.copy(tiny_ckpt / "config.json", out / "config.json")
-    for line in lines:
-        if line["path"] == "config.json":
-            line.update(size=(out / "config.json").stat().st_size, checksum=file_checksum(out / "config.json"))
-    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    proc = run_cli("convert", tiny_ckpt, out, "--ep-size", 2)
-    assert "1 files written" in proc.stdout + proc.stderr
-    assert (out / "config.json").read_bytes() == marker.mark((tiny_ckpt / "config.json").read_bytes())
-    run_cli("verify", out, "--source", tiny_ckpt)

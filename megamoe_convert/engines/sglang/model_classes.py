@@ -20,10 +20,9 @@ model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry po
   the experts; around ``get_model_architecture``, any other class (``--model-impl transformers``)
   is refused.
 
-A conversion made before the marker existed (a megamoe ``manifest.json``, no section) is
-recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
-cache, else downloaded), and served the same way; one whose manifest cannot be had (offline, not
-cached) is refused by the hooked ``load_weights``: SGLang fed it no routed-expert tensor.
+A conversion whose ``config.json`` lost its ``megamoe`` section is no conversion to SGLang; the
+hooked ``load_weights`` refuses it: SGLang fed it no routed-expert tensor, so its experts would stay
+zeros.
 """
 
 from __future__ import annotations
@@ -33,13 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.load_formats import (
-    conversion_manifest,
-    load_installing,
-    revision_argument,
-    served_reference,
-    warn_if_unmarked,
-)
+from megamoe_convert.engines.load_formats import conversion_manifest, load_installing, served_reference
 from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -85,16 +78,18 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
     """``AROUND`` hook of SGLang's ``get_config`` (see the module docstring)."""
     config = get_config(model, *args, **kwargs)
     section = marker.restore(config)
-    revision = revision_argument(args, kwargs)
-    if section is None and warn_if_unmarked(model, config, revision, "SGLang"):
-        section = {"converted_by": marker.TOOL}
-        setattr(config, marker.SECTION, section)
     if section is None:
         return config
+    revision = _revision(args, kwargs)
     if (refusal := manifest_refusal(str(model), revision)) is not None:
         raise InstallError(f"{model}: {refusal}")
     section[PATH_KEY] = served_reference(str(model), revision)
     return config
+
+
+def _revision(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The revision SGLang's ``get_config(model, trust_remote_code, revision, ...)`` was asked for."""
+    return kwargs.get("revision", args[1] if len(args) > 1 else None)
 
 
 def conversion_of(model: nn.Module) -> str | None:

@@ -21,11 +21,8 @@ read) does this:
 - vLLM's Transformers-backend classes (``--model-impl transformers``) are registered again as
   subclasses that refuse a conversion before they are built: they have no MegaMoE experts.
 
-A conversion made before the marker existed (no ``megamoe`` section, a ``manifest.json``) is
-recognised by its manifest, in its directory or, pulled by repo id, its hub repo's (from the HF
-cache, else downloaded), and served the same way (a bare vLLM would serve it without experts:
-rerun the same ``megamoe convert`` to mark it). One whose manifest cannot be had (offline, not
-cached) is refused by the subclass's first ``load_weights``: vLLM fed it no routed-expert tensor
+A conversion whose ``config.json`` lost its ``megamoe`` section is no conversion to vLLM; the
+subclass's first ``load_weights`` refuses it: vLLM fed it no routed-expert tensor
 (``load_formats.ExpertTensorCount``), so its experts would stay zeros.
 """
 
@@ -38,15 +35,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.load_formats import (
-    INSTALLED_ATTR,
-    is_unmarked_conversion,
-    load_installing,
-    may_be_conversion,
-    revision_argument,
-    served_reference,
-    warn_if_unmarked,
-)
+from megamoe_convert.engines.load_formats import INSTALLED_ATTR, load_installing, served_reference
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
@@ -68,16 +57,12 @@ MODEL_ATTR = "megamoe_model"
 
 def conversion_of(model_config: Any) -> str | None:
     """The converted directory (or hub repo id, ``@revision`` when one is asked for) a vLLM
-    ``ModelConfig`` loads, or None: its config carries the marker's section, or (made before the
-    marker) its directory or hub repo has a megamoe ``manifest.json``."""
+    ``ModelConfig`` loads, or None: a conversion's config carries the marker's section."""
     if model_config is None:
         return None
-    model, revision = str(model_config.model), getattr(model_config, "revision", None)
-    where = served_reference(model, revision)
-    if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is not None:
-        return where
-    hub = may_be_conversion(getattr(model_config.hf_config, "model_type", None))
-    return where if is_unmarked_conversion(model, revision, hub=hub) else None
+    if marker.section_of({marker.SECTION: getattr(model_config.hf_config, marker.SECTION, None)}) is None:
+        return None
+    return served_reference(str(model_config.model), getattr(model_config, "revision", None))
 
 
 def installed_parameter_names(model: nn.Module, layers: Iterable[nn.Module]) -> set[str]:
@@ -170,8 +155,6 @@ def make_config_parser(base: Any) -> type:
             if marker.restore(config) is not None:
                 refuse_family_vllm_cannot_serve(model, getattr(config, "model_type", None))
                 log.info("megamoe: %s is a megamoe-convert conversion of %s", model, config.architectures)
-            else:
-                warn_if_unmarked(model, config, revision_argument(args, kwargs), "vLLM")
             return config_dict, config
 
     return MegaMoEConfigParser
