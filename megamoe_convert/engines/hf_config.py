@@ -7,7 +7,7 @@ config: every engine reads it through transformers (``AutoConfig.from_pretrained
 the weight-cache daemon; SGLang's ``get_config``; both engines' ``AutoTokenizer``, whose choice of
 tokenizer class depends on ``model_type``). With megamoe-convert installed, :func:`register` (run
 by each engine's plugin entry point, in every process that loads plugins) wraps the one function
-all of those go through, ``PretrainedConfig._dict_from_json_file`` (transformers 4.x and 5.x), so
+all of those go through, ``PreTrainedConfig._dict_from_json_file`` (:mod:`.private_hooks`), so
 that a conversion's dict comes back with the original ``model_type``
 (:func:`marker.restore_model_type`: only a conversion's marker is touched, anything else is
 returned as read). The engine then parses, configures and tokenizes exactly as for the source;
@@ -24,6 +24,7 @@ import functools
 import logging
 from typing import Any
 
+from megamoe_convert.engines import private_hooks
 from megamoe_convert.output import marker
 
 log = logging.getLogger(__name__)
@@ -32,23 +33,13 @@ log = logging.getLogger(__name__)
 WRAPPED_ATTR = "megamoe_restores_model_type"
 
 
-def config_base() -> type | None:
-    """transformers' configuration base class (``PreTrainedConfig``, ``PretrainedConfig`` before 5.0),
-    or None without transformers."""
-    try:
-        from transformers import configuration_utils
-    except ImportError:
-        return None
-    return getattr(configuration_utils, "PreTrainedConfig", None) or configuration_utils.PretrainedConfig
-
-
 def register() -> bool:
     """Wrap transformers' JSON config reading (idempotent); False without transformers."""
-    base: Any = config_base()  # transformers' class: untyped here
+    base = private_hooks.config_base()
     if base is None:
         log.debug("megamoe: transformers not importable; config.json read as written")
         return False
-    read = base.__dict__["_dict_from_json_file"].__func__
+    read = private_hooks.json_config_reader(base)
     if getattr(read, WRAPPED_ATTR, False):
         return True
 
@@ -58,5 +49,5 @@ def register() -> bool:
         return marker.restore_model_type(config) if isinstance(config, dict) else config
 
     setattr(_dict_from_json_file, WRAPPED_ATTR, True)
-    base._dict_from_json_file = classmethod(_dict_from_json_file)
+    private_hooks.replace_json_config_reader(base, _dict_from_json_file)
     return True

@@ -1,5 +1,6 @@
 """The SGLang names megamoe-convert uses outside SGLang's public plugin API
-(``engines/sglang/private_hooks.py``), against SGLang's real code: every one resolves, the load
+(``engines/sglang/private_hooks.py``) and the transformers names both engines use
+(``engines/private_hooks.py``), against SGLang's real code: every one resolves, the load
 format reaches ``get_model_loader`` through the hooked ``_verify_load_format``, and the loader
 class feeds the model what it is given instead of SGLang's own iterator."""
 
@@ -9,14 +10,24 @@ import types
 
 import pytest
 import torch
-from private_names import resolve
+from private_names import resolve, transformers_reads_through_the_replaced_reader
 
+from megamoe_convert.engines import private_hooks as transformers_hooks
 from megamoe_convert.engines.sglang import loader, private_hooks
 
 
 @pytest.mark.parametrize("dotted", private_hooks.PRIVATE_NAMES)
 def test_every_private_name_resolves_in_this_release(dotted):
     resolve(dotted)
+
+
+@pytest.mark.parametrize("dotted", transformers_hooks.PRIVATE_NAMES)
+def test_every_transformers_private_name_resolves_in_this_release(dotted):
+    resolve(dotted)
+
+
+def test_transformers_reads_every_config_json_through_the_replaced_reader(tmp_path):
+    transformers_reads_through_the_replaced_reader(tmp_path)
 
 
 def test_the_hooked_verify_turns_megamoe_into_the_loader_class_and_leaves_the_rest():

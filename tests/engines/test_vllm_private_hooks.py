@@ -1,5 +1,6 @@
 """The vLLM names megamoe-convert uses outside vLLM's public extension API
-(``engines/vllm/private_hooks.py``), against each release's real code: every one resolves, and
+(``engines/vllm/private_hooks.py``) and the transformers names both engines use
+(``engines/private_hooks.py``), against each release's real code: every one resolves, and
 each hook does what the loader, model classes and weight cache rely on."""
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import types
 
 import pytest
-from private_names import resolve
+from private_names import resolve, transformers_reads_through_the_replaced_reader
 
+from megamoe_convert.engines import private_hooks as transformers_hooks
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.engines.vllm.model_classes import DRAFTS, TARGETS
 from megamoe_convert.engines.vllm.weight_cache import with_conversion
@@ -17,6 +19,15 @@ from megamoe_convert.engines.vllm.weight_cache import with_conversion
 @pytest.mark.parametrize("dotted", private_hooks.PRIVATE_NAMES)
 def test_every_private_name_resolves_in_this_release(dotted):
     resolve(dotted)
+
+
+@pytest.mark.parametrize("dotted", transformers_hooks.PRIVATE_NAMES)
+def test_every_transformers_private_name_resolves_in_this_release(dotted):
+    resolve(dotted)
+
+
+def test_transformers_reads_every_config_json_through_the_replaced_reader(tmp_path):
+    transformers_reads_through_the_replaced_reader(tmp_path)
 
 
 def test_model_class_is_vllms_own_class_of_each_megamoe_architecture():
