@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import TYPE_CHECKING
 
-from megamoe_convert.errors import DeviceError  # noqa: F401
+from megamoe_convert.errors import DeviceError
 
 if TYPE_CHECKING:  # torch is imported when a device is checked, so `megamoe --help` stays quick
     import torch

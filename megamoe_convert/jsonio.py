@@ -19,8 +19,6 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from megamoe_convert.errors import JsonError  # noqa: F401
-
 #: Deeper documents are refused (ours nest 4 levels; the C parser recurses without limit).
 MAX_DEPTH = 32
 #: Integers beyond this are refused (sizes and offsets of any real file fit in an int64).

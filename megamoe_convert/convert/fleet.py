@@ -25,10 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from megamoe_convert import faults, jsonio
 from megamoe_convert.convert.plan import index_text, non_expert_index
-from megamoe_convert.errors import (
-    MergeError,  # noqa: F401
-    OutputBusy,
-)
+from megamoe_convert.errors import MergeError, OutputBusy
 from megamoe_convert.output.clearing import forget_replaced_conversion, remove_named
 from megamoe_convert.output.locks import hold_whole_output
 from megamoe_convert.output.manifest import Manifest

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
 
 from megamoe_convert import faults, jsonio
 from megamoe_convert.errors import ConvertError
-from megamoe_convert.output.writer import link_refusal
+from megamoe_convert.output.writer import check_real_folder
 
 E = TypeVar("E", bound=Exception)
 
@@ -62,14 +61,8 @@ def check_no_links(root: Path, folders: Iterable[Path]) -> None:
             if current in seen:
                 continue
             seen.add(current)
-            try:
-                mode = os.lstat(current).st_mode
-            except FileNotFoundError:
+            if not check_real_folder(current):
                 break
-            if stat.S_ISLNK(mode):
-                raise link_refusal(current, "is a symbolic link")
-            if not stat.S_ISDIR(mode):
-                raise link_refusal(current, "is not a directory")
 
 
 def check_before_converting(plan: Any, state: Any) -> None:

@@ -131,11 +131,21 @@ def make_dirs_inside(root: Path, folder: Path) -> None:
             os.mkdir(current)
         except FileExistsError:
             pass
-        mode = os.lstat(current).st_mode
-        if stat.S_ISLNK(mode):
-            raise link_refusal(current, "is a symbolic link")
-        if not stat.S_ISDIR(mode):
-            raise link_refusal(current, "is not a directory")
+        check_real_folder(current)
+
+
+def check_real_folder(path: Path) -> bool:
+    """A level of a folder the tool writes below must be a real directory, never a symbolic link
+    (whatever it points at) nor a file; False where nothing is there yet."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        raise link_refusal(path, "is a symbolic link")
+    if not stat.S_ISDIR(mode):
+        raise link_refusal(path, "is not a directory")
+    return True
 
 
 def check_writable_name(path: Path) -> None:

@@ -90,22 +90,31 @@ def check_rank_files(out: Path, manifest: Manifest, rank: int, layers: Sequence[
     return chosen
 
 
-def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
-    """The shard must hold exactly the tensors the manifest's dims and placement imply; they are
-    returned by key (:data:`formats.FILE_NAMES`)."""
-    dims = manifest.dims
-    experts = manifest.placement_for(layer).experts_per_rank
-    expected = formats.spec_keys(rank_shard_specs(layer, experts, dims), layer.prefix)
+def expected_tensors(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, experts: int,
+                     sizes: str) -> dict[str, TensorEntry]:
+    """The tensors of ``layer`` for ``experts`` slots in the manifest's dims, as ``header`` holds them, by
+    key (:data:`formats.FILE_NAMES`); a missing one, or one of another dtype or shape, is refused
+    naming the file and ``sizes`` (what fixed the expected shapes)."""
     entries = {}
-    for key, spec in expected.items():
+    for key, spec in formats.spec_keys(rank_shard_specs(layer, experts, manifest.dims), layer.prefix).items():
         entry = header.tensors.get(spec.name)
         if entry is None:
             raise LoadError(f"{header.path}: missing tensor {spec.name}")
         if entry.dtype != spec.dtype or entry.shape != spec.shape:
             raise LoadError(f"{header.path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected "
-                            f"{spec.dtype}{list(spec.shape)} (hidden_size={dims.hidden_size}, moe_intermediate_size="
-                            f"{dims.moe_intermediate_size}, {experts} experts per rank, {dims.weight_format})")
+                            f"{spec.dtype}{list(spec.shape)} ({sizes})")
         entries[key] = entry
+    return entries
+
+
+def check_shard(header: SafetensorsHeader, manifest: Manifest, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:
+    """The shard must hold exactly the tensors the manifest's dims and placement imply; they are
+    returned by key (:data:`formats.FILE_NAMES`)."""
+    dims = manifest.dims
+    experts = manifest.placement_for(layer).experts_per_rank
+    sizes = (f"hidden_size={dims.hidden_size}, moe_intermediate_size={dims.moe_intermediate_size}, "
+             f"{experts} experts per rank, {dims.weight_format}")
+    entries = expected_tensors(header, manifest, layer, experts, sizes)
     meta = header.metadata
     if manifest.store:  # every logical expert once: no rank, no EP size
         if meta.get("store") != "logical-experts" or meta.get("layout_version") != str(manifest.layout_version):

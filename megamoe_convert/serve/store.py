@@ -33,6 +33,7 @@ from megamoe_convert.output.shards import rank_shard_specs, store_metadata
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.converted import ConvertedModel, Destinations, ExpertLayer, check_destinations, kernel_form
+from megamoe_convert.serve.load_checks import expected_tensors
 from megamoe_convert.source import families, formats
 from megamoe_convert.source.engines_table import resolve_engine
 from megamoe_convert.source.layers import MoELayer
@@ -123,15 +124,7 @@ def check_store_file(path: Path, manifest: Manifest, layer: MoELayer) -> dict[st
         return entries
     header = read_header(path)
     n = manifest.dims.experts_of(layer)
-    entries = {}
-    for key, spec in formats.spec_keys(rank_shard_specs(layer, n, manifest.dims), layer.prefix).items():
-        entry = header.tensors.get(spec.name)
-        if entry is None:
-            raise LoadError(f"{path}: missing tensor {spec.name}")
-        if entry.dtype != spec.dtype or entry.shape != spec.shape:
-            raise LoadError(f"{path}: {spec.name} is {entry.dtype}{list(entry.shape)}, expected {spec.dtype}"
-                            f"{list(spec.shape)} ({n} logical experts, {manifest.dims.weight_format})")
-        entries[key] = entry
+    entries = expected_tensors(header, manifest, layer, n, f"{n} logical experts, {manifest.dims.weight_format}")
     meta = header.metadata
     if meta.get("store") != "logical-experts" or meta.get("layout_version") != str(manifest.layout_version) \
             or meta.get("layer") != layer.key:

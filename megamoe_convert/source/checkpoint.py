@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import CheckpointError  # noqa: F401
+from megamoe_convert.errors import CheckpointError
 from megamoe_convert.source import formats
 from megamoe_convert.source.families import ModelFamily, TensorNames, detect
 from megamoe_convert.source.formats import WeightFormat

@@ -39,7 +39,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import FamilyError  # noqa: F401
+from megamoe_convert.errors import FamilyError
 from megamoe_convert.source.layers import NUMBER
 
 if TYPE_CHECKING:

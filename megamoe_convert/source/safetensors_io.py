@@ -21,7 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from megamoe_convert import jsonio
-from megamoe_convert.errors import SafetensorsError  # noqa: F401
+from megamoe_convert.errors import SafetensorsError
 
 #: Bytes per element of each safetensors dtype (F4 packs two elements per byte).
 DTYPE_BITS: dict[str, int] = {

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from megamoe_convert.errors import SynthError  # noqa: F401
+from megamoe_convert.errors import SynthError
 from megamoe_convert.output import preflight
 from megamoe_convert.output.writer import write_json_atomic, write_safetensors
 from megamoe_convert.source import families, formats
