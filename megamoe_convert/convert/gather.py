@@ -1,22 +1,21 @@
 """Producing each unit's bytes: a rank's experts gathered from the source and laid out for the kernel
-(the direct path, or chunked through :func:`transform.transform_experts`), non-expert shards and small files
-copied. Each unit streams its one file in order, so memory is bounded by ``workers x chunk``."""
+(the direct path of ``direct.py``, or chunked through :func:`transform.transform_experts`), non-expert
+shards and small files copied. Each unit streams its one file in order, so memory is bounded by
+``workers x chunk``."""
 
 from __future__ import annotations
 
+import collections
 import functools
-import itertools
-import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from megamoe_convert.convert.direct import PIECE_BYTES, direct_path_supported, direct_rank_shard_chunks
 from megamoe_convert.convert.plan import Plan, Unit
-from megamoe_convert.errors import (
-    Cancelled,  # noqa: F401
-)
+from megamoe_convert.errors import Cancelled
 from megamoe_convert.layout import scales, sm90, transform
 from megamoe_convert.output import marker, rank_extras
 from megamoe_convert.output.naming import rank_file, store_file
@@ -31,7 +30,6 @@ from megamoe_convert.source.safetensors_io import (
     TensorSpec,
     encode_header,
     read_into,
-    readv_into,
 )
 
 NON_EXPERT_SHARD_BYTES = 4 << 30
@@ -46,8 +44,10 @@ COPY_CHUNK_BYTES = 64 << 20
 class ExpertReader:
     """Reads and stacks the source bytes of a group of experts, one projection at a time."""
 
-    def __init__(self, ckpt: Checkpoint, files: FileCache, device: str) -> None:
+    def __init__(self, ckpt: Checkpoint, files: FileCache, device: str,
+                 shared: SharedExpertCache | None = None) -> None:
         self.ckpt, self.files, self.device = ckpt, files, device
+        self.shared = shared  # one layout of a layer's fused shared expert for all its rank files
 
     def stacked(self, layer: MoELayer, experts: Sequence[int], projs: Sequence[str], kind: str) -> torch.Tensor:
         """``uint8 [len(experts), sum of rows, cols]``: for ``("w1", "w3")`` that is w13's row order."""
@@ -70,131 +70,68 @@ class ExpertReader:
         return out.to(self.device, non_blocking=False) if self.device != "cpu" else out
 
 
-# --------------------------------------------------------------------------------------
-# The CPU path: every source byte is read once, straight to its place in the output
-# --------------------------------------------------------------------------------------
-#
-# transform.py states the transform as tensor operations (stack, pad, pack, interleave,
-# transpose), each a full pass over memory. On the CPU the same bytes come with far less
-# traffic: each weight row run lands at its final offset by one scatter read (``preadv``)
-# per source tensor, so user code never touches weight bytes; scale bytes become int32
-# words by a reinterpreting view (little-endian host) and are permuted by one gather and
-# one transpose. The row orders are computed *by* the layout functions (applied to row
-# numbers), so the two paths cannot drift apart, and the tests compare every output with
-# ``transform.transform_experts``. Buffers are per thread and reused across chunks and files:
-# a fresh multi-MB allocation costs a page fault per 4 KiB.
+class _Layout:
+    """One layer's shared-expert tensors, made by the first rank file of the layer (the others wait)."""
 
-_thread_buffers = threading.local()
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tensors: list[torch.Tensor] | None = None
+        self.taken = 0
+
+    def fill(self, make: Callable[[], Iterable[torch.Tensor]]) -> list[torch.Tensor]:
+        with self.lock:
+            if self.tensors is None:
+                self.tensors = list(make())
+            return self.tensors
 
 
-def _thread_buffer(nbytes: int) -> torch.Tensor:
-    """A flat uint8 buffer of at least ``nbytes``, owned by (and reused within) this thread."""
-    buf = getattr(_thread_buffers, "buf", None)
-    if buf is None or buf.numel() < nbytes:
-        _thread_buffers.buf = _thread_buffers.iovecs = None  # free the smaller one before taking the larger
-        buf = _thread_buffers.buf = torch.empty(nbytes, dtype=torch.uint8)
-        _thread_buffers.iovecs = {}  # scatter-read buffer lists into ``buf``, built once per shape
-    return buf
+class SharedExpertCache:
+    """The fused shared expert's rank-file tensors, laid out once per layer for every rank file of it
+    (the same bytes in each): read and laid out again per rank, it cost each file as much work as
+    its routed experts at a few experts per rank. The first rank file of a layer lays it out as it
+    starts (:meth:`begin`), so the others find it made when they reach it at their end. A layer goes
+    once every rank file it serves has taken it; at most ``keep`` layers are held (a resume skips
+    some rank files, a part of a split conversion holds some ranks)."""
 
+    def __init__(self, uses: int, keep: int) -> None:
+        self.uses, self.keep = uses, keep
+        self._lock = threading.Lock()
+        self._layers: collections.OrderedDict[str, _Layout] = collections.OrderedDict()
 
-@functools.lru_cache(maxsize=64)
-def _row_order(rows: int, gate_up: bool, utccp: bool) -> torch.Tensor:
-    """Output row ``r`` is input row ``order[r]``: the layout's row permutation, computed by it."""
-    order = torch.arange(rows, dtype=torch.int64).view(1, rows, 1)
-    if gate_up:
-        order = transform.interleave_gate_up(order)
-    if utccp:
-        order = transform.transpose_sf_for_utccp(order)
-    return order.view(rows)
+    @classmethod
+    def for_plan(cls, plan: Plan) -> SharedExpertCache:
+        """Rank files of one layer run side by side (units are layer-major): hold the layers that
+        ``workers`` rank files span, and none for a store (one file per layer)."""
+        ranks = 1 if plan.options.store else len(plan.ranks)
+        return cls(ranks, 0 if ranks < 2 else plan.options.worker_count() // ranks + 2)
 
+    def _entry(self, layer: MoELayer, take: bool) -> tuple[_Layout, bool]:
+        """The layer's entry (and whether this call created it); ``take``: one more rank file has it."""
+        with self._lock:
+            entry = self._layers.get(layer.key)
+            created = entry is None
+            if entry is None:
+                entry = self._layers[layer.key] = _Layout()
+                while len(self._layers) > self.keep:
+                    self._layers.popitem(last=False)
+            if take:
+                entry.taken += 1
+                if entry.taken >= self.uses:
+                    del self._layers[layer.key]
+            return entry, created
 
-@functools.lru_cache(maxsize=64)
-def _row_runs(rows: int, gate_up: bool, splits: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
-    """``(out_row, in_row, count)`` runs of consecutive rows of the weight row order, in input
-    order; a run never crosses an input row in ``splits`` (where one source tensor ends)."""
-    runs: list[list[int]] = []
-    for out_row, in_row in enumerate(_row_order(rows, gate_up, False).tolist()):
-        last = runs[-1] if runs else None
-        if last and last[0] + last[2] == out_row and last[1] + last[2] == in_row and in_row not in splits:
-            last[2] += 1
-        else:
-            runs.append([out_row, in_row, 1])
-    return tuple(sorted(((out, src, n) for out, src, n in runs), key=lambda r: r[1]))
+    def begin(self, layer: MoELayer, make: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """At a rank file's start: the layer's first lays the shared expert out now."""
+        if self.keep >= 1:
+            entry, created = self._entry(layer, take=False)
+            if created:
+                entry.fill(make)
 
-
-def direct_path_supported(dims: Any, device: str) -> bool:
-    """The direct path's assumptions: CPU, little-endian int32 words, no scale padding."""
-    h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
-    return (device == "cpu" and sys.byteorder == "little"
-            and all(not fmt.scaled or fmt.scale_row_bytes(k) % scales.SCALES_PER_WORD == 0 for k in (h, i))
-            and all(scales.tma_aligned_mn(mn) == mn and mn % transform.UTCCP_BLOCK_ROWS == 0 for mn in (h, 2 * i)))
-
-
-def _direct_weight(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
-                   gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
-    """``uint8 [E, rows, cols]``: the experts' weight rows in output order, read in place."""
-    heights = [reader.ckpt.expert_entry(layer, 0, p, "weight").byte_shape[0] for p in projs]
-    cols = reader.ckpt.expert_entry(layer, 0, projs[0], "weight").byte_shape[1]
-    rows = sum(heights)
-    splits = tuple(sum(heights[:n]) for n in range(1, len(heights)))
-    runs = _row_runs(rows, gate_up, splits)
-    out = buf[:len(experts) * rows * cols]
-    cache = _thread_buffers.iovecs
-    for e, expert in enumerate(experts):
-        iovecs = cache.get((rows, cols, splits, gate_up, e))
-        if iovecs is None:  # expert e's rows of each projection, in the file's order
-            flat, base = buf.numpy().data, e * rows * cols
-            bounds = (0, *splits, rows)
-            iovecs = cache[rows, cols, splits, gate_up, e] = [
-                [flat[base + o * cols:base + (o + n) * cols] for o, i, n in runs if lo <= i < hi]
-                for lo, hi in itertools.pairwise(bounds)]
-        for proj, views in zip(projs, iovecs, strict=True):
-            entry = reader.ckpt.expert_entry(layer, expert, proj, "weight")
-            readv_into(reader.files.fd(entry.path), views, entry.begin, entry.path)
-    return out.view(len(experts), rows, cols)
-
-
-def _direct_sf(reader: ExpertReader, layer: MoELayer, experts: Sequence[int], projs: Sequence[str],
-               gate_up: bool, buf: torch.Tensor) -> torch.Tensor:
-    """``int32 [E, packed_k, MN]``: the scale file storage (:func:`scales.sf_storage`) of the experts."""
-    heights = [reader.ckpt.expert_entry(layer, 0, p, "scale").byte_shape[0] for p in projs]
-    blocks = reader.ckpt.expert_entry(layer, 0, projs[0], "scale").byte_shape[1]
-    mn, pk, count = sum(heights), blocks // scales.SCALES_PER_WORD, len(experts)
-    size = count * mn * blocks
-    staging, gathered, out = buf[:size], buf[size:2 * size], buf[2 * size:3 * size]
-    flat = staging.numpy().data
-    for e, expert in enumerate(experts):
-        first = e * mn * blocks
-        for proj, height in zip(projs, heights, strict=True):
-            entry = reader.ckpt.expert_entry(layer, expert, proj, "scale")
-            readv_into(reader.files.fd(entry.path), [flat[first:first + height * blocks]], entry.begin,
-                       entry.path)
-            first += height * blocks
-    words = staging.view(torch.int32).view(count, mn, pk)  # pack_ue8m0, as little-endian words
-    rows = gathered.view(torch.int32).view(count, mn, pk)
-    torch.index_select(words, 1, _row_order(mn, gate_up, True), out=rows)  # interleave + UTCCP rows
-    storage = out.view(torch.int32).view(count, pk, mn)
-    storage.copy_(rows.transpose(1, 2))  # MN-major: the contiguous [E, pk, MN] behind it
-    return storage
-
-
-def direct_rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,
-                             cancelled: threading.Event | None = None) -> Iterator[torch.Tensor]:
-    """:func:`rank_shard_chunks`'s four tensors, produced by the direct path (same bytes).
-
-    Every chunk is a view of this thread's buffer: valid until the next one is asked for.
-    """
-    dims = reader.ckpt.dims
-    h, i, fmt = dims.hidden_size, dims.moe_intermediate_size, dims.format
-    per_expert = max(2 * i * fmt.weight_row_bytes(h), h * fmt.weight_row_bytes(i),
-                     3 * 2 * i * fmt.scale_row_bytes(h) if fmt.scaled else 0)
-    buf = _thread_buffer(min(group, len(logical_ids)) * per_expert)
-    for projs, gate_up in ((("w1", "w3"), True), (("w2",), False)):
-        for produce in (_direct_weight, _direct_sf) if fmt.scaled else (_direct_weight,):
-            for experts in _groups(logical_ids, group):
-                if cancelled is not None and cancelled.is_set():
-                    raise Cancelled("cancelled")
-                yield produce(reader, layer, experts, projs, gate_up, buf)
+    def tensors(self, layer: MoELayer, make: Callable[[], Iterable[torch.Tensor]]) -> list[torch.Tensor]:
+        """``make()``'s tensors for ``layer``, made once while the layer is held."""
+        if self.keep < 1:
+            return list(make())
+        return self._entry(layer, take=True)[0].fill(make)
 
 
 def _groups(items: Sequence[int], size: int) -> Iterator[Sequence[int]]:
@@ -203,21 +140,27 @@ def _groups(items: Sequence[int], size: int) -> Iterator[Sequence[int]]:
 
 
 def rank_shard_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], chunk_bytes: int,
-                      cancelled: threading.Event | None = None) -> Iterator[torch.Tensor]:
+                      cancelled: threading.Event | None = None) -> Iterator[torch.Tensor | memoryview]:
     """The rank shard's data in file order, a few experts at a time.
 
     Each output tensor depends on one input only (see :func:`transform.transform_experts`), so
     the four tensors are produced one after another, each in expert chunks.
     """
-    dims = reader.ckpt.dims
+    ckpt, dims = reader.ckpt, reader.ckpt.dims
+    shared = reader.shared if dims.shared_intermediate_size else None
+    make_shared = lambda: rank_extras.shared_expert_chunks(ckpt, reader.files, layer)  # noqa: E731
+    if shared is not None:
+        shared.begin(layer, make_shared)
     group = max(1, chunk_bytes // max(1, dims.bytes_per_expert()))
     if dims.format.kernel == "sm90":
         yield from _sm90_chunks(reader, layer, logical_ids, group, cancelled)
     elif direct_path_supported(dims, reader.device):
-        yield from direct_rank_shard_chunks(reader, layer, logical_ids, group, cancelled)
+        yield from direct_rank_shard_chunks(ckpt, reader.files, layer, logical_ids, min(chunk_bytes, PIECE_BYTES),
+                                            cancelled)
     else:
         yield from _routed_chunks(reader, layer, logical_ids, group, cancelled)
-    yield from rank_extras.extra_chunks(reader.ckpt, reader.files, layer, logical_ids)
+    yield from rank_extras.extra_chunks(ckpt, reader.files, layer, logical_ids,
+                                        None if shared is None else shared.tensors(layer, make_shared))
 
 
 def _routed_chunks(reader: ExpertReader, layer: MoELayer, logical_ids: Sequence[int], group: int,

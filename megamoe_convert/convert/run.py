@@ -11,15 +11,24 @@ The manifest is written last and removed first: a directory without one is unfin
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
+
+import torch
 
 from megamoe_convert import faults, interrupts
-from megamoe_convert.convert.gather import ExpertReader, non_expert_units, rank_shard_unit, small_file_units
+from megamoe_convert.convert.gather import (
+    ExpertReader,
+    SharedExpertCache,
+    non_expert_units,
+    rank_shard_unit,
+    small_file_units,
+)
 from megamoe_convert.convert.plan import (
     ConvertOptions,
     Plan,
@@ -31,6 +40,7 @@ from megamoe_convert.convert.plan import (
     shard_units,
 )
 from megamoe_convert.devices import usable_device
+from megamoe_convert.layout.identity import layout_identity
 from megamoe_convert.layout.placement import parse_ranks
 from megamoe_convert.output import rank_extras
 from megamoe_convert.output.clearing import remove_named
@@ -93,7 +103,8 @@ def build_plan(src: Path, out: Path, options: ConvertOptions, files: FileCache,
     plan.units.extend(small_file_units(plan))
     if not options.experts_only:
         plan.units.extend(non_expert_units(plan, files, cancelled))
-    reader_factory = lambda: ExpertReader(ckpt, files, options.device)  # noqa: E731
+    shared = SharedExpertCache.for_plan(plan)
+    reader_factory = lambda: ExpertReader(ckpt, files, options.device, shared)  # noqa: E731
     for layer in plan.layers:  # layer-major: a layer's source bytes are read while hot
         for rank in plan.ranks:
             plan.units.append(rank_shard_unit(plan, reader_factory, rank, layer, cancelled))
@@ -111,7 +122,7 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
     usable_device(options.device, "--device")
     cancelled = threading.Event()
     started = time.perf_counter()
-    with FileCache() as files:
+    with FileCache() as files, _one_torch_thread():
         plan = build_plan(src, out, options, files, cancelled)
         watch = SourceWatch(plan.source_paths(), {n: h.file_size for n, h in plan.ckpt.headers.items()})
         check_output_dir(out, source=plan.ckpt.root)
@@ -124,6 +135,27 @@ def convert(src: Path | str, out: Path | str, options: ConvertOptions,
         )
         summary.merged = auto_merge(out, fsync=options.fsync)
     return summary
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Torch ops on one thread each while converting: the worker pool is the parallelism, and
+    intra-op threads (a team for every worker thread that calls torch) only oversubscribe the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _in_background(make: Callable[[], Any]) -> Future[Any]:
+    """``make()`` on its own thread, beside the units (the manifest's layout identity: a fixed cost
+    that would otherwise run after the last file)."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megamoe-manifest")
+    future = pool.submit(make)
+    pool.shutdown(wait=False)
+    return future
 
 
 def make_state(plan: Plan) -> OutputState:
@@ -154,19 +186,24 @@ def _run_locked(plan: Plan, state: OutputState, progress: Progress, cancelled: t
             progress.advance(unit.nbytes, unit.path, skipped=True)
         else:
             todo.append(unit)
+    shard = plan.options.shard
+    dims = plan.ckpt.dims
+    layout = None if shard is not None else _in_background(lambda: layout_identity(
+        dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size))
     writing = time.perf_counter()
     written = _run_units(todo, state, records, progress, cancelled, plan.options.worker_count())
     write_seconds = time.perf_counter() - writing
     watch.check()  # every source byte was read: were they the bytes of one unchanged source?
-    shard = plan.options.shard
-    if shard is not None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
+    if layout is None:  # a part: its own part manifest; `megamoe merge` writes index and manifest
         from megamoe_convert.convert.fleet import write_part_manifest
         write_part_manifest(plan, records)
     else:
         index = non_expert_index(plan)
         extra = [] if index is None else [
             write_json_atomic(out / INDEX_NAME, index_text(index), fsync=plan.options.fsync)]
-        write_json_atomic(out / MANIFEST_NAME, plan.manifest(records, extra).dumps(), fsync=plan.options.fsync)
+        manifest = plan.manifest(records, extra)
+        manifest.layout = layout.result()
+        write_json_atomic(out / MANIFEST_NAME, manifest.dumps(), fsync=plan.options.fsync)
     return Summary(str(out), plan.placement.ep_size, plan.ranks, [layer.key for layer in plan.layers],
                    files_written=len(todo), files_skipped=len(plan.units) - len(todo), bytes_written=written,
                    expert_bytes=sum(u.nbytes for u in plan.units if u.kind == "experts"),

@@ -16,7 +16,7 @@ per layer), so each is produced whole, in file order, right after the routed ten
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -72,15 +72,16 @@ def global_scale_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, log
 
 
 def extra_chunks(ckpt: Checkpoint, files: FileCache, layer: MoELayer, logical_ids: Sequence[int],
-                 ) -> Iterator[torch.Tensor]:
+                 shared: Iterable[torch.Tensor] | None = None) -> Iterator[torch.Tensor]:
     """Everything of a rank file after its routed L1/L2 operands, in file order
     (:func:`formats.rank_tensor_specs`): the global scales (NVFP4), the logical ids, the shared
-    expert (where one is pre-baked). ``convert`` writes these; ``verify --source`` compares them."""
+    expert (where one is pre-baked; ``shared``: its :func:`shared_expert_chunks`, made once for
+    every rank file of the layer). ``convert`` writes these; ``verify --source`` compares them."""
     if ckpt.dims.format.global_scales:
         yield from global_scale_chunks(ckpt, files, layer, logical_ids)
     yield torch.tensor(list(logical_ids), dtype=torch.int32)
     if ckpt.dims.shared_intermediate_size:
-        yield from shared_expert_chunks(ckpt, files, layer)
+        yield from shared_expert_chunks(ckpt, files, layer) if shared is None else shared
 
 
 def _shared_sf(ckpt: Checkpoint, files: FileCache, layer: MoELayer, proj: str, k: int) -> torch.Tensor:

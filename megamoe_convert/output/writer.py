@@ -27,8 +27,9 @@ from megamoe_convert.source.safetensors_io import TensorSpec, encode_header, ten
 
 CHECKSUM_ALGORITHM = "xxh3_128"
 PARTIAL_SUFFIX = ".partial"
-#: Data is hashed and written in blocks of this size (small enough to stay in the CPU cache).
-WRITE_BLOCK_BYTES = 1 << 20
+#: Data is hashed and written in blocks of up to this size: few calls (each lets go of the GIL and
+#: takes it back, a queue at many workers) for many bytes, small enough to stay in the CPU's cache.
+WRITE_BLOCK_BYTES = 4 << 20
 #: With fsync on, dirty data is handed to the disk every this many bytes (see :func:`start_writeback`).
 WRITEBACK_BYTES = 16 << 20
 
