@@ -251,7 +251,7 @@ def drop_caches(cold: bool) -> bool:
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from common import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint, repo_env
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     if args.smoke:
@@ -260,7 +260,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     if not (args.out / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(args.out),
                         "--ep-size", str(args.ep_size), "--no-fsync"], check=True, cwd=REPO, capture_output=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env=repo_env())
     return {"config": config, "synth_s": synth_s,
             "rank_bytes": sum(f.stat().st_size for f in args.out.glob(f"rank-{args.rank:05d}-of-*/*")),
             "source_bytes": sum(f.stat().st_size for f in args.src.glob("*.safetensors"))}

@@ -168,14 +168,14 @@ def _fingerprint(tensors: list[Any]) -> str:
 # --------------------------------------------------------------------------------------
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from common import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint, repo_env
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     synth_s = ensure_checkpoint(args.src, config)
     if not (args.out / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(args.out),
                         "--ep-size", str(args.ep_size), "--experts-only", "--no-fsync"], check=True, cwd=REPO,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env=repo_env())
     return {"config": config, "synth_s": synth_s, "expert_bytes": _one_expert_bytes(args.out),
             "layers": args.layers, "experts": args.experts, "ep_size": args.ep_size, "rank": args.rank}
 

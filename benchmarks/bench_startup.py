@@ -247,7 +247,7 @@ def limits(args: argparse.Namespace, ranks: list[int]) -> dict[str, Any]:
 
 
 def setup(args: argparse.Namespace) -> dict[str, Any]:
-    from common import bench_config, ensure_checkpoint
+    from common import bench_config, ensure_checkpoint, repo_env
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 1024)
     synth_s = ensure_checkpoint(args.src, config)
@@ -258,7 +258,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
             subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", str(args.src), str(out),
                             "--ep-size", str(args.ep_size), "--experts-only", "--no-fsync",
                             "--num-redundant-experts", str(redundant)], check=True, cwd=REPO,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
+                           env=repo_env())
     expert_bytes = sum(f.stat().st_size for f in args.out.glob("rank-*/*.safetensors"))
     return {"config": config, "synth_s": synth_s, "convert_s": time.perf_counter() - start,
             "expert_bytes": expert_bytes, "source_bytes": sum(f.stat().st_size for f in args.src.glob("*.safetensors"))}

@@ -85,6 +85,13 @@ def run_convert(src: Path, out: Path, ep_size: int, workers: int, fsync: bool) -
     return summary.bytes_written
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the repository first on ``PYTHONPATH`` and the rest kept (on a GPU
+    machine, the folders of the carried packages), for a child that runs the project's code."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 # --------------------------------------------------------------------------------------
 # The page cache and the process's reads
 # --------------------------------------------------------------------------------------

@@ -64,20 +64,26 @@ SKIP_META = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
 #: The device's glibc takes any of these (pip matches each tag exactly).
 PLATFORMS = [*(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)), "manylinux2014_x86_64", "manylinux1_x86_64"]
 
-#: Written as sitecustomize.py into the traced process's path: each module name loaded, as it loads, and
-#: the absolute path of each library loaded through ctypes (a package's own native library).
+#: Written as sitecustomize.py into the traced process's path: each module name loaded, as it loads,
+#: and at exit the real path of every shared object mapped into the process (extension modules, and
+#: a package's own libraries loaded by hand: xgrammar's bindings, say).
 TRACER = """
-import os, sys
+import atexit, os, sys
 _out = open(os.environ["MEGAMOE_TRACE_FILE"], "a")
 _seen = set(sys.modules)
 _out.write("\\n".join(_seen) + "\\n")
 def _hook(event, args):
-    name = args[0] if event == "import" else os.path.realpath(args[0]) if event == "ctypes.dlopen" and args[0] else None
-    if name and name not in _seen:
-        _seen.add(name)
-        _out.write(name + "\\n")
+    if event == "import" and args[0] not in _seen:
+        _seen.add(args[0])
+        _out.write(args[0] + "\\n")
         _out.flush()
+def _mapped():
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[5] for line in maps if len(line.split()) >= 6 and ".so" in line.split()[5]}
+    _out.write("".join(os.path.realpath(p) + "\\n" for p in sorted(paths)))
+    _out.flush()
 sys.addaudithook(_hook)
+atexit.register(_mapped)
 """
 IMPORTS = re.compile(r"^\s*(?:from|import)\s+((?:vllm|sglang)(?:\.\w+)*)", re.M)
 
@@ -184,7 +190,8 @@ class Dist:
         return found
 
     def loaded(self, modules: set[str]) -> list[Path]:
-        """Its native files the trace saw load: extension modules imported, libraries opened by path."""
+        """Its native files the trace saw load: extension modules imported (by name), shared objects
+        mapped into the process (by real path)."""
         found = [f for name, f in self.extensions().items() if name in modules]
         return found + [f for f in self.files if ".so" in f.name and f not in found
                         and os.path.realpath(self.folder / f) in modules]
