@@ -148,6 +148,14 @@ def test_bench_verify_smoke(tmp_path):
     assert summary["benchmark"] == "verify" and summary["rank_bytes"] > 0 and summary["verify_s"] > 0
 
 
+    # the copy writes the rank files' bytes (the conversion's, less its small files) into as many files
+    assert 0.99 * summary["expert_bytes"] < summary["copy_bytes"] <= summary["expert_bytes"]
+    assert summary["files"] == summary["ep_size"] * summary["layers"]
+    (row,) = summary["rows"]  # every round's pair, and the peak RSS of a fresh process converting once
+    assert len(row["copy_runs"]) == len(row["convert_runs"]) == summary["repeats"]
+    assert row["peak_rss_mb"] > row["baseline_rss_mb"] > 0
+    disk = summary["machine"]["disk"]  # where the result was measured
+    assert disk["filesystem"]["fs"] and disk["free_gb"] > 0 and summary["machine"]["cpus"] >= 1
 def test_bench_verify_numerics_smoke(tmp_path):
     summary = last_json(run("bench_verify.py", "--numerics", "--smoke", "--workdir", tmp_path))
     levels = summary["levels"]
