@@ -174,24 +174,28 @@ def test_an_mxfp4_conversion_into_fp8_modules_is_refused(fp8, sglang_converted):
 # Every load format serves the experts, or refuses
 # --------------------------------------------------------------------------------------
 
-def test_sglang_reads_the_original_architecture_of_each_family(fp8):
-    assert parsed(fp8["deepseek_v3"].converted).architectures == ["DeepseekV3ForCausalLM"]
-    assert parsed(fp8["qwen3_moe"].converted).architectures == ["Qwen3MoeForCausalLM"]
-    assert parsed(fp8["qwen3_moe"].converted).model_type == "qwen3_moe"
+@pytest.mark.parametrize("form", ["converted", "store"])
+def test_sglang_reads_the_original_architecture_of_each_family(fp8, form):
+    """The per-rank form and the store alike: a store's placement is SGLang's own, read at install."""
+    assert parsed(getattr(fp8["deepseek_v3"], form)).architectures == ["DeepseekV3ForCausalLM"]
+    assert parsed(getattr(fp8["qwen3_moe"], form)).architectures == ["Qwen3MoeForCausalLM"]
+    assert parsed(getattr(fp8["qwen3_moe"], form)).model_type == "qwen3_moe"
 
 
+@pytest.mark.parametrize("form", ["converted", "store"])
 @pytest.mark.parametrize("load_format", ["auto", "megamoe"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_load_format_serves_the_pre_baked_experts(fp8, family, load_format):
+def test_every_load_format_serves_the_pre_baked_experts(fp8, family, load_format, form):
     paths = fp8[family]
+    out = getattr(paths, form)
     seen: list[str] = []
     with f.patched(2, EP_SIZE, REDUNDANT):
         want = reference(family, paths.ckpt, 2)
-        config = tree_config(paths.ckpt, paths.converted)
+        config = tree_config(paths.ckpt, out)
         got = {}
         for model in models(family, config, 2):
             with hooked_load_weights(type(model), seen):
-                load(load_format, model, paths.converted, config)  # SGLang's post-processing runs here too
+                load(load_format, model, out, config)  # SGLang's post-processing runs here too
             got.update(f.experts_of(model))
         assert_as_sglang_builds(got, want)
     assert any(name.startswith("model.layers.0.self_attn.") for name in seen)
