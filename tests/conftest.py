@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if tier is None:
             raise pytest.UsageError(f"{path}: a test outside the tier folders tests/{{unit,e2e,engines}}")
         item.add_marker(tier)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit test runs in the pytest process: one that starts a process of its own (seconds of
+    interpreter start and imports each) belongs in tests/e2e, and fails here saying so."""
+    if request.node.get_closest_marker("unit"):
+        monkeypatch.setattr(subprocess.Popen, "_execute_child", _no_process)
+
+
+def _no_process(self: subprocess.Popen, args: object, *rest: object) -> None:
+    raise AssertionError(f"a unit test started a process ({args}): it belongs in tests/e2e")
 
 
 def output_files(out: Path) -> dict[str, bytes]:

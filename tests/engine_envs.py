@@ -114,10 +114,13 @@ def ensure(engine: str) -> list[Path]:
     return [ensure_layer(layer) for layer in ENGINES[engine]]
 
 
-def run_engine_tests(engine: str, *args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    """``pytest tests/engines`` inside ``engine``'s environment, on the CPU."""
+def run_engine_tests(engine: str, *args: str, timeout: float = 1800, shared: Path | None = None,
+                     ) -> subprocess.CompletedProcess[str]:
+    """``pytest tests/engines`` inside ``engine``'s environment, on the CPU; ``shared``: a folder where
+    the checkpoints and conversions the engines' tests read are built once for several runs."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, ensure(engine)), str(REPO)]),
-           "MEGAMOE_ENGINE": engine, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+           "MEGAMOE_ENGINE": engine, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           **({"MEGAMOE_ENGINE_SHARED": str(shared)} if shared else {})}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(REPO / "tests" / "engines"),
            *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)

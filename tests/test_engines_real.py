@@ -5,6 +5,7 @@ skipped test or too few tests all fail here: a stand-in passing proves nothing a
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from engine_envs import ENGINES, run_engine_tests
@@ -16,9 +17,15 @@ from engine_envs import ENGINES, run_engine_tests
 MIN_PASSED = {"vllm": 44, "sglang": 72, "vllm==0.33.0": 95}
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints and conversions every engine's run reads, built by the first run that needs them."""
+    return tmp_path_factory.mktemp("engine-shared")
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_engine_release_real_code(engine: str) -> None:
-    proc = run_engine_tests(engine)
+def test_engine_release_real_code(engine: str, shared: Path) -> None:
+    proc = run_engine_tests(engine, shared=shared)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{engine}: tests/engines failed:\n{output[-20000:]}"
     summary = output.strip().splitlines()[-1]

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -54,34 +56,63 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items[:] = keep
 
 
+#: A folder the driver (tests/test_engines_real.py) hands every engine's run: the checkpoints and
+#: conversions below are built by the first run that needs them and read by the later ones, since
+#: megamoe-convert's own code writes the same bytes whatever engine is installed beside it.
+SHARED = os.environ.get("MEGAMOE_ENGINE_SHARED")
 
-def run_convert(src: Path, out: Path, *args: object) -> Path:
-    subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", src, out, *map(str, args)],
-                   check=True, capture_output=True)
-    return out
+
+def built(folder: str, name: str, tmp_path_factory: pytest.TempPathFactory, build: Callable[[Path], object],
+          ) -> Path:
+    """``<folder>/<name>``, made by ``build(path)``: once for every engine's run in the shared folder
+    (a build left half-done by an earlier run is made again), else in a folder of this run's own."""
+    if not SHARED:
+        path = tmp_path_factory.mktemp(folder) / name
+        build(path)
+        return path
+    path = Path(SHARED) / folder / name
+    done = path.with_name(f"{name}.done")
+    if not done.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        build(path)
+        done.touch()
+    return path
+
+
+def run_convert(src: Path, *args: object) -> Callable[[Path], object]:
+    """A build that converts ``src`` into its path through the real command line."""
+    return lambda out: subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", src, out,
+                                       *map(str, args)], check=True, capture_output=True)
+
+
+def synthesized(preset: dict, seed: int) -> Callable[[Path], object]:
+    """A build that synthesises a checkpoint of ``preset`` (a preset's fields) into its path."""
+    def build(path: Path) -> None:
+        (path.parent / f"{path.name}.preset.json").write_text(json.dumps(preset))
+        synthesize(path, str(path.parent / f"{path.name}.preset.json"), seed=seed)
+    return build
 
 
 @pytest.fixture(scope="session")
 def engine_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset with I = 512: a multiple of 512, as every released DeepSeek-V4 is (vLLM
     0.30 pads other sizes in finalize)."""
-    root = tmp_path_factory.mktemp("engine-ckpt")
-    (root / "preset.json").write_text(json.dumps({**load_preset("tiny"), "moe_intermediate_size": 512}))
-    synthesize(root / "ckpt", str(root / "preset.json"), seed=5)
-    return root / "ckpt"
+    return built("engine-ckpt", "ckpt", tmp_path_factory,
+                 synthesized({**load_preset("tiny"), "moe_intermediate_size": 512}, seed=5))
 
 
 @pytest.fixture(scope="session")
 def engine_converted(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """EP 4 with 4 redundant experts: 3 slots per rank, ranks 1-3 hold replicas."""
-    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "ep4", "--ep-size", 4,
-                   "--num-redundant-experts", 4)
+    return built("engine-out", "ep4", tmp_path_factory,
+                 run_convert(engine_ckpt, "--ep-size", 4, "--num-redundant-experts", 4))
 
 
 @pytest.fixture(scope="session")
 def engine_experts_only(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "experts-only", "--ep-size", 4,
-                   "--num-redundant-experts", 4, "--experts-only")
+    return built("engine-out", "experts-only", tmp_path_factory,
+                 run_convert(engine_ckpt, "--ep-size", 4, "--num-redundant-experts", 4, "--experts-only"))
 
 
 @pytest.fixture(scope="session")
@@ -89,28 +120,23 @@ def sglang_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny preset with hidden_size 512 (SGLang's MegaMoE needs hidden % 512 == 0). Read-only."""
     import sglang_harness
 
-    preset = tmp_path_factory.mktemp("preset") / "tiny-h512.json"
-    preset.write_text(json.dumps(sglang_harness.CONFIG))
-    path = tmp_path_factory.mktemp("ckpt") / "tiny-h512"
-    synthesize(path, str(preset), seed=2)
-    return path
+    return built("ckpt", "tiny-h512", tmp_path_factory, synthesized(sglang_harness.CONFIG, seed=2))
 
 
 @pytest.fixture(scope="session")
 def sglang_converted(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``sglang_ckpt`` converted for SGLang, EP 4 with 4 redundant experts. Read-only."""
-    out = tmp_path_factory.mktemp("converted") / "sglang-ep4"
-    convert(sglang_ckpt, out, ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang"))
-    return out
+    options = ConvertOptions(ep_size=4, num_redundant_experts=4, engine="sglang")
+    return built("converted", "sglang-ep4", tmp_path_factory, lambda out: convert(sglang_ckpt, out, options))
 
 
 @pytest.fixture(scope="session")
 def engine_store(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``engine_ckpt`` as a store (no --ep-size): every logical expert once, for any EP size."""
-    return run_convert(engine_ckpt, tmp_path_factory.mktemp("engine-out") / "store")
+    return built("engine-out", "store", tmp_path_factory, run_convert(engine_ckpt))
 
 
 @pytest.fixture(scope="session")
 def sglang_store(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``sglang_ckpt`` as a store: the same files serve SGLang's placement (and vLLM's)."""
-    return run_convert(sglang_ckpt, tmp_path_factory.mktemp("converted") / "sglang-store")
+    return built("converted", "sglang-store", tmp_path_factory, run_convert(sglang_ckpt))
