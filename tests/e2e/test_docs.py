@@ -34,6 +34,7 @@ NOT_RUNNABLE = {
     "/path/to/engine-env/bin/python -m pip install ": "installs into an engine's environment: tests/engine_envs.py "
                                                       "builds each engine's environment with the project on its path",
     "RUN pip install ": "a Dockerfile line (the same pip install, inside an image build)",
+    "make test-fast": "the unit tier of this suite, which make test runs (.ci/run)",
     "make test": "is CI itself (.ci/run)",
     "make demo": "runs below, recipe by recipe (test_make_demo_runs), without rebuilding the environment",
     "megamoe push ": "needs the Hugging Face hub: tests/unit/test_hub.py runs push against its fake hub",
