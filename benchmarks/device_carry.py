@@ -265,7 +265,7 @@ def download(specs: list[str], dest: Path, python: str = "3.12") -> None:
     """manylinux wheels of ``specs`` (exact pins) for ``python``, without their dependencies."""
     if not specs:
         return
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+    cmd = [sys.executable, "-m", "pip", "download", "-qq", "--no-deps", "--only-binary=:all:", "--python-version",
            python, "--implementation", "cp", "-d", str(dest), *(a for p in PLATFORMS for a in ("--platform", p)),
            *specs]
     subprocess.run(cmd, check=True)
