@@ -96,8 +96,10 @@ def test_device_carry_keeps_what_imports_reach(tmp_path):
 
     site = tmp_path / "site"
     files = {"pkg/__init__.py": b"x = 1\n", "pkg/data.json": b"{}", "pkg/_c.cpython-311-x86_64-linux-gnu.so":
-             b"\x7fELF...", "pkg/tests/test_pkg.py": b"", "pkg/__pycache__/x.cpython-311.pyc": b"",
-             "pkg/include/a.h": b"", "pkg/tool": b"\x7fELF...", "other.py": b"", "torch/__init__.py": b""}
+             b"\x7fELF...", "pkg/_d.abi3.so": b"\x7fELF...", "pkg/libpkg.so": b"\x7fELF...",
+             "pkg/tests/test_pkg.py": b"",
+             "pkg/__pycache__/x.cpython-311.pyc": b"", "pkg/include/a.h": b"", "pkg/tool": b"\x7fELF...",
+             "other.py": b"", "torch/__init__.py": b""}
     for name, dist in (("pkg", [f for f in files if f.startswith("pkg/")]), ("other", ["other.py"]),
                        ("torch", ["torch/__init__.py"])):
         meta = site / f"{name}-1.0.dist-info"
@@ -113,12 +115,19 @@ def test_device_carry_keeps_what_imports_reach(tmp_path):
     assert [d.name for d in chosen] == ["pkg"]  # other: never imported; torch: the device has it
     pkg = chosen[0]
     assert sorted(map(str, pkg.pure_files())) == ["pkg-1.0.dist-info/METADATA", "pkg/__init__.py", "pkg/data.json"]
-    assert set(pkg.extensions()) == {"pkg._c"}
+    assert set(pkg.extensions()) == {"pkg._c", "pkg._d", "pkg.libpkg"}  # by name: a library may be one
+    # a version-specific extension loaded: the wheel; an abi3 one, or its own library opened by path:
+    # its native files that fit any Python travel as installed
+    library = os.path.realpath(site / "pkg" / "libpkg.so")
     assert not dc.needs_wheel(pkg, {"pkg"}) and dc.needs_wheel(pkg, {"pkg", "pkg._c"})
-    raw = dc.pack([pkg], tmp_path / "site.tar.xz")
+    assert not dc.needs_wheel(pkg, {"pkg", "pkg._d"}) and not dc.needs_wheel(pkg, {"pkg", library})
+    assert pkg.carried({"pkg"}) == pkg.pure_files()
+    native = sorted([*map(str, pkg.pure_files()), "pkg/_d.abi3.so", "pkg/libpkg.so"])
+    assert sorted(map(str, pkg.carried({"pkg", "pkg._d"}))) == sorted(map(str, pkg.carried({"pkg", library}))) == native
+    raw = dc.pack([pkg], tmp_path / "site.tar.xz", {"pkg", "pkg._d"})
     with tarfile.open(tmp_path / "site.tar.xz") as tar:
-        assert sorted(tar.getnames()) == sorted(map(str, pkg.pure_files()))
-    assert raw == sum((site / f).stat().st_size for f in pkg.pure_files())
+        assert sorted(tar.getnames()) == sorted(map(str, pkg.carried({"pkg", "pkg._d"})))
+    assert raw == sum((site / f).stat().st_size for f in pkg.carried({"pkg", "pkg._d"}))
 
 
 def test_device_carry_traces_the_engine_modules_the_benchmarks_name():
@@ -139,6 +148,14 @@ def test_bench_convert_smoke_is_what_make_bench_runs_fixed(tmp_path):
     summary = last_json(run("bench_convert.py", "--smoke", "--workdir", tmp_path))
     assert summary["benchmark"] == "convert" and summary["expert_bytes"] > 0 and summary["convert_s"] > 0
     assert summary["mode"] == "nofsync" and summary["ratio_vs_copy"] > 0
+    # the copy writes the rank files' bytes (the conversion's, less its small files) into as many files
+    assert 0.99 * summary["expert_bytes"] < summary["copy_bytes"] <= summary["expert_bytes"]
+    assert summary["files"] == summary["ep_size"] * summary["layers"]
+    (row,) = summary["rows"]  # every round's pair, and the peak RSS of a fresh process converting once
+    assert len(row["copy_runs"]) == len(row["convert_runs"]) == summary["repeats"]
+    assert row["peak_rss_mb"] > row["baseline_rss_mb"] > 0
+    disk = summary["machine"]["disk"]  # where the result was measured
+    assert disk["filesystem"]["fs"] and disk["free_gb"] > 0 and summary["machine"]["cpus"] >= 1
     makefile = (REPO / "Makefile").read_text()
     assert "$(PY) benchmarks/bench_convert.py --quick" in makefile  # the same script and parser
 
@@ -148,14 +165,6 @@ def test_bench_verify_smoke(tmp_path):
     assert summary["benchmark"] == "verify" and summary["rank_bytes"] > 0 and summary["verify_s"] > 0
 
 
-    # the copy writes the rank files' bytes (the conversion's, less its small files) into as many files
-    assert 0.99 * summary["expert_bytes"] < summary["copy_bytes"] <= summary["expert_bytes"]
-    assert summary["files"] == summary["ep_size"] * summary["layers"]
-    (row,) = summary["rows"]  # every round's pair, and the peak RSS of a fresh process converting once
-    assert len(row["copy_runs"]) == len(row["convert_runs"]) == summary["repeats"]
-    assert row["peak_rss_mb"] > row["baseline_rss_mb"] > 0
-    disk = summary["machine"]["disk"]  # where the result was measured
-    assert disk["filesystem"]["fs"] and disk["free_gb"] > 0 and summary["machine"]["cpus"] >= 1
 def test_bench_verify_numerics_smoke(tmp_path):
     summary = last_json(run("bench_verify.py", "--numerics", "--smoke", "--workdir", tmp_path))
     levels = summary["levels"]
