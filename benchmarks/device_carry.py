@@ -93,13 +93,16 @@ IMPORTS = re.compile(r"^\s*(?:from|import)\s+((?:vllm|sglang)(?:\.\w+)*)", re.M)
 # --------------------------------------------------------------------------------------
 
 def engine_modules(engine: str) -> list[str]:
-    """Every ``vllm.*`` (or ``sglang.*``) module that the benchmarks, the harnesses and the project's
-    engine code import, found in their source."""
+    """The engine's harnesses (``tests/engines/vllm*harness*.py``: SGLang's stands in for torchvision,
+    which the device has), then every ``vllm.*`` (or ``sglang.*``) module that the benchmarks, the
+    harnesses and the project's engine code import, found in their source."""
     package = engine.split("==")[0]
+    harnesses = sorted((REPO / "tests" / "engines").glob(f"{package}*harness*.py"),
+                       key=lambda p: (p.stem != f"{package}_harness", p.stem))  # the base harness first
     sources = [*BENCH.glob("*.py"), *(REPO / "tests" / "engines").glob("*harness*.py"),
                *(REPO / "megamoe_convert" / "engines").rglob("*.py")]
     found = {m for path in sources for m in IMPORTS.findall(path.read_text()) if m.split(".")[0] == package}
-    return sorted(found)
+    return [p.stem for p in harnesses] + sorted(found)
 
 
 #: Imports every module of megamoe_convert and the engine modules named on its command line; prints
