@@ -17,7 +17,7 @@ benchmarked rank (``--experts-only``), then times in one process, on one GPU:
              (also ``h2d_pageable``, the same from ordinary memory);
   safetensors ``safetensors.safe_open(device="cuda")`` of the rank's converted shard files;
   fastsafetensors ``fastsafe_open(..., device="cuda", nogds=True)`` of the same files, if
-             importable (the device machine has no network: carry its wheel to have it);
+             importable (a GPU host without network access needs its wheel carried in);
   host_read  the host side alone: the rank's files read from the page cache into pinned
              buffers with load_rank's thread count and piece size, no device copy.
 
