@@ -18,9 +18,9 @@ from megamoe_convert.errors import LoadError
 from megamoe_convert.hub.pull import HubError, pull
 from megamoe_convert.hub.push import push
 from megamoe_convert.hub.ranges import pull_ranges
+from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve import store
-from megamoe_convert.serve.loader import open_converted
 
 REPO_ID = "megamoe-test/tiny-store"
 EP_SIZE, REDUNDANT = 8, 8  # 2 slots a rank: ranks 0-1 hold experts 0-3, ranks 4-5 again
