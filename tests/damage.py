@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import output_files, run_cli
 
 from megamoe_convert.output.seal import seal
 from megamoe_convert.output.writer import file_checksum
@@ -19,6 +21,22 @@ from megamoe_convert.synth import synthesize
 
 EP2 = ("--ep-size", 2, "--no-fsync")
 RANK0 = "rank-00000-of-00002"
+#: The conversion the crash, concurrency and fault tests interrupt and compare with an uninterrupted run.
+CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
+    """The files of an uninterrupted ``CONVERT_ARGS`` conversion, and how long it took."""
+    out = tmp_path_factory.mktemp("clean") / "out"
+    started = time.perf_counter()
+    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
+    return output_files(out), time.perf_counter() - started
+
+
+def cli_cmd(*args: object) -> list[str]:
+    """``megamoe ARGS`` as a command line for a process of its own."""
+    return [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
 
 def one_line_refusal(proc, *needles: str) -> None:
     """Exit 2, and on stderr exactly one line ``error: ...`` holding every needle."""

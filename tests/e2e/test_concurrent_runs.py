@@ -13,26 +13,12 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, output_files, run_cli
+from damage import CONVERT_ARGS, cli_cmd
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.serve.loader import load_rank
-
-CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
-
-
-@pytest.fixture(scope="module")
-def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
-    out = tmp_path_factory.mktemp("clean") / "out"
-    started = time.perf_counter()
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
-    return output_files(out), time.perf_counter() - started
-
-
-def cli_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
-
 
 # ----------------------------------------------------------------------------- writers of one output
 

@@ -13,32 +13,17 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from conftest import REPO, output_files, run_cli, run_cli_process
-from damage import EP2, RANK0, one_line_refusal
+from damage import CONVERT_ARGS, EP2, RANK0, cli_cmd, one_line_refusal
 
 from megamoe_convert.errors import MegamoeError
 from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.verify import verify
-
-CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
-
-
-@pytest.fixture(scope="module")
-def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
-    out = tmp_path_factory.mktemp("clean") / "out"
-    started = time.perf_counter()
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
-    return output_files(out), time.perf_counter() - started
-
-
-def cli_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "megamoe_convert.cli", *map(str, args)]
 
 
 def assert_refused_as_unfinished(out: Path) -> None:

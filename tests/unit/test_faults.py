@@ -20,6 +20,7 @@ import pytest
 import torch
 import typer
 from conftest import REPO, output_files, run_cli
+from damage import CONVERT_ARGS
 from filelock import FileLock
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,16 +37,6 @@ from megamoe_convert.serve.loader import load_rank
 from megamoe_convert.source.safetensors_io import SafetensorsError, read_header
 from megamoe_convert.synth.write import synthesize
 from megamoe_convert.verify import verify
-
-CONVERT_ARGS = ("--ep-size", 2, "--num-redundant-experts", 2, "--workers", 2, "--no-fsync")
-
-
-@pytest.fixture(scope="module")
-def clean(tiny_ckpt, tmp_path_factory) -> tuple[dict[str, bytes], float]:
-    out = tmp_path_factory.mktemp("clean") / "out"
-    started = time.perf_counter()
-    run_cli("convert", tiny_ckpt, out, *CONVERT_ARGS)
-    return output_files(out), time.perf_counter() - started
 
 
 def assert_refused_as_unfinished(out: Path) -> None:
