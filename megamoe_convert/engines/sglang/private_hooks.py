@@ -12,6 +12,13 @@ exercised by the load-format tests):
   ``get_model_loader`` instantiates.
 - ``DefaultModelLoader._get_all_weights`` is the one iterator of every weight the model's
   ``load_weights`` is fed: the loader class wraps it.
+- ``eplb_manager.update_expert_location_with_recovery`` is where SGLang's EPLB moves experts and
+  restores those lost with failed ranks; :mod:`.recovery` hooks it, wraps its
+  ``ExpertLocationUpdater.update`` and reads the failed ranks off ``ElasticEPStateManager.instance()``
+  (exercised by ``tests/engines/test_sglang_recovery.py``).
+- ``PreshardedModelLoader._first_time_load_and_dump`` / ``._load_from_presharded`` (``--load-format
+  presharded``'s two paths) and the loader module's ``_initialize_model``, which builds the model a
+  reload fills: :mod:`.presharded` hooks around them.
 
 The experts modules' own attributes (``_mega_moe_weights_built``, ...) are the contract's subject
 and stay in :mod:`.mega_moe`.
@@ -20,6 +27,7 @@ and stay in :mod:`.mega_moe`.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,10 +36,17 @@ from torch import nn
 #: The method SGLang calls to turn ``--load-format`` into its ``LoadFormat`` enum.
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
 
+#: ``--load-format presharded``'s first run (load, then dump) and its reload of a dump.
+PRESHARDED_FIRST_TIME = "sglang.srt.model_loader.loader.PreshardedModelLoader._first_time_load_and_dump"
+PRESHARDED_RELOAD = "sglang.srt.model_loader.loader.PreshardedModelLoader._load_from_presharded"
+
 #: Every private name used here, as ``module:attribute.path`` (the test resolves each).
 PRIVATE_NAMES = (
     "sglang.srt.configs.load_config:LoadConfig._verify_load_format",
     "sglang.srt.model_loader.loader:DefaultModelLoader._get_all_weights",
+    "sglang.srt.model_loader.loader:PreshardedModelLoader._first_time_load_and_dump",
+    "sglang.srt.model_loader.loader:PreshardedModelLoader._load_from_presharded",
+    "sglang.srt.model_loader.loader:_initialize_model",
 )
 
 #: ``weights(model_config, model, own)``: the weights fed to ``load_weights``, given SGLang's own iterator ``own()``.
@@ -66,3 +81,23 @@ def route_load_format(name: str, loader_class: Callable[[], type]) -> None:
         verify(config)
 
     HookRegistry.register(VERIFY_LOAD_FORMAT, as_loader_class, HookType.AROUND)
+
+
+@contextmanager
+def after_model_built(then: Callable[[nn.Module], None]) -> Iterator[None]:
+    """Inside: every model SGLang's loader module builds (its ``_initialize_model``) goes through
+    ``then`` before the loader sees it."""
+    from sglang.srt.model_loader import loader
+
+    built = loader._initialize_model
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        model = built(*args, **kwargs)
+        then(model)
+        return model
+
+    loader._initialize_model = initialize
+    try:
+        yield
+    finally:
+        loader._initialize_model = built
