@@ -1,10 +1,11 @@
 """The only code that deletes anything in OUT, and the rules it keeps.
 
 A file is deleted only where the journal (or a manifest) records it, its path fits the tool's
-naming scheme (:func:`naming.is_own_path`), it resolves inside OUT without passing a symbolic
-link (:func:`naming.owned_path`), and it still has its recorded size (a small copied file also
-its checksum): whatever else lies in OUT, or has changed since the tool wrote it, is someone
-else's and stays. Top-level result files (manifest, index, part manifests) go by their exact names.
+naming scheme (:func:`naming.is_own_path`: never in the user's folders, such as SGLang's
+presharded dump), it resolves inside OUT without passing a symbolic link
+(:func:`naming.owned_path`), and it still has its recorded size (a small copied file also its
+checksum): whatever else lies in OUT, or has changed since the tool wrote it, is someone else's
+and stays. Top-level result files (manifest, index, part manifests) go by their exact names.
 """
 
 from __future__ import annotations

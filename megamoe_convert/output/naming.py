@@ -24,6 +24,11 @@ PART_GLOB = "manifest.part-*-of-*.json"
 #: Where ``merge`` keeps the part manifests it consumed (relative to OUT), so merging is repeatable.
 MERGED_PARTS_DIR = f"{STATE_DIR}/parts"
 
+#: Folders below OUT that an engine writes into the conversion it serves, the user's data: never
+#: read as part of the conversion, published, reported or deleted (SGLang's ``--load-format
+#: presharded`` dumps every rank's post-processed weights into ``OUT/presharded/``).
+USER_DIRS = ("presharded",)
+
 #: A rank's folder, or the store's.
 RANK_DIR = re.compile(r"rank-[0-9]{5,}-of-[0-9]{5,}|experts")
 _RANK_FILE = re.compile(r"(?:rank-[0-9]{5,}-of-[0-9]{5,}|experts)/(?:layers|mtp)\.(?:0|[1-9][0-9]*)\.safetensors")
@@ -64,9 +69,17 @@ def is_shard_path(rel: str) -> bool:
     return bool(_RANK_FILE.fullmatch(rel) or _NON_EXPERT_SHARD.fullmatch(rel))
 
 
+def is_user_path(rel: str) -> bool:
+    """Whether ``rel`` lies in one of :data:`USER_DIRS` (the user's, whatever its name)."""
+    return rel.partition("/")[0] in USER_DIRS
+
+
 def is_own_path(rel: str) -> bool:
     """Whether ``rel`` fits this tool's naming scheme: a rank shard (``rank-NNNNN-of-NNNNN/
-    layers.L.safetensors``) or a visible top-level file name. Never absolute, never ``..``."""
+    layers.L.safetensors``) or a visible top-level file name. Never absolute, never ``..``, never
+    in the user's folders (:data:`USER_DIRS`)."""
+    if is_user_path(rel):
+        return False
     if is_shard_path(rel):
         return True
     return bool(_TOP_LEVEL.fullmatch(rel)) and not rel.startswith(".")

@@ -38,7 +38,7 @@ from megamoe_convert.output.compare import (
     numerics_config,
 )
 from megamoe_convert.output.manifest import Manifest, read_manifest
-from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR
+from megamoe_convert.output.naming import MANIFEST_NAME, PART_GLOB, STATE_DIR, is_user_path
 from megamoe_convert.output.writer import file_problems
 from megamoe_convert.progress import NoProgress, Phases, Progress
 from megamoe_convert.serve.load_checks import check_logical_ids, check_shard
@@ -80,11 +80,14 @@ def check_files(out: Path, manifest: Manifest, report: VerifyReport, ranks: Sequ
 def check_unlisted_files(out: Path, manifest: Manifest, report: VerifyReport) -> None:
     """Weight files the manifest does not list: left by another conversion, or put there by hand.
     A reader globbing ``*.safetensors`` or a rank folder would pick them up. Other files at the
-    top (notes, a README) are the user's and are left alone."""
+    top (notes, a README) and the folders an engine writes into what it serves (``USER_DIRS``:
+    SGLang's presharded dump) are the user's and are left alone."""
     listed = {f.path for f in manifest.files}
     found = [p for p in out.rglob("*") if p.is_file() and STATE_DIR not in p.relative_to(out).parts]
     for path in sorted(found):
         rel = path.relative_to(out).as_posix()
+        if is_user_path(rel):
+            continue
         in_rank_dir = "/" in rel and rel.startswith(("rank-", "experts/"))
         if rel not in listed and (in_rank_dir or rel.endswith(".safetensors")) and not path.name.startswith("."):
             report.problem(rel, "not listed in manifest.json (left by another conversion?)")
