@@ -47,6 +47,9 @@ PRIVATE_NAMES = (
     "sglang.srt.model_loader.loader:PreshardedModelLoader._first_time_load_and_dump",
     "sglang.srt.model_loader.loader:PreshardedModelLoader._load_from_presharded",
     "sglang.srt.model_loader.loader:_initialize_model",
+    "sglang.srt.eplb.eplb_manager:update_expert_location_with_recovery",
+    "sglang.srt.eplb.expert_location_updater:ExpertLocationUpdater.update",
+    "sglang.srt.elastic_ep.elastic_ep:ElasticEPStateManager.instance",
 )
 
 #: ``weights(model_config, model, own)``: the weights fed to ``load_weights``, given SGLang's own iterator ``own()``.
