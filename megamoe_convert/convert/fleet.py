@@ -322,7 +322,7 @@ def _merge_locked(out: Path, dirs: list[Path], verify: bool, fsync: bool, worker
         return {"out": str(out), "parts": len(chosen), "already_merged": True}
     files = check_coverage(chosen)
     check_one_source(chosen)
-    check_no_links(out, sorted({(out / r.path).parent for _, r in files}))  # refused before anything changes
+    check_no_links(out, (r.path for _, r in files))  # refused before anything changes
     check_free_space(out, copied_bytes(out, files), "this merge", "free space, or merge on the filesystem that holds "
                      "the parts: hard links there take none", MergeError)
     remove_named(out, [MANIFEST_NAME])  # from here on, OUT is visibly unfinished

@@ -215,7 +215,12 @@ def rank_shard_unit(plan: Plan, reader_factory: Callable[[], ExpertReader], rank
         return write_safetensors(plan.out / rel, plan.out, specs, chunks, metadata, fsync=plan.options.fsync)
 
     return Unit(rel, sum(s.nbytes for s in specs), run, "experts", layer, rank,
-                file_size=len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs))
+                exact_size=functools.partial(_file_size, specs, metadata))
+
+
+def _file_size(specs: list[TensorSpec], metadata: dict[str, str]) -> int:
+    """A safetensors file's exact size: its header and its tensors' bytes."""
+    return len(encode_header(specs, metadata)) + sum(s.nbytes for s in specs)
 
 
 # --------------------------------------------------------------------------------------
@@ -264,8 +269,8 @@ def non_expert_units(plan: Plan, files: FileCache, cancelled: threading.Event,
             return write_safetensors(plan.out / rel, plan.out, specs, _copy_chunks(files, entries, cancelled),
                                      NON_EXPERT_METADATA, fsync=plan.options.fsync)
 
-        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert",
-                          file_size=len(encode_header(specs, NON_EXPERT_METADATA)) + sum(s.nbytes for s in specs)))
+        units.append(Unit(rel, sum(s.nbytes for s in specs), run, "non_expert", exact_size=functools.partial(
+            _file_size, specs, NON_EXPERT_METADATA)))
     return units
 
 
@@ -280,7 +285,7 @@ def small_file_units(plan: Plan) -> list[Unit]:
                 with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w:
                     w.write(marked)
                     return w.commit()
-            return Unit(src.name, len(marked), write_marked, "small", content=marked, file_size=len(marked))
+            return Unit(src.name, len(marked), write_marked, "small", content=marked, exact_size=lambda: len(marked))
 
         def run() -> FileRecord:
             with AtomicWriter(plan.out / src.name, plan.out, fsync=plan.options.fsync) as w, open(src, "rb") as f:
@@ -288,7 +293,7 @@ def small_file_units(plan: Plan) -> list[Unit]:
                     w.write(block)
                 return w.commit()
         size = src.stat().st_size
-        return Unit(src.name, size, run, "small", file_size=size)
+        return Unit(src.name, size, run, "small", exact_size=lambda: size)
     return [unit(p) for p in plan.ckpt.small_files()]
 
 

@@ -3,6 +3,7 @@ how a split conversion (``--shard I/N``) divides the units. Pure bookkeeping: no
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -179,11 +180,16 @@ class Unit:
     kind: str  # "small" | "non_expert" | "experts"
     layer: MoELayer | None = None  # for "experts": which layer and rank (used by --shard)
     rank: int | None = None
-    #: The exact size of the file written (header included), from the specs the writer is given.
-    file_size: int = 0
+    #: The exact size of the file written (header included), from the specs the writer is given:
+    #: computed when asked (``plan`` lists it; a conversion of many ranks never encodes a header twice).
+    exact_size: Callable[[], int] = field(default=lambda: 0, repr=False)
     #: The file's exact bytes when known up front (the marked config.json): a journaled file of
     #: other bytes (an older conversion's unmarked config) is redone.
     content: bytes | None = None
+
+    @property
+    def file_size(self) -> int:
+        return self.exact_size()
 
 
 @dataclass
@@ -197,6 +203,7 @@ class Plan:
     units: list[Unit] = field(default_factory=list)
     non_expert_index: dict[str, str] = field(default_factory=dict)
     all_paths: list[str] = field(default_factory=list)  # --shard: every file of the whole conversion, in order
+    _placements: dict[str, Placement] = field(default_factory=dict, repr=False, compare=False)
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything that determines the output bytes (not workers, device or verbosity)."""
@@ -209,7 +216,7 @@ class Plan:
                 "experts_only": self.options.experts_only, "engine": self.engine,
                 **({"store": True} if self.options.store else {})}
 
-    @property
+    @functools.cached_property
     def engine(self) -> str:
         """The manifest's ``engine``: a store holds none's placement."""
         assert self.ckpt.family is not None
@@ -217,7 +224,12 @@ class Plan:
 
     def placement_for(self, layer: MoELayer) -> Placement:
         """The placement the engine builds ``layer`` with (SGLang's MTP layer, and MTP layers with
-        an expert count of their own, have their own)."""
+        an expert count of their own, have their own); once per layer, however many ranks ask."""
+        if layer.key not in self._placements:
+            self._placements[layer.key] = self._layer_placement(layer)
+        return self._placements[layer.key]
+
+    def _layer_placement(self, layer: MoELayer) -> Placement:
         if self.options.store:
             return Placement.default(self.ckpt.dims.experts_of(layer), 1)
         assert self.ckpt.family is not None

@@ -317,7 +317,7 @@ def _download_checked(pinned: Pinned, records: list[FileRecord], patterns: list[
     repo_id, commit, manifest = pinned.repo_id, pinned.commit, pinned.manifest
     from_cache = local_dir is not None and huggingface_hub.constants.HF_HUB_OFFLINE
     if local_dir is not None:  # huggingface_hub writes into local_dir itself: no link on the way, first
-        check_no_links(local_dir, sorted({(local_dir / r.path).parent for r in records}))
+        check_no_links(local_dir, (r.path for r in records))
     path = _snapshot(repo_id, commit, allow_patterns=patterns, local_dir=None if from_cache else local_dir,
                      force_download=force_download, max_workers=max_workers)
     if local_dir is None or from_cache:  # the cache's manifest came down again: still the pinned one?

@@ -11,6 +11,7 @@ means a refused run has changed nothing.
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, TypeVar
@@ -49,19 +50,20 @@ def check_free_space(target: Path, need: int, what: str, hint: str, error: type[
                     f"nothing was written ({hint})")
 
 
-def check_no_links(root: Path, folders: Iterable[Path]) -> None:
-    """Every existing level of each folder below ``root`` is a real directory (no symbolic link,
-    no file in the way): raises :class:`~megamoe_convert.errors.LinkInOutput` naming the first that is not."""
-    seen: set[Path] = set()
-    for folder in folders:
-        rel = folder.relative_to(root)
-        current = root
-        for part in rel.parts:
-            current = current / part
+def check_no_links(root: Path, paths: Iterable[str]) -> None:
+    """Every existing level of the folder of each file ``paths`` names (relative to ``root``, ``/``
+    separated) is a real directory (no symbolic link, no file in the way): raises
+    :class:`~megamoe_convert.errors.LinkInOutput` naming the first that is not. Each level is looked at
+    once, however many files share it (a plan of many ranks lists a folder per rank)."""
+    seen: set[str] = set()
+    for folder in sorted({posixpath.dirname(path) for path in paths}):
+        current = ""
+        for part in folder.split("/") if folder else ():
+            current = posixpath.join(current, part)
             if current in seen:
                 continue
             seen.add(current)
-            if not check_real_folder(current):
+            if not check_real_folder(root / current):
                 break
 
 
@@ -75,11 +77,11 @@ def check_before_converting(plan: Any, state: Any) -> None:
     if count > jsonio.MAX_PLAN_FILES:
         raise ConvertError(f"{out}: this conversion would write {count} files, more than a manifest can list "
                            f"({jsonio.MAX_PLAN_FILES}); convert fewer ranks or layers (--ranks, --layers)")
-    check_no_links(out, sorted({(out / u.path).parent for u in plan.units}))
+    check_no_links(out, (unit.path for unit in plan.units))
     need = 0
     for unit in plan.units:
-        record, path = journal.get(unit.path), out / unit.path
-        if record is None or not path.is_file() or path.stat().st_size != record.size:
+        record = journal.get(unit.path)
+        if record is None or not (path := out / unit.path).is_file() or path.stat().st_size != record.size:
             need += unit.nbytes
     check_free_space(out, need, "this conversion", "free space, or convert fewer ranks or layers: --ranks, --layers",
                      ConvertError)
