@@ -2,6 +2,8 @@
 #   make demo       synthesise a tiny DeepSeek-V4 checkpoint, convert it, verify it, load every rank
 #   make test       lint (ruff), type-check (mypy), then every test tier (what CI runs), and its time
 #   make test-fast  the unit tier alone (tests/unit, in-process): the loop while editing
+# Both run the tests on every core (pytest-xdist: one worker per core, at most PYTEST_WORKERS_MAX),
+# the slowest first (tests/conftest.py); PYTEST_WORKERS=0 runs them in one process.
 VENV ?= .venv
 # Extra pip arguments for torch. Left empty, it is chosen here: where no NVIDIA driver answers
 # (no nvidia-smi) and pip, as configured, finds no torch==2.13.0 without an index (a local wheel
@@ -10,6 +12,9 @@ VENV ?= .venv
 TORCH_PIP_ARGS ?=
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
+PYTEST_WORKERS ?= auto
+PYTEST_WORKERS_MAX ?= 4
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses=$(PYTEST_WORKERS_MAX)
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast bench report clean
@@ -40,12 +45,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	@start=$$(date +%s); status=0; \
 	$(VENV)/bin/ruff check . && $(VENV)/bin/mypy && \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 tests || status=$$?; \
+	$(PYTEST) --durations=20 tests || status=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s (ruff, mypy, the unit, e2e and engines tiers)"; \
 	exit $$status
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m unit tests/unit
+	$(PYTEST) --durations=10 -m unit tests/unit
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_convert.py --quick

@@ -23,16 +23,21 @@ collect_ignore = [] if os.environ.get("MEGAMOE_ENGINE") else ["engines"]
 TIERS = ("unit", "e2e", "engines")
 #: The driver that runs tests/engines inside each engine's environment: the engines tier too.
 ENGINE_DRIVER = "test_engines_real.py"
+#: The tiers by what one test costs: an engine's whole suite, a process of its own, a call.
+SLOWEST_FIRST = ("engines", "e2e", "unit")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its tier, read from its folder, so `-m` selects a tier wherever it runs from."""
+    """Mark every test with its tier, read from its folder, so `-m` selects a tier wherever it runs from;
+    then order the tiers slowest first (tests/engines' runs, real processes, in-process), so that
+    parallel workers (`make test`: pytest-xdist) start the long tests first and end together."""
     for item in items:
         path = item.path.relative_to(REPO / "tests")
         tier = path.parts[0] if path.parts[0] in TIERS else "engines" if path.name == ENGINE_DRIVER else None
         if tier is None:
             raise pytest.UsageError(f"{path}: a test outside the tier folders tests/{{unit,e2e,engines}}")
         item.add_marker(tier)
+    items.sort(key=lambda item: SLOWEST_FIRST.index(next(m for m in SLOWEST_FIRST if item.get_closest_marker(m))))
 
 
 @pytest.fixture(autouse=True)

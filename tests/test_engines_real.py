@@ -4,6 +4,7 @@ skipped test or too few tests all fail here: a stand-in passing proves nothing a
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -17,13 +18,20 @@ from engine_envs import ENGINES, run_engine_tests
 MIN_PASSED = {"vllm": 44, "sglang": 72, "vllm==0.33.0": 95}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoints and conversions every engine's run reads, built by the first run that needs them."""
-    return tmp_path_factory.mktemp("engine-shared")
+    """The checkpoints and conversions every engine's run reads, built by the first run that needs them:
+    one folder for the whole pytest run, its parallel workers (pytest-xdist) included."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's base folder lies in the run's own
+    path = root / "engine-shared"
+    path.mkdir(exist_ok=True)
+    return path
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
+#: vLLM 0.33's suite is the longest: first, so that parallel workers share out the rest beside it.
+@pytest.mark.parametrize("engine", sorted(ENGINES, key=lambda engine: engine != "vllm==0.33.0"))
 def test_engine_release_real_code(engine: str, shared: Path) -> None:
     proc = run_engine_tests(engine, shared=shared)
     output = proc.stdout + proc.stderr

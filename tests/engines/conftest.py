@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from megamoe_convert.convert.plan import ConvertOptions
 from megamoe_convert.convert.run import convert
@@ -65,18 +66,20 @@ SHARED = os.environ.get("MEGAMOE_ENGINE_SHARED")
 def built(folder: str, name: str, tmp_path_factory: pytest.TempPathFactory, build: Callable[[Path], object],
           ) -> Path:
     """``<folder>/<name>``, made by ``build(path)``: once for every engine's run in the shared folder
-    (a build left half-done by an earlier run is made again), else in a folder of this run's own."""
+    (a build left half-done by an earlier run is made again; runs at once wait for the first), else in
+    a folder of this run's own."""
     if not SHARED:
         path = tmp_path_factory.mktemp(folder) / name
         build(path)
         return path
     path = Path(SHARED) / folder / name
     done = path.with_name(f"{name}.done")
-    if not done.exists():
-        shutil.rmtree(path, ignore_errors=True)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build(path)
-        done.touch()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(f"{name}.lock")):  # engines' runs side by side build it once
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
     return path
 
 
