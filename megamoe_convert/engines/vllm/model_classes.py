@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.load_formats import INSTALLED_ATTR, load_installing, served_reference
-from megamoe_convert.engines.vllm import private_hooks
+from megamoe_convert.engines.vllm import format_table, private_hooks
 from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -81,6 +81,7 @@ def make_model_class(base: Any, draft: bool) -> type:
             own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
             out = conversion_of(own)
             if out is not None:
+                format_table.refuse_unserved(out, vllm_config)  # before vLLM builds anything
                 prepare_gpu_staging()  # pin the read ring while vLLM builds the model
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             setattr(self, CONVERSION_ATTR, out)
