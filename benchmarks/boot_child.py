@@ -1,0 +1,361 @@
+"""The rank process of ``bench_boot.py``: one rank's start, from the interpreter to a loaded model,
+every phase timed, and the source checkpoint it reads, written from the model vLLM builds.
+
+The model is vLLM 0.33's own ``DeepseekV4ForCausalLM`` (``vllm.models.deepseek_v4.nvidia``): every
+decoder layer's real attention, MoE block with its ``DeepGemmMegaMoEExperts``, norms, embedding and
+head, built by its own ``__init__`` from the config ``EngineArgs`` makes; its weights go through
+vLLM's ``DefaultModelLoader`` (``--load-format auto``) or megamoe-convert's loader
+(``--load-format megamoe``), then vLLM's ``process_weights_after_loading``. Patched, as the test
+harnesses patch: the SM100 checks (the device capability reads as SM100, the MegaMoE support check),
+the process groups (a world of one process, the EP group's rank and size set), and, on a machine
+without CUDA, the CUDA streams and events the constructors make.
+
+The process speaks one JSON line on its original stdout (its report); everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+#: vLLM's stacked parameters: fused name -> the checkpoint's names, in shard order.
+STACKED = {"gate_up_proj": ("w1", "w3"), "attn.fused_wqa_wkv": ("attn.wq_a", "attn.wkv"),
+           "compressor.fused_wkv_wgate": ("compressor.wkv", "compressor.wgate")}
+#: vLLM names -> checkpoint names (the inverse of ``_make_deepseek_v4_weights_mapper``'s).
+RENAMES = (("model.embed_tokens.weight", "embed.weight"), ("lm_head.weight", "head.weight"),
+           (".ffn.gate.e_score_correction_bias", ".ffn.gate.bias"), (".shared_experts.down_proj", ".shared_experts.w2"),
+           (".weight_scale_inv", ".scale"))
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float32": "F32", "int32": "I32", "int64": "I64", "float16": "F16",
+                      "uint8": "U8", "int8": "I8", "float8_e4m3fn": "F8_E4M3", "float8_e8m0fnu": "F8_E8M0"}
+
+
+# --------------------------------------------------------------------------------------
+# vLLM's config and model, patched as the harnesses patch
+# --------------------------------------------------------------------------------------
+
+def engine_config(model: str, load_format: str) -> Any:
+    """The config ``vllm serve MODEL --load-format F --moe-backend deep_gemm_mega_moe
+    --enable-expert-parallel --enforce-eager`` makes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, load_format=load_format, moe_backend="deep_gemm_mega_moe",
+                      enable_expert_parallel=True, enforce_eager=True, max_model_len=4096).create_engine_config()
+
+
+def process_group(config: Any, port: int) -> None:
+    """vLLM's groups over a world of this one process (gloo): TP = PP = DP = 1."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     local_rank=0, backend="gloo")
+        initialize_model_parallel(1, 1)
+
+
+@contextlib.contextmanager
+def patched(rank: int, ep_size: int) -> Iterator[Any]:
+    """The harness's patches (EP rank and size, the MegaMoE SM100 check), the device capability read
+    as SM100 (the attention picks its SM100 recipe), and without CUDA its streams and events."""
+    import torch
+    import vllm_harness as h
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    model_py = importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
+    ep_group = type("EP", (), {"rank_in_group": rank, "world_size": ep_size})()
+    sm100 = classmethod(lambda cls, device_id=0: DeviceCapability(10, 0))
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context
+        enter(h.patched(rank, ep_size))
+        enter(mock.patch.object(model_py, "get_ep_group", lambda: ep_group))
+        enter(mock.patch.object(type(current_platform), "get_device_capability", sm100))
+        if not torch.cuda.is_available():
+            enter(mock.patch("torch.cuda.Stream", lambda *a, **k: None))
+            enter(mock.patch("torch.cuda.Event", lambda *a, **k: None))
+            enter(mock.patch("torch.accelerator.current_device_index", lambda: 0))
+            enter(mock.patch("torch.accelerator.empty_cache", lambda: None))
+        yield model_py
+
+
+def build(model_py: Any, config: Any, device: Any) -> Any:
+    """``DeepseekV4ForCausalLM(vllm_config=...)`` as ``initialize_model`` calls it: under the model's
+    dtype, on ``device``, with the config current."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device(device):
+        return model_py.DeepseekV4ForCausalLM(vllm_config=config, prefix="")
+
+
+# --------------------------------------------------------------------------------------
+# The source checkpoint: every tensor the model loads, named as the checkpoint names it
+# --------------------------------------------------------------------------------------
+
+def checkpoint_names(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(checkpoint name, safetensors dtype, shape) of every non-expert tensor ``model.load_weights``
+    takes: its parameters outside the routed experts, stacked ones split into their shards."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, param in model.named_parameters():
+        if ".ffn.experts." in name:
+            continue
+        dtype, shape = SAFETENSORS_DTYPES[str(param.dtype).removeprefix("torch.")], tuple(param.shape)
+        for old, new in RENAMES:
+            name = name.replace(old, new)
+        name = name.removeprefix("model.")
+        for fused, parts in STACKED.items():
+            if f"{fused}." in name:
+                sizes = modules[_owner(modules, name)].output_sizes
+                out += [(name.replace(fused, part), dtype, (size, *shape[1:]))
+                        for part, size in zip(parts, sizes, strict=True)]
+                break
+        else:
+            out.append((name, dtype, shape))
+    return out
+
+
+def _owner(modules: dict[str, Any], ckpt_name: str) -> str:
+    """The module name (vLLM's) holding a stacked parameter named ``ckpt_name`` (checkpoint-side)."""
+    head = ckpt_name.rpartition(".")[0]
+    return head if head in modules else f"model.{head}"
+
+
+def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, Any]:
+    """``out``'s non-expert tensors (one file), and each layer's routed experts that ranks
+    ``0..ranks-1`` of EP ``ep_size`` hold (one file a layer)."""
+    import numpy as np
+
+    from megamoe_convert.output.writer import write_json_atomic, write_safetensors
+    from megamoe_convert.source import families, formats
+    from megamoe_convert.source.layers import MoELayer
+    from megamoe_convert.synth.tensors import SynthTensor, expert_tensors
+
+    raw = json.loads((out / "config.json").read_text())
+    config = engine_config(str(out), "dummy")
+    process_group(config, 29400)
+    with patched(rank, ep_size) as model_py:
+        rest = checkpoint_names(build(model_py, config, "meta"))
+    rng = np.random.default_rng(0)
+    weight_map: dict[str, str] = {}
+
+    def write(name: str, tensors: list[SynthTensor]) -> None:
+        chunks = (tensor_bytes(t, rng) for t in tensors)
+        write_safetensors(out / name, out, [t.spec() for t in tensors], chunks, metadata={"format": "pt"}, fsync=False)
+        weight_map.update({t.name: name for t in tensors})
+
+    fills = {"BF16": "ones", "F32": "ones", "F16": "ones"}  # finite floats; integer tables random
+    write("rest.safetensors", [SynthTensor(n, d, s, fills.get(d, "random")) for n, d, s in rest])
+    per_rank = raw["n_routed_experts"] // ep_size
+    names = families.detect(raw, "config.json").names(raw["num_hidden_layers"])
+    for i in range(raw["num_hidden_layers"]):
+        experts = [t for t in expert_tensors(names, MoELayer(False, i), per_rank * ranks, raw["hidden_size"],
+                                             raw["moe_intermediate_size"], formats.MXFP4, "I8", "F8_E8M0")]
+        write(f"experts-{i:03d}.safetensors", experts)
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    write_json_atomic(out / "model.safetensors.index.json", json.dumps(index), fsync=False)
+    return {"rest_tensors": len(rest), "rest_bytes": (out / "rest.safetensors").stat().st_size}
+
+
+def tensor_bytes(t: Any, rng: Any) -> Any:
+    """``t``'s bytes, fast: ``ones`` as 1.0 (any float width: finite), ``scale`` as UE8M0 bytes in
+    synth's range, anything else SFC64 raw words."""
+    import numpy as np
+
+    from megamoe_convert.synth.tensors import SCALE_BYTE_RANGE
+
+    if t.fill == "ones":
+        return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()
+    raw = np.random.Generator(np.random.SFC64(int(rng.integers(2**62)))).bit_generator.random_raw(-(-t.nbytes // 8))
+    raw = raw.view(np.uint8)[:t.nbytes]
+    if t.fill == "scale":
+        lo, hi = SCALE_BYTE_RANGE
+        raw = (raw % (hi - lo) + lo).astype(np.uint8)
+    return memoryview(raw)
+
+
+# --------------------------------------------------------------------------------------
+# One rank's start
+# --------------------------------------------------------------------------------------
+
+class Split:
+    """The weight phase's time split between the routed experts and everything else: each tensor's
+    read (the iterator's ``next``) and its load (the model's work until it asks again) go to its kind."""
+
+    def __init__(self) -> None:
+        self.seconds = {"experts": 0.0, "rest": 0.0}
+        self.tensors = {"experts": 0, "rest": 0}
+
+    def wrap(self, weights: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        it = iter(weights)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                return
+            kind = "experts" if ".ffn.experts." in name else "rest"
+            self.tensors[kind] += 1
+            yield name, tensor
+            self.seconds[kind] += time.perf_counter() - t0
+
+
+def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: float, spawned: float) -> dict:
+    """One rank's start (``form``: ``auto`` or ``megamoe``); the report of its phases."""
+    marks: dict[str, float] = {"python": start}
+    import torch
+    import vllm_harness  # noqa: F401  (vLLM's modules the model and the loader import)
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    importlib.import_module("vllm.models.deepseek_v4.nvidia.model")
+    marks["imports"] = time.perf_counter()
+    fixed: dict[str, float] = {}
+    if form == "megamoe":  # vLLM's load_general_plugins runs the entry point: its import, then register()
+        t0 = time.perf_counter()
+        from megamoe_convert.engines.vllm import plugin
+        fixed["plugin_import_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plugin.register()
+        fixed["plugin_register_s"] = time.perf_counter() - t0
+    marks["plugin"] = time.perf_counter()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=device)
+    marks["cuda"] = time.perf_counter()
+    config = engine_config(model, form)
+    marks["config"] = time.perf_counter()
+    process_group(config, port)
+    marks["process_group"] = time.perf_counter()
+    split, probe = Split(), _ProbeTimer()
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config), patched(rank, ep_size) as model_py, _cuda_platform(device), \
+            (probe.timing() if form == "megamoe" else contextlib.nullcontext()):
+        loader = get_model_loader(config.load_config)  # megamoe's starts its staging here
+        loader.enable_weights_track = False  # as for a quantized (FP8) checkpoint: no strict tracking
+        marks["loader"] = time.perf_counter()
+        net = build(model_py, config, device)
+        _sync(device)
+        marks["construct"] = time.perf_counter()
+        experts_s = _load(loader, net, config, split, form)
+        _sync(device)
+        marks["weights"] = time.perf_counter()
+        process_weights_after_loading(net, config.model_config, device)
+        _sync(device)
+        marks["post"] = time.perf_counter()
+    phases = _phases(marks)
+    weights_s = phases["weights"]
+    experts = experts_s if form == "megamoe" else split.seconds["experts"]
+    report = {"form": form, "rank": rank, "phases": phases, "process_s": marks["post"] - start,
+              "spawned_unix": spawned, "end_unix": time.time(),
+              "weights_experts_s": experts, "weights_rest_s": weights_s - experts,
+              "tensors": split.tensors, **fixed, **probe.report(),
+              "parameters": sum(p.numel() for p in net.parameters()),
+              "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
+    report["fingerprint"] = _fingerprint(net)
+    return report
+
+
+def _load(loader: Any, net: Any, config: Any, split: Split, form: str) -> float:
+    """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``)."""
+    if form != "megamoe":
+        real = loader.get_all_weights
+        with mock.patch.object(loader, "get_all_weights", lambda mc, m: split.wrap(real(mc, m))):
+            loader.load_weights(net, config.model_config)
+        return 0.0
+    from megamoe_convert.engines.vllm import loader as megamoe_loader
+
+    took = [0.0]
+    real_install = megamoe_loader.install_layers
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real_install(*args, **kwargs)
+        finally:
+            took[0] = time.perf_counter() - t0
+
+    with mock.patch.object(megamoe_loader, "install_layers", timed):
+        loader.load_weights(net, config.model_config)
+    return took[0]
+
+
+class _ProbeTimer:
+    """The layout probe's own time (it runs beside the first reads): vLLM's loading code on one
+    synthetic expert per contract, timed where the install driver starts it."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[None]:
+        from megamoe_convert.engines import driver
+
+        real = driver.probe_layouts
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - t0)
+
+        with mock.patch.object(driver, "probe_layouts", timed):
+            yield
+
+    def report(self) -> dict[str, Any]:
+        return {"probe_s": sum(self.seconds), "probe_calls": len(self.seconds)} if self.seconds else {}
+
+
+@contextlib.contextmanager
+def _cuda_platform(device: Any) -> Iterator[None]:
+    """vLLM's CPU platform stands in on the GPU machine (no compiled libraries there): the
+    safetensors iterator asks it which device to load onto."""
+    if device.type != "cuda":
+        yield
+        return
+    from node_forms import _cuda_platform as cuda
+
+    with cuda():
+        yield
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _phases(marks: dict[str, float]) -> dict[str, float]:
+    names = list(marks)
+    return {b: round(marks[b] - marks[a], 4) for a, b in zip(names, names[1:], strict=False)}
+
+
+def _fingerprint(net: Any) -> str:
+    """xxh3-128 of what the MegaMoE kernels read, every layer (bench_startup.fingerprint)."""
+    import vllm_harness as h
+    from bench_startup import fingerprint
+
+    experts = [m for m in net.modules() if isinstance(m, h.mega_py.DeepGemmMegaMoEExperts)]
+    return fingerprint([t for m in experts for t in h.kernel_view(m)])
+
+
+def main(argv: dict[str, Any], start: float) -> None:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM's logger and every print: to the log, never into the report
+    if argv["role"] == "source":
+        report = write_source(Path(argv["model"]), argv["rank"], argv["ep_size"], argv["ranks"])
+    else:
+        report = rank_main(argv["role"], argv["rank"], argv["ep_size"], argv["model"], argv["port"], start,
+                           argv["spawned"])
+    protocol.write(json.dumps(report) + "\n")
