@@ -96,17 +96,29 @@ def ensure_layer(layer: Layer) -> Path:
     target = layer_dir(layer)
     CACHE.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if target.is_dir():
-            return target
-        partial = target.with_name(target.name + ".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--disable-pip-version-check",
-               "--target", str(partial), *packages]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"installing {' '.join(packages)} failed:\n{proc.stdout}\n{proc.stderr}")
-        partial.rename(target)
+        if not target.is_dir():
+            partial = target.with_name(target.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                   "--disable-pip-version-check", "--target", str(partial), *packages]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"installing {' '.join(packages)} failed:\n{proc.stdout}\n{proc.stderr}")
+            partial.rename(target)
+        compile_once(target)
         return target
+
+
+def compile_once(target: Path) -> None:
+    """Byte-compile a layer in place, once (a stamp records it): every test process then imports the
+    engine from bytecode, even where ``PYTHONDONTWRITEBYTECODE`` keeps Python from caching what it
+    compiles (an engine's import compiles thousands of modules otherwise, in every process)."""
+    stamp = target / ".megamoe-compiled"
+    if stamp.exists():
+        return
+    # -q: a layer's stray files of other Python versions fail to compile; they are never imported
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", str(target)], capture_output=True)
+    stamp.touch()
 
 
 def ensure(engine: str) -> list[Path]:
