@@ -74,7 +74,7 @@ def print_next(out: str, manifest: Manifest) -> None:
     serve = serve_commands(str(Path(out).resolve()), manifest)
     for engine, how in serve.items():
         if how["servable"]:
-            say(f"serve it with {engine} (on Blackwell GPUs):")
+            say(f"serve it with {engine} (on {' or '.join(how['gpus'])} GPUs):")
             command(how["command"])
     say("next, your own checkpoint: the EP sizes that work, convert, verify, then its serve command:")
     for step in ("megamoe inspect /path/to/checkpoint", "megamoe convert /path/to/checkpoint OUT --ep-size N",

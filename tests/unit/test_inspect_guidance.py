@@ -59,7 +59,7 @@ def test_inspect_of_a_conversion_says_what_it_is_and_how_to_serve_it(tiny_conver
     assert info["serve"]["vllm"] == {"servable": True, "command": command, "reason": "",
                                      # the tiny preset's I = 128: vLLM 0.30 pads it to 512 in finalize_weights
                                      "notes": ["vLLM 0.31-0.33 on Blackwell; one process per GPU (EP over data "
-                                               "parallel)"]}
+                                               "parallel)"], "gpus": ["Blackwell"]}
     assert info["serve"]["sglang"]["servable"] is False and "--engine sglang" in info["serve"]["sglang"]["reason"]
     assert info["sizes"]["total_bytes"] == written_bytes(tiny_converted)
     # the command's flags are vLLM's: their names are checked against the real parser in tests/engines
