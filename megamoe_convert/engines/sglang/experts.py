@@ -33,10 +33,19 @@ def layer_key(prefix: str) -> str:
     return "mtp.0" if m["mtp"] else f"layers.{m['index']}"
 
 
+def storage(module: EngineModule) -> tuple[int, int]:
+    """``(rank, ep_size)`` whose slots the module holds: its own EP numbers, or for a rank that joined
+    a running deployment (``--elastic-ep-join-mode scale``) its place in the grown world: SGLang stores
+    its experts at ``_expert_storage_rank`` (the join offset plus its rank), of the offset plus its
+    group's size."""
+    rank = int(getattr(module, "_expert_storage_rank", module.moe_ep_rank))
+    return rank, module.moe_ep_size + rank - module.moe_ep_rank
+
+
 def module_logical_ids(module: EngineModule) -> tuple[int, ...]:
     """The logical expert SGLang loads into each local slot: from its expert-location table for
     layers that use one, else slot ``p`` holds logical ``p`` (the NextN layer, drafts)."""
-    start = module.moe_ep_rank * module.num_local_experts
+    start = storage(module)[0] * module.num_local_experts
     if not module.uses_expert_location:
         return tuple(range(start, start + module.num_local_experts))
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
@@ -57,12 +66,13 @@ def module_placement(module: EngineModule, n_logical: int, where: str = "") -> P
         table = [int(x) for x in row]
     else:
         table = list(range(module.num_experts))
-    if len(table) != module.num_experts:
-        raise PlacementError(f"{where}its expert-location table has {len(table)} slots, the module "
-                             f"{module.num_experts}")
-    if (problem := counts_problem(n_logical, module.moe_ep_size)) is not None:
+    ep_size = storage(module)[1]
+    slots = module.num_experts if ep_size == module.moe_ep_size else module.num_local_experts * ep_size
+    if len(table) != slots:
+        raise PlacementError(f"{where}its expert-location table has {len(table)} slots, the module {slots}")
+    if (problem := counts_problem(n_logical, ep_size)) is not None:
         raise PlacementError(f"{where}{problem}")
-    return Placement.from_list(table, n_logical, module.moe_ep_size, source=f"{where}SGLang's expert location")
+    return Placement.from_list(table, n_logical, ep_size, source=f"{where}SGLang's expert location")
 
 
 def check_ep_numbers(module: EngineModule, where: str, layer: "MoELayer", converted: "ConvertedModel",
@@ -73,9 +83,14 @@ def check_ep_numbers(module: EngineModule, where: str, layer: "MoELayer", conver
     expected = {"moe_ep_rank": rank, "moe_ep_size": placement.ep_size, "moe_tp_size": 1,
                 "num_experts": placement.n_physical, "num_local_experts": placement.experts_per_rank,
                 "hidden_size": dims.hidden_size, "intermediate_size_per_partition": dims.moe_intermediate_size}
+    stored_rank, stored_size = storage(module)  # a scale-up joiner's: its place in the grown world
+    numbers = {name: getattr(module, name) for name in expected}
+    if (stored_rank, stored_size) != (module.moe_ep_rank, module.moe_ep_size):
+        numbers.update(moe_ep_rank=stored_rank, moe_ep_size=stored_size,
+                       num_experts=module.num_local_experts * stored_size)
     for attribute, want in expected.items():
-        if getattr(module, attribute) != want:
-            raise InstallError(f"{where}: {attribute} is {getattr(module, attribute)} in the model but {want} in "
+        if numbers[attribute] != want:
+            raise InstallError(f"{where}: {attribute} is {numbers[attribute]} in the model but {want} in "
                                f"{converted.path} ({layer.key}, rank {rank}, ep_size {placement.ep_size})")
     have, want_ids = module_logical_ids(module), placement.rank_logical_ids(rank)
     if have != want_ids:

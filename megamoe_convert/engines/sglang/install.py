@@ -31,7 +31,8 @@ class SglangEngine:
         except ImportError as e:
             raise InstallError("rank=None needs SGLang's parallel context, but sglang is not importable; "
                                "pass rank=") from e
-        return int(get_parallel().moe_ep_rank)
+        parallel = get_parallel()  # a scale-up joiner's rank in the grown world: its join offset on
+        return int(parallel.moe_ep_rank) + int(getattr(parallel, "ep_join_rank_offset", 0) or 0)
 
     def classify(self, model: nn.Module) -> list[tuple[nn.Module, Contract]]:
         candidates = [m for m in model.modules() if SGLANG_PREFIX.match(str(getattr(m, "layer_name", "")))]
