@@ -36,6 +36,7 @@ def test_every_script_has_a_test():
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
+              "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
               "common.py",  # common.py: through every script that imports it
               "report_gains.py", "report_convert.py", "report_verify.py", "report_load.py", "device_carry.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
@@ -360,3 +361,46 @@ def test_the_store_benchmark_refuses_bad_forms_before_converting_anything(tmp_pa
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert (message or "expected a megamoe-convert checkout") in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "work").exists()
+
+
+def test_device_boot_script_parses_and_runs_real_flags():
+    subprocess.run(["bash", "-n", str(BENCH / "device_boot.sh")], check=True)
+    sys.path.insert(0, str(BENCH))
+    import bench_boot
+
+    text = (BENCH / "device_boot.sh").read_text().replace("\\\n", " ")
+    line = next(row for row in text.splitlines() if "bench_boot.py" in row and not row.lstrip().startswith("#"))
+    flags = shlex.split(line.split("bench_boot.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
+                        .replace("$1", "60").replace("${*:2}", "--rounds 2").replace("$RESULTS", "/tmp/r"))
+    args = bench_boot.parse_args(flags)  # exits (SystemExit) on an unknown flag
+    assert args.budget_s == 60 and args.clean and args.node_caches == ["warm"] and args.rounds == 2
+
+
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
+def test_bench_boot_smoke_in_vllm_033(tmp_path):
+    """A whole start on the CPU: vLLM 0.33's real DeepseekV4ForCausalLM built and loaded through vLLM's
+    own loader and through --load-format megamoe, every phase timed, the same kernel bytes both ways."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    path = os.pathsep.join([*map(str, ensure("vllm==0.33.0")), str(REPO), str(BENCH)])
+    run("bench_boot.py", "--smoke", "--shapes", "node", "--work", tmp_path, "--save", tmp_path / "b.json",
+        timeout=1200, env={"VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = {row["form"]: row for row in result["rows"]}
+    assert sorted(rows) == ["auto", "megamoe"], result["rows"]
+    for row in rows.values():
+        (rank,) = row["ranks"]
+        assert row["node_s"] >= rank["process_s"] > 0, row  # the node's time includes the interpreter's start
+        assert abs(rank["process_s"] - sum(rank["phases"].values())) < 0.01, row  # the phases cover it
+        assert rank["phases"]["construct"] > 0 and rank["phases"]["weights"] > 0, row
+        assert rank["weights_experts_s"] > 0 and rank["weights_rest_s"] > 0, row
+    auto, ours = rows["auto"]["ranks"][0], rows["megamoe"]["ranks"][0]
+    assert auto["tensors"]["experts"] > 0 and auto["tensors"]["rest"] > 0  # vLLM read both kinds
+    assert ours["plugin_import_s"] > 0 and ours["probe_calls"] >= 1  # the tool's fixed costs, timed
+    assert result["identical"] == {"node-l1 rank 0": True}
+    sys.path.insert(0, str(BENCH))
+    import report_boot
+
+    text = report_boot.section_of("boot-smoke", result)
+    assert "`megamoe`" in text and "`auto`" in text and "node-l1 rank 0: True" in text
