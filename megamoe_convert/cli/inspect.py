@@ -205,14 +205,12 @@ def _inspect_store(src: str, manifest: Any, ep_size: int | None, redundant: int,
         line(f"what each rank reads of it: megamoe inspect {shlex.quote(src)} --ep-size N")
 
 
-def _describe_layout(record: dict[str, Any] | None, family: str) -> str:
+def _describe_layout(record: dict[str, Any], family: str) -> str:
     """The recorded transform, its fingerprints and the releases it is proven against, in one cell: of
     the engines, those that serve the family (the serving table's)."""
     from megamoe_convert.source.engines_table import ENGINE_NAMES, engines_for
     from megamoe_convert.source.families import by_name
 
-    if record is None:
-        return "not recorded (converted before megamoe-convert recorded it); the engine's probe still runs"
     prints = ", ".join(f"{part} {value}" for part, value in record["fingerprints"].items())
     served = engines_for(by_name(family))
     proven = "; ".join(f"{name} {', '.join(versions)}" for name, versions in record["proven"].items()

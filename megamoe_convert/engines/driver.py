@@ -22,7 +22,6 @@ from megamoe_convert.engines import probe as layout_probe
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError
 from megamoe_convert.hub.resolve import open_converted
-from megamoe_convert.layout.identity import comparable_fingerprints
 from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
 from megamoe_convert.serve.loader import load_rank
@@ -179,7 +178,7 @@ def probe_layouts(planned: Sequence[tuple[nn.Module, Contract, MoELayer]], conve
         layout_probe.skipped(f"{len(planned)} MegaMoE modules from {converted.path}")
         return
     dims = converted.manifest.dims
-    recorded = comparable_fingerprints(converted.manifest.layout)
+    recorded = converted.manifest.layout_record()["fingerprints"]
     for module, contract, _ in planned:
         shared = dims.shared_intermediate_size if contract.shared_kinds(module, converted) else 0
         layout_probe.check_layout(contract.layout_probe(module, converted), dims.format, dims.hidden_size,

@@ -30,8 +30,8 @@ from megamoe_convert.source.formats import WeightFormat
 _T = TypeVar("_T")
 
 PROBE_SEED = 24301
-#: The generator of the probe's input, recorded beside the seed: fingerprints of another input (an
-#: older megamoe-convert's) cannot be compared with this one's, only made again by converting again.
+#: The generator of the probe's input, recorded beside the seed: the fingerprints are of this input,
+#: so a manifest that records another one is refused (:func:`identity_from_json`).
 PROBE_INPUT = "pcg64-raw/1"
 #: The transform this package writes, by the format's kernel (``layout/transform.py``): SM100's MegaMoE layout
 #: (gate/up interleaved by 8 rows, scales packed MN-major and UTCCP-transposed), and SM90's FP8 one
@@ -289,8 +289,14 @@ _FINGERPRINT = re.compile(r"xxh3_64:[0-9a-f]{16}")
 
 def identity_from_json(record: Any, f: jsonio.Fields) -> dict[str, Any]:
     """A manifest's ``layout`` record, every field checked through the manifest's validating ``f``
-    (:class:`jsonio.Fields`)."""
+    (:class:`jsonio.Fields`); one of another probe input or seed than this package's is refused, since
+    its fingerprints say nothing of this package's layout of its own input."""
     f.obj(record, name="layout")
+    probe_input, seed = f.str(record, "input", name="layout.input"), f.int(record, "seed", name="layout.seed")
+    if (probe_input, seed) != (PROBE_INPUT, PROBE_SEED):
+        raise f.fail(f"layout identity of another probe input (layout.input {jsonio.short(probe_input)}, "
+                     f"layout.seed {seed}; this megamoe-convert's is {PROBE_INPUT!r}, seed {PROBE_SEED}): "
+                     "convert again with this megamoe-convert")
     prints = f.obj(record, "fingerprints", name="layout.fingerprints")
     fingerprints_read = {}
     for part in ("routed", "shared"):
@@ -299,56 +305,25 @@ def identity_from_json(record: Any, f: jsonio.Fields) -> dict[str, Any]:
             if not _FINGERPRINT.fullmatch(value):
                 raise f.fail(f"layout.fingerprints.{part} must be xxh3_64: and 16 hex digits, got {value[:40]!r}")
             fingerprints_read[part] = value
-    proven = f.obj(record, "proven", name="layout.proven") if "proven" in record else {}
-    return {"transform": f.str(record, "transform", name="layout.transform"),
-            **({"input": f.str(record, "input", name="layout.input")} if "input" in record else {}),
-            "seed": f.int(record, "seed", name="layout.seed"), "fingerprints": fingerprints_read,
+    proven = f.obj(record, "proven", name="layout.proven")
+    return {"transform": f.str(record, "transform", name="layout.transform"), "input": probe_input, "seed": seed,
+            "fingerprints": fingerprints_read,
             "proven": {str(name): [f.str(v, -1, name=f"layout.proven.{name}") for v in
                                    f.list(proven, name, name=f"layout.proven.{name}", max_len=256)]
                        for name in proven}}
 
 
-def comparable_fingerprints(record: dict[str, Any] | None) -> dict[str, str] | None:
-    """A recorded identity's fingerprints where they are of this package's probe input (its
-    generator and seed), else ``None``: an older megamoe-convert's, of another input, say nothing
-    of this one's (the engine's own code is still probed against this package's layout)."""
-    if record is None or record.get("input") != PROBE_INPUT or record.get("seed") != PROBE_SEED:
-        return None
-    return dict(record["fingerprints"])
-
-
-def identity_problems(record: dict[str, Any] | None, dims: Any) -> list[str]:
+def identity_problems(record: dict[str, Any], dims: Any) -> list[str]:
     """How a manifest's recorded layout identity differs from what this package writes for its ``dims``
-    (``ModelDims``; empty: the same transform and fingerprints). ``None``, a manifest written before
-    the identity was recorded, has nothing to differ; one of another probe input has only its transform
-    (``verify`` says what it could not check: :func:`unchecked_identity`)."""
-    if record is None:
-        return []
+    (``ModelDims``; empty: the same transform and fingerprints)."""
     want = layout_identity(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size)
     problems = []
     if record["transform"] != want["transform"]:
         problems.append(f"layout.transform is {record['transform']!r}, this megamoe-convert writes "
                         f"{want['transform']!r}: convert again with this megamoe-convert")
-    recorded = comparable_fingerprints(record)
-    if recorded is None:  # of another probe input: the transform is all it can be checked by
-        return problems
     for part, value in want["fingerprints"].items():
-        got = recorded.get(part)
+        got = record["fingerprints"].get(part)
         if got != value:
             problems.append(f"layout.fingerprints.{part} is {got}, but this megamoe-convert's layout of the probe "
                             f"expert is {value}: the experts were written with another layout; convert again")
     return problems
-
-
-#: ``verify``'s word for a manifest without a layout identity.
-NOT_RECORDED = "the manifest records no layout identity (written before megamoe-convert recorded one)"
-#: ``verify``'s word for one recorded from another probe input.
-OTHER_INPUT = ("the manifest's layout identity is of another probe input (written by an older megamoe-convert): "
-               "its fingerprints cannot be compared; convert again to record this one's")
-
-
-def unchecked_identity(record: dict[str, Any] | None) -> str | None:
-    """Why ``verify`` cannot check a manifest's recorded layout identity whole, or ``None`` when it can."""
-    if record is None:
-        return NOT_RECORDED
-    return None if comparable_fingerprints(record) is not None else OTHER_INPUT

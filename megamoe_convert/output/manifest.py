@@ -64,6 +64,8 @@ class Manifest:
     ranks: list[int]
     layers: list[MoELayer]
     experts_only: bool
+    #: Every MoE layer of the source, so that a ``--layers`` subset reads as partial.
+    source_layers: list[str]
     files: list[FileRecord] = field(default_factory=list)
     complete: bool = True
     format_version: int = FORMAT_VERSION
@@ -75,15 +77,11 @@ class Manifest:
     #: A store (``convert`` without ``--ep-size``): one file per layer of its logical experts in order
     #: (:func:`store_file`); ``placement`` is then EP 1's, ``engine`` :data:`ANY_ENGINE`.
     store: bool = False
-    #: Every MoE layer of the source (``None``: a manifest written before this was recorded), so
-    #: that a ``--layers`` subset reads as partial.
-    source_layers: list[str] | None = None
     #: The layout identity (:mod:`layout_identity`: the transform, the engine releases it is proven
-    #: against, the fingerprints of its layout of the probe expert); ``None``: a manifest written
-    #: before it was recorded.
+    #: against, the fingerprints of its layout of the probe expert).
     layout: Any = ON_WRITE
 
-    def layout_record(self) -> dict[str, Any] | None:
+    def layout_record(self) -> dict[str, Any]:
         """The layout identity this manifest records (for one this code makes: this code's, computed once)."""
         if self.layout is ON_WRITE:
             d = self.dims
@@ -96,7 +94,7 @@ class Manifest:
         and ``--experts-only`` make partial conversions)."""
         missing_ranks = sorted(set(range(self.ep_size)) - set(self.ranks))
         held = {layer.key for layer in self.layers}
-        missing_layers = [k for k in self.source_layers or [] if k not in held]
+        missing_layers = [k for k in self.source_layers if k not in held]
         gaps = []
         if missing_ranks:
             gaps.append(f"holds ranks {format_ranges(sorted(set(self.ranks)))} of EP {self.ep_size}, not "
@@ -147,11 +145,11 @@ class Manifest:
             "ranks": self.ranks,
             "engine": self.engine,
             "family": self.family,
-            **({"layout": self.layout_record()} if self.layout_record() is not None else {}),
+            "layout": self.layout_record(),
             "placement": self.placement.to_json(),
             "layers": [{"key": layer.key, "prefix": layer.prefix} for layer in self.layers],
             "experts_only": self.experts_only,
-            **({"source_layers": self.source_layers} if self.source_layers is not None else {}),
+            "source_layers": self.source_layers,
             "coverage": {k: v for k, v in self.coverage().items() if k in ("partial", "servable", "note")},
             **({"store": True} if self.store else {}),
             "checksum_algorithm": CHECKSUM_ALGORITHM,
@@ -218,10 +216,17 @@ def _layer(f: jsonio.Fields, item: Any, label: str) -> MoELayer:
         layer = MoELayer.parse(key)
     except ValueError as e:
         raise f.fail(f"{label}: {e}") from None
-    for name in ("prefix", "vllm_prefix"):
-        if name in item and f.str(item, name, f"{label}.{name}") != getattr(layer, name):
-            raise f.fail(f"{label}.{name} {item[name]!r} disagrees with key {key!r}")
+    if f.str(item, "prefix", f"{label}.prefix") != layer.prefix:
+        raise f.fail(f"{label}.prefix {item['prefix']!r} disagrees with key {key!r}")
     return layer
+
+
+def _source_layer(f: jsonio.Fields, item: Any, label: str) -> str:
+    """A ``source_layers`` entry: a layer key."""
+    try:
+        return MoELayer.parse(f.str(item, name=label)).key
+    except ValueError as e:
+        raise f.fail(f"{label}: {e}") from None
 
 
 def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manifest:
@@ -253,15 +258,14 @@ def _parse(data: dict[str, Any], f: jsonio.Fields, versions: list[int]) -> Manif
         raise f.fail(f"unknown checksum algorithm {jsonio.short(algorithm)}")
     layers = f.each(f.list(data, "layers", max_len=1 << 16), lambda x, label: _layer(f, x, label), "layers")
     files = f.each(f.list(data, "files"), lambda x, label: _file_record(f, x, label), "files")
-    source_layers = (f.each(f.list(data, "source_layers", max_len=1 << 16),
-                            lambda x, label: _layer(f, {"key": x}, label).key, "source_layers")
-                     if "source_layers" in data else None)
+    source_layers = f.each(f.list(data, "source_layers", max_len=1 << 16),
+                           lambda x, label: _source_layer(f, x, label), "source_layers")
     return Manifest(source=f.obj(data, "source"), dims=dims, placement=placement,
                     ranks=f.ints(data, "ranks", hi=MAX_EP_SIZE, max_len=MAX_EP_SIZE), layers=layers,
                     experts_only=f.bool(data, "experts_only"), files=files,
                     format_version=versions[0], layout_version=versions[1], engine=engine, family=family,
                     store=store, source_layers=source_layers,
-                    layout=identity_from_json(data["layout"], f) if "layout" in data else None)
+                    layout=identity_from_json(f.obj(data, "layout"), f))
 
 
 def _duplicates(items: list[Any]) -> list[Any]:

@@ -52,14 +52,11 @@ def resolve_layers(manifest: Manifest, layers: str | Iterable[str] | None) -> li
 
 def check_layout_identity(out: Path, manifest: Manifest) -> None:
     """The manifest's layout identity must name the transform this package writes for its experts'
-    format: another name (a foreign tool's, a changed transform's, an edit) or none at all says the
-    bytes may be laid out otherwise, so no byte is read. Its fingerprints are the engines' probe's to
-    compare (at install, against the engine's own code) and ``verify``'s to recompute."""
+    format: another name (a foreign tool's, a changed transform's, an edit) says the bytes may be laid
+    out otherwise, so no byte is read. Its fingerprints are the engines' probe's to compare (at install,
+    against the engine's own code) and ``verify``'s to recompute."""
     record = manifest.layout_record()
     want = TRANSFORMS[kernel_of(manifest.dims.format)]
-    if record is None:
-        raise LoadError(f"{out / MANIFEST_NAME}: records no layout identity (layout), so nothing says how its experts "
-                        f"are laid out; convert again with this megamoe-convert (it writes {want!r})")
     if record["transform"] != want:
         raise LoadError(f"{out / MANIFEST_NAME}: layout.transform is {jsonio.short(record['transform'])}, but this "
                         f"megamoe-convert writes {manifest.dims.weight_format} experts as {want!r}: their bytes are "

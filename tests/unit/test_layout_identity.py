@@ -12,7 +12,7 @@ from conftest import run_cli
 
 from megamoe_convert.errors import ManifestError
 from megamoe_convert.layout import identity
-from megamoe_convert.output.manifest import Manifest, read_manifest
+from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.seal import seal
 from megamoe_convert.source import formats
 
@@ -84,32 +84,34 @@ def test_verify_refuses_experts_written_with_another_layout(converted, tmp_path,
     assert "convert again" in proc.stdout
 
 
-def test_a_manifest_without_a_layout_identity_reads_and_verify_says_it_was_not_checked(converted, tmp_path):
+def test_a_manifest_without_a_layout_identity_is_refused_in_one_line(converted, tmp_path):
+    """Every manifest this code writes records one: a manifest without is no conversion of it."""
     copy = _resealed(converted, tmp_path, lambda data: data.pop("layout"))
-    assert read_manifest(copy).layout is None
-    report = json.loads(run_cli("verify", copy, "--json").stdout)
-    assert report["ok"] and report["skipped"]["layout identity"] == identity.NOT_RECORDED
-    assert "not recorded" in run_cli("inspect", copy).stdout
+    with pytest.raises(ManifestError, match=r"manifest\.json: missing field 'layout'$"):
+        read_manifest(copy)
+    proc = run_cli("inspect", copy, check=False)
+    assert proc.returncode == 2 and "missing field 'layout'" in proc.stderr and not proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    report = json.loads(run_cli("verify", copy, "--json", check=False).stdout)
+    assert not report["ok"] and any("missing field 'layout'" in str(p) for p in report["problems"])
 
 
-def test_an_identity_of_an_older_probe_input_is_not_compared_and_verify_says_so(converted, tmp_path):
-    """A record without ``input`` (an older megamoe-convert's generator) keeps its transform checked;
-    its fingerprints, of another input, are neither compared nor mistaken for another layout."""
-    def older(data):
-        data["layout"].pop("input")
-        data["layout"]["fingerprints"] = {"routed": "xxh3_64:0123456789abcdef"}
-
-    copy = _resealed(converted, tmp_path, older)
-    record = read_manifest(copy).layout
-    assert "input" not in record and identity.comparable_fingerprints(record) is None
-    # written again as read (merge rebuilds a manifest from its parts' records): it reads back the same
-    manifest = read_manifest(copy)
-    assert Manifest.from_json(json.loads(manifest.dumps()), sealed=False).layout == record
-    report = json.loads(run_cli("verify", copy, "--json").stdout)
-    assert report["ok"] and "layout_identity" not in report["checks"]
-    assert report["skipped"]["layout identity"] == identity.OTHER_INPUT
-    swapped = _resealed(converted, tmp_path / "b", lambda d: (older(d), d["layout"].update(transform="x/0")))
-    assert "layout.transform is 'x/0'" in run_cli("verify", swapped, check=False).stdout
+@pytest.mark.parametrize("edit", [
+    lambda layout: layout.update(input="pcg64-raw/0"),
+    lambda layout: layout.update(seed=identity.PROBE_SEED + 1),
+])
+def test_an_identity_of_another_probe_input_is_refused(converted, tmp_path, edit):
+    """Its fingerprints are of another input, so they say nothing of this package's layout: the
+    manifest is refused, naming the field and this package's input, rather than served unchecked."""
+    copy = _resealed(converted, tmp_path, lambda data: edit(data["layout"]))
+    with pytest.raises(ManifestError) as refused:
+        read_manifest(copy)
+    message = str(refused.value)
+    assert message.startswith(f"{copy / 'manifest.json'}: layout identity of another probe input")
+    assert f"{identity.PROBE_INPUT!r}, seed {identity.PROBE_SEED}" in message and "convert again" in message
+    assert "\n" not in message
+    proc = run_cli("inspect", copy, check=False)
+    assert proc.returncode == 2 and "layout identity of another probe input" in proc.stderr and not proc.stdout
 
 
 @pytest.mark.parametrize("edit,field", [
@@ -117,6 +119,8 @@ def test_an_identity_of_an_older_probe_input_is_not_compared_and_verify_says_so(
     (lambda d: d["layout"]["fingerprints"].pop("routed"), "layout.fingerprints.routed"),
     (lambda d: d["layout"].update(seed="7"), "layout.seed"),
     (lambda d: d["layout"].update(input=3), "layout.input"),
+    (lambda d: d["layout"].pop("input"), "layout.input"),
+    (lambda d: d["layout"].pop("proven"), "layout.proven"),
     (lambda d: d.update(layout=[]), "layout"),
 ])
 def test_a_malformed_layout_record_is_refused_naming_its_field(converted, tmp_path, edit, field):
