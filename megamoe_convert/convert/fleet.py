@@ -100,8 +100,8 @@ class Part:
     plan_files: list[str]
     index_json: dict[str, Any] | None
     files: list[FileRecord]
-    source_stamp: dict[str, Any] | None = None
-    source_sample: dict[str, Any] | None = None  # sampled bytes of each source file (older parts: None)
+    source_stamp: dict[str, Any]  # the source files' stamps as the part's machine saw them
+    source_sample: dict[str, Any]  # sampled bytes of each source file
 
     @property
     def name(self) -> str:
@@ -114,9 +114,9 @@ def read_part(path: Path, root: Path | None = None) -> Part:
     f = jsonio.Fields(path, MergeError)
     if f.obj(data, name="part manifest").get("format") != PART_FORMAT:
         raise f.fail(f"not a megamoe part manifest (format={jsonio.short(data.get('format'))})")
-    if f.int(data, "format_version") > PART_FORMAT_VERSION:
-        raise f.fail(f"part format_version {data['format_version']} is newer than this megamoe-convert "
-                     "understands; upgrade megamoe-convert")
+    if (version := f.int(data, "format_version")) != PART_FORMAT_VERSION:
+        raise f.fail(f"part format_version {version} is not {PART_FORMAT_VERSION}, the one this megamoe-convert "
+                     "reads; convert the part again with this megamoe-convert")
     shard = f.obj(data, "shard")
     files = f.each(f.list(data, "files"), lambda x, label: _record(f, x, label), "files")
     plan_files = [f.str(p, name="plan_files[]") for p in f.list(data, "plan_files")]
@@ -124,8 +124,7 @@ def read_part(path: Path, root: Path | None = None) -> Part:
         if not is_own_path(rel):
             raise f.fail(f"file path {rel!r} is not a file this tool writes")
     index = None if data.get("index") is None else f.obj(data, "index")
-    stamp = f.obj(data, "source_stamp") if "source_stamp" in data else None
-    sample = f.obj(data, "source_sample") if "source_sample" in data else None
+    stamp, sample = f.obj(data, "source_stamp"), f.obj(data, "source_sample")
     count = f.int(shard, "count", lo=1, hi=1 << 16, name="shard.count")
     return Part(root or path.parent, path, f.int(shard, "index", hi=count - 1, name="shard.index"), count,
                 f.str(shard, "by", name="shard.by"), f.obj(data, "fingerprint"), f.obj(data, "manifest"),
@@ -135,11 +134,10 @@ def read_part(path: Path, root: Path | None = None) -> Part:
 def check_one_source(parts: Sequence[Part]) -> None:
     """Every part converted from the same source bytes (as far as sampled blocks of each source file
     tell: two checkpoints of one structure have the same plan fingerprint)."""
-    sampled = [p for p in parts if p.source_sample is not None]
-    for part in sampled[1:]:
-        first = sampled[0]
-        differ = sorted(k for k in set(first.source_sample or {}) | set(part.source_sample or {})
-                        if (first.source_sample or {}).get(k) != (part.source_sample or {}).get(k))
+    first = parts[0]
+    for part in parts[1:]:
+        differ = sorted(k for k in set(first.source_sample) | set(part.source_sample)
+                        if first.source_sample.get(k) != part.source_sample.get(k))
         if differ:
             raise MergeError(f"{first.name} and {part.name} were converted from different sources ({differ[0]} "
                              f"holds other bytes); convert every part from the same checkpoint")
@@ -379,7 +377,7 @@ def shared_source_stamp(parts: Sequence[Part]) -> dict[str, Any] | None:
     """The source stamp every part recorded, where they agree (one source, read on one machine);
     else ``None``: a rerun of ``convert`` into OUT then cannot reuse the files without --overwrite."""
     stamps = [p.source_stamp for p in parts]
-    return stamps[0] if stamps[0] is not None and all(s == stamps[0] for s in stamps) else None
+    return stamps[0] if all(s == stamps[0] for s in stamps) else None
 
 
 def auto_merge(out: Path, fsync: bool = True) -> bool:

@@ -102,6 +102,26 @@ def test_parts_converted_from_different_hub_revisions_are_not_merged(tiny_ckpt, 
     assert manifest["fingerprint"]["source_revision"] == "a" * 40
 
 
+@pytest.mark.parametrize("edit,expected", [
+    (lambda d: d.pop("source_sample"), "missing field 'source_sample'"),
+    (lambda d: d.pop("source_stamp"), "missing field 'source_stamp'"),
+    (lambda d: d.update(source_sample=[]), "source_sample must be an object"),
+    (lambda d: d.update(format_version=0), "part format_version 0 is not 1"),
+    (lambda d: d.update(format_version=2), "part format_version 2 is not 1"),
+])
+def test_a_part_manifest_without_what_every_part_records_is_refused(tmp_path, three_parts, edit, expected):
+    """Every part records its source's stamps and sampled bytes (merge checks one source by them):
+    a part manifest without them is no part this code wrote, refused in one line naming it."""
+    path = three_parts[1] / "manifest.part-00001-of-00003.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    proc = run_cli("merge", tmp_path / "out", *three_parts, check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert f"{path}: " in proc.stderr and expected in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_merge_rechecks_sizes_and_checksums(tmp_path, three_parts):
     victim = next((three_parts[2] / "rank-00001-of-00004").glob("*.safetensors"))
     data = bytearray(victim.read_bytes())
