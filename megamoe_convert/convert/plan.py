@@ -183,8 +183,8 @@ class Unit:
     #: The exact size of the file written (header included), from the specs the writer is given:
     #: computed when asked (``plan`` lists it; a conversion of many ranks never encodes a header twice).
     exact_size: Callable[[], int] = field(default=lambda: 0, repr=False)
-    #: The file's exact bytes when known up front (the marked config.json): a journaled file of
-    #: other bytes (an older conversion's unmarked config) is redone.
+    #: The file's exact bytes when known up front (the marked config.json): a journaled file that
+    #: holds other bytes than these is written again on resume, so the file is always these bytes.
     content: bytes | None = None
 
     @property

@@ -27,8 +27,9 @@ def rank_shard_specs(layer: MoELayer, experts: int, dims: ModelDims) -> list[Ten
 
 
 def rank_shard_metadata(layer: MoELayer, rank: int, ep_size: int, dims: ModelDims) -> dict[str, str]:
-    """A rank shard's safetensors metadata. MXFP4 shards carry no ``weight_format`` entry, so the
-    files of conversions made before other formats existed keep the sizes their manifests list."""
+    """A rank shard's safetensors metadata. ``weight_format`` names the experts' format for every
+    format but MXFP4, whose shards carry none (no entry: MXFP4). Readers take the format from the
+    manifest's ``dims``; the header's bytes count in the size :func:`rank_shard_size` gives."""
     metadata = {"format": "megamoe", "layout_version": str(LAYOUT_VERSION), "layer": layer.key,
                 "rank": str(rank), "ep_size": str(ep_size), "sf_storage": _SF_STORAGE}
     if dims.weight_format != formats.MXFP4.name:
