@@ -174,6 +174,16 @@ def build_main_model(config, ep_rank: int, redundant: int) -> nn.Module:
     return _bare(DeepseekV4ForCausalLM, model=inner, **_model_attributes(config, qc))
 
 
+def build_on_any_device(config, ep_rank: int, redundant: int) -> nn.Module:
+    """:func:`build_main_model` under whatever default device a loader sets (``meta`` for the weight
+    cache's engine and presharded's signature): the expert-location table is host data SGLang
+    computes before any model is built, so it is computed on the CPU first."""
+    with torch.device("cpu"):
+        set_expert_location(config, ep_rank)
+    with mock.patch(f"{__name__}.set_expert_location", lambda *_: None):
+        return build_main_model(config, ep_rank, redundant)
+
+
 def build_nextn_model(config) -> nn.Module:
     """``DeepseekV4ForCausalLMNextN`` > ``model.decoder.mlp.experts``: built as ``DeepseekV2MoE``
     builds DeepSeek-V4's NextN layer, without expert location or redundant experts."""

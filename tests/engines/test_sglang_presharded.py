@@ -55,7 +55,7 @@ def sglang_model(config, rank: int) -> Iterator[None]:
     from sglang.srt.model_loader import loader
 
     def initialize(model_config, load_config, quant_config=None):
-        return h.build_main_model(model_config.hf_config, rank, REDUNDANT)
+        return h.build_on_any_device(model_config.hf_config, rank, REDUNDANT)
 
     with mock.patch.object(loader, "_initialize_model", initialize), \
             mock.patch.object(loader, "_get_quantization_config", lambda *_: h.quant_config()):
@@ -97,6 +97,7 @@ def test_the_first_run_installs_the_experts_and_the_reload_serves_the_same_bytes
         assert seen and not any(".experts." in n and ".shared_experts." not in n for n in seen)
         [dump] = dumps(out)
         assert json.loads((dump / presharded.STAMP_NAME).read_text())["conversion"] == str(out)
+        assert json.loads((dump / "checksum.json").read_text())["shard_config"]["structural_signature"]
         config = tree_config(sglang_ckpt, out)
         fresh = h.build_main_model(config, 3, REDUNDANT)
         from megamoe_convert.engines.sglang import install

@@ -291,11 +291,17 @@ def test_an_ep_size_a_store_cannot_take_is_refused_with_those_it_can(v3_store):
                 "1, 2, 4, 8") in done.stderr
 
 
-def test_preload_of_an_fp8_conversion_names_the_engine_that_serves_it(v3_store, v3_converted):
-    """``megamoe preload`` is vLLM's weight-cache daemon: a conversion vLLM cannot serve is refused
-    before anything starts, naming what serves it (not a convert for vLLM, which is refused too)."""
+def test_preload_of_an_fp8_conversion_starts_sglangs_daemons_and_refuses_vllms(v3_store, v3_converted):
+    """``megamoe preload`` starts the weight-cache daemons of the engine a conversion is made for (a
+    store: the engine that serves its family): SGLang's for these, which this environment cannot
+    import, so it says which python to run; vLLM's (``--engine vllm``) is refused before anything
+    starts, naming what serves it."""
     for out in (v3_store, v3_converted):
         done = run_cli("preload", "--model", out, check=False)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-        assert "which vLLM cannot serve" in done.stderr and "serve it with SGLang 0.5.23 on Hopper" in done.stderr
-        assert "--engine vllm" not in done.stderr
+        assert "needs SGLang 0.5.23" in done.stderr and "SGLANG_ENV/bin/python -m megamoe_convert.cli" in done.stderr
+    done = run_cli("preload", "--model", v3_store, "--engine", "vllm", check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "which vLLM cannot serve" in done.stderr and "serve it with SGLang 0.5.23 on Hopper" in done.stderr
+    done = run_cli("preload", "--model", v3_converted, "--engine", "vllm", check=False)
+    assert done.returncode == 2 and "converted for sglang's expert placement, not vllm's" in done.stderr

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from megamoe_convert.engines import hf_config
-from megamoe_convert.engines.sglang import loader, model_classes, presharded, recovery
+from megamoe_convert.engines.sglang import loader, model_classes, presharded, recovery, weight_cache
 
 log = logging.getLogger(__name__)
 
@@ -25,4 +25,5 @@ def register() -> None:
     hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     model_classes.register()  # every other load format installs a conversion's experts, or refuses
     presharded.register()  # --load-format presharded: a reload of a conversion's dump is probed
+    weight_cache.register()  # --weight-cache-mode client maps a conversion's daemon (megamoe preload)
     recovery.register()  # EPLB recovery writes experts lost with failed ranks from the store

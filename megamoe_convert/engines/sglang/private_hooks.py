@@ -19,6 +19,10 @@ exercised by the load-format tests):
 - ``PreshardedModelLoader._first_time_load_and_dump`` / ``._load_from_presharded`` (``--load-format
   presharded``'s two paths) and the loader module's ``_initialize_model``, which builds the model a
   reload fills: :mod:`.presharded` hooks around them.
+- The weight cache's ``IpcModelLoader._load_zero_copy_mode`` (and the ``_initialize_model`` its
+  module imported), ``WeightCacheDaemon.load`` / ``._handle_connection``: :mod:`.weight_cache`
+  hooks around them; ``run_weight_cache_daemon``, the daemons' spawned target, which
+  :mod:`.preload` hands SGLang's launcher in its place.
 
 The experts modules' own attributes (``_mega_moe_weights_built``, ...) are the contract's subject
 and stay in :mod:`.mega_moe`.
@@ -40,6 +44,15 @@ VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_for
 PRESHARDED_FIRST_TIME = "sglang.srt.model_loader.loader.PreshardedModelLoader._first_time_load_and_dump"
 PRESHARDED_RELOAD = "sglang.srt.model_loader.loader.PreshardedModelLoader._load_from_presharded"
 
+#: The weight cache: the engine's mapping of a daemon's tensors, the daemon's load and its answer.
+IPC_LOADER_MODULE = "sglang.srt.weight_cache.ipc_loader"
+IPC_MAP = f"{IPC_LOADER_MODULE}.IpcModelLoader._load_zero_copy_mode"
+DAEMON_MODULE = "sglang.srt.weight_cache.daemon"
+DAEMON_LOAD = f"{DAEMON_MODULE}.WeightCacheDaemon.load"
+DAEMON_ANSWER = f"{DAEMON_MODULE}.WeightCacheDaemon._handle_connection"
+#: The loader module whose ``_initialize_model`` builds the model a presharded reload fills.
+LOADER_MODULE = "sglang.srt.model_loader.loader"
+
 #: Every private name used here, as ``module:attribute.path`` (the test resolves each).
 PRIVATE_NAMES = (
     "sglang.srt.configs.load_config:LoadConfig._verify_load_format",
@@ -50,6 +63,11 @@ PRIVATE_NAMES = (
     "sglang.srt.eplb.eplb_manager:update_expert_location_with_recovery",
     "sglang.srt.eplb.expert_location_updater:ExpertLocationUpdater.update",
     "sglang.srt.elastic_ep.elastic_ep:ElasticEPStateManager.instance",
+    "sglang.srt.weight_cache.ipc_loader:IpcModelLoader._load_zero_copy_mode",
+    "sglang.srt.weight_cache.ipc_loader:_initialize_model",
+    "sglang.srt.weight_cache.daemon:WeightCacheDaemon.load",
+    "sglang.srt.weight_cache.daemon:WeightCacheDaemon._handle_connection",
+    "sglang.srt.weight_cache.daemon:run_weight_cache_daemon",
 )
 
 #: ``weights(model_config, model, own)``: the weights fed to ``load_weights``, given SGLang's own iterator ``own()``.
@@ -87,20 +105,21 @@ def route_load_format(name: str, loader_class: Callable[[], type]) -> None:
 
 
 @contextmanager
-def after_model_built(then: Callable[[nn.Module], None]) -> Iterator[None]:
-    """Inside: every model SGLang's loader module builds (its ``_initialize_model``) goes through
-    ``then`` before the loader sees it."""
-    from sglang.srt.model_loader import loader
+def after_model_built(then: Callable[[nn.Module], None], module: str = LOADER_MODULE) -> Iterator[None]:
+    """Inside: every model ``module`` builds (its ``_initialize_model``: SGLang's loader module, or
+    the weight cache's IPC loader, which imported it) goes through ``then`` before the loader sees it."""
+    import importlib
 
-    built = loader._initialize_model
+    loader = importlib.import_module(module)
+    built = getattr(loader, "_initialize_model")  # noqa: B009 (a module's private function)
 
     def initialize(*args: Any, **kwargs: Any) -> Any:
         model = built(*args, **kwargs)
         then(model)
         return model
 
-    loader._initialize_model = initialize
+    setattr(loader, "_initialize_model", initialize)  # noqa: B010
     try:
         yield
     finally:
-        loader._initialize_model = built
+        setattr(loader, "_initialize_model", built)  # noqa: B010
