@@ -37,6 +37,7 @@ def test_every_script_has_a_test():
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
+              "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
               "common.py",  # common.py: through every script that imports it
               "report_gains.py", "report_convert.py", "report_verify.py", "report_load.py", "device_carry.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
@@ -404,3 +405,27 @@ def test_bench_boot_smoke_in_vllm_033(tmp_path):
 
     text = report_boot.section_of("boot-smoke", result)
     assert "`megamoe`" in text and "`auto`" in text and "node-l1 rank 0: True" in text
+
+
+def test_bench_recovery_smoke_and_its_report(tmp_path, monkeypatch):
+    """Two ranks on the CPU: the lost slots from the store and a joiner's slots from the store are the
+    bytes of the joiner's own way (the whole checkpoint read and transformed); the report renders them."""
+    saved = tmp_path / "results" / "recovery-cpu" / "recovery.json"
+    summary = last_json(run("bench_recovery.py", "--smoke", "--work", tmp_path / "work", "--save", saved))
+    assert summary["identical"] is True and summary["ranks"] == 2
+    assert {r["method"] for r in summary["rows"]} == {"recover_store", "join_store", "join_checkpoint"}
+    assert all(len(r["rank_s"]) == 2 and r["node_s"] == max(r["rank_s"]) for r in summary["rows"])
+    sys.path.insert(0, str(BENCH))
+    import report_recovery
+
+    monkeypatch.setattr(report_recovery, "RESULTS", tmp_path / "results")
+    text = report_recovery.section()
+    assert "| `recover_store` |" in text and "Same bytes as the joiner's own way: yes" in text
+    assert report_recovery.summary()[0].startswith("experts lost with a failed rank")
+
+
+def test_device_recovery_script_parses_and_runs_real_flags():
+    subprocess.run(["bash", "-n", str(BENCH / "device_recovery.sh")], check=True)
+    flags = set(re.findall(r"(--[a-z-]+)", (BENCH / "device_recovery.sh").read_text().split("run)")[1]))
+    assert {"--work", "--layers", "--experts", "--ep-size", "--lost", "--rounds"} <= flags
+    assert flags <= set(re.findall(r"(--[a-z-]+)", run("bench_recovery.py", "--help")))
