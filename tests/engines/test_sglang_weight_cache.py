@@ -8,7 +8,8 @@ shares CUDA memory through IPC handles on a GPU), its ``IpcModelLoader`` (the mo
 daemon's ``load`` body needs a CUDA device and process groups: its model is loaded by SGLang's
 ``DefaultModelLoader`` (through the plugin's hooked ``load_weights``), inside the plugin's own hook
 around ``load``. The model's constructor is the harness's tree of SGLang's own classes, as
-everywhere in these tests. What needs CUDA IPC itself runs in ``benchmarks/device_sglang_weight_cache.py``.
+everywhere in these tests. CUDA IPC itself, between two processes, runs in ``gpu_sglang_weight_cache.py``
+(its CPU run is the last test here).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def cache_config(out: Path, config, rank: int):
 
 
 @contextmanager
-def daemon_up(out: Path, ckpt: Path, rank: int, args) -> Iterator[object]:
+def daemon_up(out: Path, ckpt: Path, rank: int, args, device: str = "cpu") -> Iterator[object]:
     """A daemon of ``out``'s rank on a real socket: SGLang's ``WeightCacheDaemon``, its model loaded by
     SGLang's default loader inside the plugin's hook around ``load``, then its own export and server."""
     from sglang.srt.configs.device_config import DeviceConfig
@@ -117,7 +118,7 @@ def daemon_up(out: Path, ckpt: Path, rank: int, args) -> Iterator[object]:
 
     def load(d) -> None:
         loader = get_model_loader(LoadConfig(load_format="auto"))
-        d.model = loader.load_model(model_config=model_config(out, config), device_config=DeviceConfig("cpu"))
+        d.model = loader.load_model(model_config=model_config(out, config), device_config=DeviceConfig(device, 0))
         d.config = cache_config(out, config, rank)
         d._export_state()
 
@@ -135,7 +136,7 @@ def daemon_up(out: Path, ckpt: Path, rank: int, args) -> Iterator[object]:
             server.join(10)
 
 
-def engine_restart(out: Path, ckpt: Path, rank: int, daemon) -> torch.nn.Module:
+def engine_restart(out: Path, ckpt: Path, rank: int, daemon, device: str = "cpu") -> torch.nn.Module:
     """``launch_server --model-path OUT --weight-cache-mode client``'s loading: SGLang's own ``IpcModelLoader``."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig, LoadFormat
@@ -148,7 +149,7 @@ def engine_restart(out: Path, ckpt: Path, rank: int, daemon) -> torch.nn.Module:
     assert isinstance(loader, IpcModelLoader)
     config = tree_config(ckpt, out)
     with built_as_tree(rank):
-        return loader.load_model(model_config=model_config(out, config), device_config=DeviceConfig("cpu", 0))
+        return loader.load_model(model_config=model_config(out, config), device_config=DeviceConfig(device, 0))
 
 
 def test_a_daemon_of_a_conversion_is_mapped_by_an_engine_restart_byte_exact(sglang_ckpt, sglang_converted, sockets):
@@ -224,3 +225,15 @@ def test_megamoe_preload_refuses_in_one_line_what_no_sglang_daemon_serves(sglang
         errors = [line for line in lines if line.startswith("error:")]
         assert errors == lines[-1:] and why in errors[0], proc.stderr[-2000:]
     assert json.loads((sglang_converted / "manifest.json").read_text())["engine"] == "sglang"
+
+
+def test_the_gpu_script_runs_daemon_and_engine_in_two_processes_on_the_cpu(tmp_path):
+    """``gpu_sglang_weight_cache.py --device cpu``: what the GPU run does, the daemon in a process of
+    its own, torch sharing its CPU tensors with the engine's process."""
+    script = Path(__file__).with_name("gpu_sglang_weight_cache.py")
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--work", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["byte_exact"] and result["layers"] == h.CONFIG["num_hidden_layers"], result
+    assert result["device"] == "cpu" and result["daemon_pid"] != result["engine_pid"]
