@@ -13,16 +13,18 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from megamoe_convert.engines.contract import Contract
-from megamoe_convert.engines.driver import Installed
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.source import families
+
+if TYPE_CHECKING:  # the driver is imported where an install runs, not by the plugin
+    from megamoe_convert.engines.driver import Installed
 
 LOAD_FORMAT = "megamoe"
 #: What the engine's own weight iterator must never fetch from a hub repo: the rank folders

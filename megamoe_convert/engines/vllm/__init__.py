@@ -14,6 +14,16 @@ format's way to them.
 
 from __future__ import annotations
 
-from megamoe_convert.engines.vllm.install import CONTRACTS, install, install_layers
+import importlib
+from typing import Any
 
-__all__ = ["CONTRACTS", "install", "install_layers"]
+#: Imported on first use: vLLM runs the plugin (:mod:`.plugin`) in every process, before any load,
+#: and the install driver's modules cost it nothing until a conversion is loaded.
+_PUBLIC = {name: "megamoe_convert.engines.vllm.install" for name in ("CONTRACTS", "install", "install_layers")}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'megamoe_convert.engines.vllm' has no attribute {name!r}")

@@ -9,12 +9,11 @@ rank folders of a hub repo are never fetched).
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
-from megamoe_convert.engines.driver import Installed
 from megamoe_convert.engines.load_formats import (
     INSTALLED_ATTR,
     LOAD_FORMAT,
@@ -22,8 +21,9 @@ from megamoe_convert.engines.load_formats import (
     as_safetensors_config,
     without_expert_tensors,
 )
-from megamoe_convert.engines.vllm.install import install_layers
-from megamoe_convert.serve.staging import prepare_gpu_staging
+
+if TYPE_CHECKING:
+    from megamoe_convert.engines.driver import Installed
 
 __all__ = ["LOAD_FORMAT", "RANK_FILES_PATTERN", "make_loader_class", "register"]
 
@@ -40,6 +40,8 @@ def make_loader_class(default_loader: Any) -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
+            from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use: the plugin stays light
+
             prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,6 +49,8 @@ def make_loader_class(default_loader: Any) -> type:
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             # before the model's own load_weights (0.32 finalizes there)
+            from megamoe_convert.engines.vllm.install import install_layers
+
             self.installed = install_layers(model, model_config.model, serving=True)
             setattr(model, INSTALLED_ATTR, self.installed)  # the model's own load_weights must not install again
             super().load_weights(model, model_config)

@@ -37,10 +37,8 @@ from torch import nn
 
 from megamoe_convert.engines.load_formats import INSTALLED_ATTR, load_installing, served_reference
 from megamoe_convert.engines.vllm import format_table, private_hooks
-from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
-from megamoe_convert.serve.staging import prepare_gpu_staging
 from megamoe_convert.source import engines_table, families
 
 log = logging.getLogger(__name__)
@@ -82,12 +80,16 @@ def make_model_class(base: Any, draft: bool) -> type:
             out = conversion_of(own)
             if out is not None:
                 format_table.refuse_unserved(out, vllm_config)  # before vLLM builds anything
+                from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (the plugin's cost)
+
                 prepare_gpu_staging()  # pin the read ring while vLLM builds the model
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             setattr(self, CONVERSION_ATTR, out)
             setattr(self, MODEL_ATTR, str(getattr(own, "model", base.__name__)))
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers  # at first use
+
             out = getattr(self, CONVERSION_ATTR, None)
             names: set[str] = set()
             if out is not None and getattr(self, INSTALLED_ATTR, None) is None:  # before 0.30-0.32 release them

@@ -36,7 +36,6 @@ from typing import Any, Callable
 
 from megamoe_convert.engines.load_formats import LOAD_FORMAT
 from megamoe_convert.engines.vllm import private_hooks
-from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.output.naming import MANIFEST_NAME, RANK_DIR, STORE_DIR
 
 __all__ = ["conversion_fingerprint", "ipc_refusal", "register", "with_conversion"]
@@ -137,4 +136,6 @@ def _conversion(model: str) -> Any:
     """The opened conversion at ``model`` (a local directory with a manifest), else None."""
     if not (Path(model) / MANIFEST_NAME).is_file():
         return None
+    from megamoe_convert.hub.resolve import open_converted  # at first use: the plugin stays light
+
     return open_converted(model, ())
