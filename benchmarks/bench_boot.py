@@ -204,7 +204,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--shapes", default="slice,node", help="slice: ranks 0..N-1 of EP 4N; node: EP N")
     p.add_argument("--slice-layers", type=int, default=44)
-    p.add_argument("--node-layers", default="2,4,8", help="the node shape's MoE layer counts (the slope)")
+    p.add_argument("--node-layers", default="1,2,4", help="the node shape's MoE layer counts (the slope)")
     p.add_argument("--forms", default="auto,megamoe")
     p.add_argument("--caches", default="cold,warm")
     p.add_argument("--node-caches", default="", help="the node shape's caches (default: --caches)")

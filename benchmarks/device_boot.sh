@@ -29,8 +29,8 @@ setup() {
 }
 
 job() {
-    # The slice (ranks 0..N-1 of EP 4N, 44 MoE layers) cold and warm, then the node (EP N) at 2, 4
-    # and 8 MoE layers warm: the per-layer slope. Each shape's files are removed once it is measured.
+    # The slice (ranks 0..N-1 of EP 4N, 44 MoE layers) cold and warm, then the node (EP N) at 1, 2
+    # and 4 MoE layers warm: the per-layer slope. Each shape's files are removed once it is measured.
     setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_boot.py --work $WORK --budget-s $1 --clean \
         --node-caches warm ${*:2} --save $RESULTS/boot.json > $RESULTS/boot.log 2>&1; touch $RESULTS/done" \
         > /dev/null 2>&1 < /dev/null &
