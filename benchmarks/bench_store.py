@@ -32,6 +32,7 @@ and the store from another checkout (a code change against the commit before it)
 Correctness is checked once per (EP size, rank): the store's tensors equal the per-rank form's.
 On-disk size: the store's expert bytes against the per-rank form's for every rank of each EP size
 (from the manifests' exact sizes). The last line printed is JSON (``--save FILE`` writes it too).
+One child's measurement is ``store_child.py``'s; this script is the parent and, run with ``--child``, each child.
 
     PYTHONPATH=. python3 benchmarks/bench_store.py --preset flash --layers 2 --ep-sizes 8,16   # GPU
     PYTHONPATH=. python3 benchmarks/bench_store.py --quick        # CPU smoke test (tests/e2e/test_benchmarks.py)
@@ -45,7 +46,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,146 +55,7 @@ sys.path.insert(0, str(REPO))
 
 
 from common import drop_page_cache  # noqa: E402  (the benchmarks' one way to go cold)
-
-# --------------------------------------------------------------------------------------
-# The child: one measurement, in a fresh process
-# --------------------------------------------------------------------------------------
-
-def destinations(store_dir: Path, ep_size: int, rank: int, device: str) -> tuple[dict, dict, int]:
-    """The rank's destination tensors by layer (shapes from the store's dims), its slots, and its bytes."""
-    import torch
-
-    from megamoe_convert.layout.placement import Placement
-    from megamoe_convert.serve import store
-    from megamoe_convert.serve.loader import open_converted
-    from megamoe_convert.source import formats
-
-    converted = open_converted(store_dir)
-    manifest = converted.manifest
-    dests, slots = {}, {}
-    for layer in manifest.layers:
-        ids = Placement.default(manifest.dims.experts_of(layer), ep_size).rank_logical_ids(rank)
-        slots[layer] = ids
-        dests[layer] = {key: torch.empty(spec.shape, dtype=formats.torch_dtype(spec.dtype), device=device)
-                        for key, spec in store.slot_specs(manifest, layer, len(ids)).items()}
-    nbytes = sum(t.numel() * t.element_size() for d in dests.values() for t in d.values())
-    return dests, slots, nbytes
-
-
-def store_ranges(store_dir: Path, ep_size: int, rank: int) -> list[tuple[Path, int, int]]:
-    """``(file, offset, nbytes)`` of every range the rank reads from the store (default placement)."""
-    from megamoe_convert.layout.placement import Placement
-    from megamoe_convert.serve import store
-    from megamoe_convert.serve.loader import open_converted
-
-    converted = open_converted(store_dir)
-    manifest = converted.manifest
-    ranges = []
-    for layer in manifest.layers:
-        ids = Placement.default(manifest.dims.experts_of(layer), ep_size).rank_logical_ids(rank)
-        path = store_dir / manifest.expert_file(layer)
-        ranges += [(path, r.file_offset, r.nbytes) for r in store.rank_read_plan(manifest, layer, ids)]
-    return ranges
-
-
-def host_read(ranges: list[tuple[Path, int, int]], threads: int, piece: int, pinned: bool) -> float:
-    """Seconds to read ``ranges`` into ``threads`` (pinned) buffers of ``piece`` bytes, ``threads`` at
-    once: the loader's own pieces (its work queue), with no device copy.
-    The threads are started before the clock, as the loader's are."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch
-
-    from megamoe_convert.serve.staging import WorkQueue
-    from megamoe_convert.source.safetensors_io import read_into
-
-    buffers = [torch.empty(piece, dtype=torch.uint8, pin_memory=pinned) for _ in range(threads)]
-    fds = {path: os.open(path, os.O_RDONLY) for path, _, _ in ranges}
-    # Destinations only for their sizes: the pieces' bytes stay in the buffers.
-    queue = WorkQueue([(fds[path], off, torch.empty(n, dtype=torch.uint8, device="meta")) for path, off, n in ranges])
-
-    def read(i: int) -> None:
-        while (p := queue.take(piece)) is not None:
-            read_into(p.fd, p.file_offset, buffers[i][:p.dest.numel()])
-
-    with ThreadPoolExecutor(threads) as pool:
-        everyone = threading.Barrier(threads)
-        list(pool.map(lambda _: everyone.wait(timeout=10), range(threads)))
-        t0 = time.perf_counter()
-        list(pool.map(read, range(threads)))
-        seconds = time.perf_counter() - t0
-    for fd in fds.values():
-        os.close(fd)
-    return seconds
-
-
-def child(args: argparse.Namespace) -> dict[str, Any]:
-    started = time.perf_counter()
-    import torch
-
-    from megamoe_convert.serve import staging, store
-    from megamoe_convert.serve.loader import load_rank, open_converted
-
-    imported = time.perf_counter() - started
-    device = torch.device(args.device)
-    preparing = None
-    if args.staging != "none" and device.type == "cuda":
-        torch.cuda.init()
-        # as the engines' loaders do when they are made, before the model is built
-        preparing = staging.prepare_gpu_staging()
-    dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
-    if args.staging == "ready" and preparing is not None:
-        preparing.join()  # a model build long enough to hide all of it (a real model's is seconds)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    sync()
-    if args.child == "store":
-        t0 = time.perf_counter()
-        store.load_slots(open_converted(args.store), slots, into=dests)
-    elif args.child == "per_rank":
-        t0 = time.perf_counter()
-        load_rank(args.per_rank, args.rank, into={layer.prefix: d for layer, d in dests.items()})
-    elif args.child == "h2d_pinned":
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        t0 = time.perf_counter()
-        flat.copy_(host, non_blocking=True)
-    elif args.child in ("host_read", "disk_read"):  # the rank's store ranges, best of the reader shapes
-        ranges = store_ranges(Path(args.store), args.ep, args.rank)
-        cold = staging.lane_shape(staging.ring_buffers(), cold=True)  # the loader's own shape for a cold load
-        shapes = [(staging.read_threads(), staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
-            else [(staging.read_threads(), staging.RING_BUFFER_BYTES),
-                  (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),
-                  (64, 4 << 20)]
-        best = {}
-        for threads, piece in shapes:
-            if args.child == "disk_read" and best and not drop_page_cache():
-                break
-            seconds = host_read(ranges, threads, piece, pinned=device.type == "cuda")
-            if not best or seconds < best["seconds"]:
-                best = {"seconds": seconds, "threads": threads, "piece_mb": piece >> 20}
-        return {**best, "bytes": nbytes, "gb_per_s": nbytes / best["seconds"] / 1e9}
-    elif args.child == "check":
-        other = {layer: {k: torch.empty_like(t) for k, t in d.items()} for layer, d in dests.items()}
-        store.load_slots(open_converted(args.store), slots, into=dests)
-        load_rank(args.per_rank, args.rank, into={layer.prefix: d for layer, d in other.items()})
-        same = all(torch.equal(dests[layer][k], other[layer][k]) for layer in dests for k in dests[layer])
-        return {"same": same, "bytes": nbytes}
-    else:
-        raise SystemExit(f"unknown child {args.child}")
-    sync()
-    seconds = time.perf_counter() - t0
-    report = {"seconds": seconds, "bytes": nbytes, "gb_per_s": nbytes / seconds / 1e9, "import_s": imported}
-    ring = staging._RING
-    if ring is not None and device.type == "cuda":  # how long pinning took, and how much of it the call waited
-        report.update(pin_s=ring.pin_seconds, waited_for_ring_s=max(0.0, ring.ready_at - t0))
-        if ring.last_shape is not None:  # the lanes of a warm or a cold load (staging.lane_shape)
-            report.update(lanes=ring.last_shape.lanes, parts=ring.last_shape.parts)
-    return report
+from store_child import child  # noqa: E402  (one measurement, in the fresh process this script is run as)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ def last_json(stdout: str) -> dict:
 
 def test_every_script_has_a_test():
     scripts = sorted(p.name for p in BENCH.iterdir() if p.suffix in (".py", ".sh"))
-    tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "bench_startup.py", "probe_register.py",
+    tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "load_paths.py", "bench_startup.py",
+              "probe_register.py",
               "bench_probe.py",
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
-              "bench_store.py",  # bench_store.py --quick: below
+              "bench_store.py", "store_child.py",  # bench_store.py --quick: below
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
