@@ -47,8 +47,9 @@ NOT_RUNNABLE = {
                                                    "and merges",
     "PYTHONPATH=. python3 benchmarks/": "a benchmark run (GPU or minutes): every script's smoke mode runs in "
                                         "tests/e2e/test_benchmarks.py",
-    "megamoe preload ": "starts vLLM's weight-cache daemons (needs vLLM >= 0.33 and GPUs): "
-                        "tests/engines/test_vllm_weight_cache.py runs it in vLLM 0.33's real code",
+    "megamoe preload ": "starts vLLM's or SGLang's weight-cache daemons (needs GPUs): "
+                        "tests/engines/test_vllm_weight_cache.py and test_sglang_weight_cache.py run it in the "
+                        "engines' real code",
     "vllm serve ": "needs GPUs: its flags are parsed by vLLM 0.33's own parser (test_serve_commands_parse)",
     "python -m sglang.launch_server ": "needs GPUs: its flags are parsed by SGLang's own parser",
 }
@@ -223,7 +224,8 @@ for flags in json.loads(sys.argv[1]):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(flags)
-    assert args.load_format == "megamoe", flags
+    # every documented way: the load format, presharded over a conversion, or the weight-cache daemon's client
+    assert args.load_format in ("megamoe", "presharded") or args.weight_cache_mode == "client", flags
 print("parsed", len(json.loads(sys.argv[1])))
 """
 

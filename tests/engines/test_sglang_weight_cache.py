@@ -152,12 +152,16 @@ def engine_restart(out: Path, ckpt: Path, rank: int, daemon, device: str = "cpu"
         return loader.load_model(model_config=model_config(out, config), device_config=DeviceConfig(device, 0))
 
 
-def test_a_daemon_of_a_conversion_is_mapped_by_an_engine_restart_byte_exact(sglang_ckpt, sglang_converted, sockets):
+@pytest.mark.parametrize("form", ["per-rank", "store"])
+def test_a_daemon_of_a_conversion_is_mapped_by_an_engine_restart_byte_exact(sglang_ckpt, sglang_converted,
+                                                                            sglang_store, sockets, form):
+    """Per-rank files, or a store whose rank slots the daemon reads by SGLang's own placement."""
+    out = sglang_converted if form == "per-rank" else sglang_store
     with h.patched(3, EP_SIZE, REDUNDANT) as args:
         want = reference(sglang_ckpt, 3)
-        with daemon_up(sglang_converted, sglang_ckpt, 3, args) as daemon:
+        with daemon_up(out, sglang_ckpt, 3, args) as daemon:
             assert getattr(daemon, weight_cache.LOADED_ATTR)
-            model = engine_restart(sglang_converted, sglang_ckpt, 3, daemon)
+            model = engine_restart(out, sglang_ckpt, 3, daemon)
         assert_experts(model, want)
         for module in h.experts_of(model).values():
             assert module._mega_moe_weights_built and module.w13_weight_scale_inv.format_ue8m0

@@ -7,6 +7,8 @@ every load format's way to them.
 - :mod:`.install`: :func:`install` / :func:`install_layers` through the contract;
 - :mod:`.loader`: ``--load-format megamoe``;
 - :mod:`.model_classes`: every other load format serves a conversion's experts or refuses;
+- :mod:`.presharded`: ``--load-format presharded`` over a conversion (its dump recorded, its reload probed);
+- :mod:`.weight_cache`, :mod:`.preload`: the weight-cache daemons (``megamoe preload``) and their mapping;
 - :mod:`.private_hooks`: the SGLang names used that are not its public extension API;
 - :mod:`.plugin`: ``register()``, the ``sglang.srt.plugins`` entry point, every registration in order.
 """
