@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.load_formats import conversion_manifest, load_installing, served_reference
+from megamoe_convert.engines.sglang import format_table
 from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -131,5 +132,6 @@ def register() -> None:
 
     HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
     HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
+    format_table.register()  # a load format that does not serve a conversion is refused first
     for target in LOAD_WEIGHTS:
         HookRegistry.register(target, load_weights_around, HookType.AROUND)
