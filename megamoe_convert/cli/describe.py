@@ -107,8 +107,9 @@ def serve_commands(out: str, manifest: Manifest) -> dict[str, dict[str, Any]]:
                                        manifest, placement.is_default())
         rows = engines_table.serving_rows(engine, _family(manifest), manifest.dims.weight_format,
                                           manifest.dims.hidden_size, manifest.dims.moe_intermediate_size)
+        gpus = sorted({row.gpu for row in rows})
         result[engine] = {"servable": not why, "command": command if not why else "", "reason": "; ".join(why),
-                          "notes": notes if not why else [], "gpus": sorted({row.gpu for row in rows}) if not why else []}
+                          "notes": notes if not why else [], "gpus": gpus if not why else []}
     return result
 
 
