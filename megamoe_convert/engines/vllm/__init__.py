@@ -4,7 +4,7 @@ format's way to them.
 - :mod:`.kernel_layout`: the >= 0.33 contract (``DeepGemmMegaMoEExperts``, parameters in the kernel layout);
 - :mod:`.finalize`: the 0.30-0.32 contract (``DeepseekV4MegaMoEExperts``, ``finalize_weights`` transforms);
 - :mod:`.experts`: what both contracts share (module prefixes, EP numbers, tensor checks);
-- :mod:`.install`: :func:`install` / :func:`install_layers` through the contracts;
+- :mod:`.installing`: :func:`install` / :func:`install_layers` through the contracts;
 - :mod:`.loader`: ``--load-format megamoe``;
 - :mod:`.model_classes`: every other load format serves a conversion's experts or refuses;
 - :mod:`.weight_cache`, :mod:`.preload`: the weight cache's key and ``ipc_cache`` loader; ``megamoe preload``;
@@ -19,7 +19,7 @@ from typing import Any
 
 #: Imported on first use: vLLM runs the plugin (:mod:`.plugin`) in every process, before any load,
 #: and the install driver's modules cost it nothing until a conversion is loaded.
-_PUBLIC = {name: "megamoe_convert.engines.vllm.install" for name in ("CONTRACTS", "install", "install_layers")}
+_PUBLIC = {name: "megamoe_convert.engines.vllm.installing" for name in ("CONTRACTS", "install", "install_layers")}
 __all__ = list(_PUBLIC)
 
 

@@ -49,7 +49,7 @@ def make_loader_class(default_loader: Any) -> type:
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             # before the model's own load_weights (0.32 finalizes there)
-            from megamoe_convert.engines.vllm.install import install_layers
+            from megamoe_convert.engines.vllm.installing import install_layers
 
             self.installed = install_layers(model, model_config.model, serving=True)
             setattr(model, INSTALLED_ATTR, self.installed)  # the model's own load_weights must not install again

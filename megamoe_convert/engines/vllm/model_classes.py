@@ -88,7 +88,7 @@ def make_model_class(base: Any, draft: bool) -> type:
             setattr(self, MODEL_ATTR, str(getattr(own, "model", base.__name__)))
 
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
-            from megamoe_convert.engines.vllm.install import CONTRACTS, install_layers  # at first use
+            from megamoe_convert.engines.vllm.installing import CONTRACTS, install_layers  # at first use
 
             out = getattr(self, CONVERSION_ATTR, None)
             names: set[str] = set()
