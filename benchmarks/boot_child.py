@@ -272,10 +272,10 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str) -> float:
         with mock.patch.object(loader, "get_all_weights", lambda mc, m: split.wrap(real(mc, m))):
             loader.load_weights(net, config.model_config)
         return 0.0
-    from megamoe_convert.engines.vllm import loader as megamoe_loader
+    megamoe_install = importlib.import_module("megamoe_convert.engines.vllm.installing")  # the loader's source
 
     took = [0.0]
-    real_install = megamoe_loader.install_layers
+    real_install = megamoe_install.install_layers
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -284,7 +284,7 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str) -> float:
         finally:
             took[0] = time.perf_counter() - t0
 
-    with mock.patch.object(megamoe_loader, "install_layers", timed):
+    with mock.patch.object(megamoe_install, "install_layers", timed):
         loader.load_weights(net, config.model_config)
     return took[0]
 

@@ -392,6 +392,7 @@ def test_bench_boot_smoke_in_vllm_033(tmp_path):
     rows = {row["form"]: row for row in result["rows"]}
     assert sorted(rows) == ["auto", "megamoe"], result["rows"]
     for row in rows.values():
+        assert "ranks" in row, row.get("failed", row)
         (rank,) = row["ranks"]
         assert row["node_s"] >= rank["process_s"] > 0, row  # the node's time includes the interpreter's start
         assert abs(rank["process_s"] - sum(rank["phases"].values())) < 0.01, row  # the phases cover it
