@@ -16,7 +16,9 @@ from engine_envs import ENGINES, run_engine_tests
 #: SGLang's SM90 FP8 MegaMoE (DeepSeek-V3, Qwen3-MoE: install, 16-bit scales, refusals, model classes): +34, and vLLM's
 #: refusal of them: +4. The layout probe through each engine's own code: +3 vLLM (0.32: +4, 0.33: +8), +6 SGLang.
 #: SGLang's elastic EP (EPLB recovery from a store, its own path, refusals; scale-up joiners; their private names): +14.
-MIN_PASSED = {"vllm": 44, "sglang": 106, "vllm==0.33.0": 95}
+#: The load-format matrix: every registered format on a per-rank conversion and a store, its classification and
+#: the GPU proof's CPU path: +34 vLLM, +51 SGLang.
+MIN_PASSED = {"vllm": 78, "sglang": 157, "vllm==0.33.0": 129}
 
 
 @pytest.fixture(scope="session")
