@@ -24,6 +24,7 @@ handled by a hook :func:`register` adds (names in :mod:`.private_hooks`):
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,7 @@ from megamoe_convert.engines.sglang.install import CONTRACTS, ENGINE
 from megamoe_convert.engines.sglang.presharded import conversion_path, conversion_seal, probe_model
 from megamoe_convert.errors import InstallError
 from megamoe_convert.hub.resolve import open_converted
+from megamoe_convert.output.naming import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +134,13 @@ def daemon_answer_around(original: Callable[..., Any], daemon: Any, conn: Any, *
 
 
 def _is_conversion(path: Any) -> bool:
-    from megamoe_convert.engines.load_formats import conversion_manifest
-
-    return conversion_manifest(str(path)) is not None
+    """A local conversion (a hub repo id served by a daemon is not checked again: nothing is fetched here)."""
+    return (Path(str(path)) / MANIFEST_NAME).is_file()
 
 
 def _current_seal(path: Any) -> str | None:
+    if not _is_conversion(path):
+        return None
     try:
         return conversion_seal(str(path))
     except InstallError:
