@@ -77,17 +77,17 @@ def node_row(kind: str, cache: str, reports: list[dict[str, Any]], shape: Shape,
 FIRST = ("auto", "auto_ep_filter", "megamoe_per_rank", "megamoe_store", "ipc_cache")
 
 
-def schedule(forms: list[str], caches: list[str], rnd: int) -> list[tuple[str, str]]:
+def schedule(forms: list[str], caches: list[str], rnd: int, first: tuple[str, ...] = FIRST) -> list[tuple[str, str]]:
     """Every form's cold run then its warm one, the ceilings among them; odd rounds reversed
     (a host's drift touches every form alike)."""
     plan: list[tuple[str, str]] = []
-    order = [f for f in forms if f in FIRST] + ["ceilings"] + [f for f in forms if f not in FIRST]
+    order = [f for f in forms if f in first] + ["ceilings"] + [f for f in forms if f not in first]
     for kind in order:
         for cache in caches:
             if kind == "ceilings":
                 plan += ([("disk_read", "cold"), ("disk_read_ranks", "cold")] if cache == "cold"
                          else [("pipe", "warm"), ("host_read", "warm"), ("h2d", "warm")])
-            elif kind == "ipc_cache":
+            elif kind.startswith("ipc_cache"):
                 plan += [] if cache == "cold" else [(kind, "restart")]  # reads nothing from disk
             else:
                 plan.append((kind, cache))
@@ -151,8 +151,9 @@ def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> lis
     as a node's ranks start with nothing else importing beside them."""
     rows: list[dict[str, Any]] = []
     forms = args.slice_forms if shape.ep_size != shape.n else args.forms
-    held = daemons(shape, args.work, args.gpus, args.n) if "ipc_cache" in forms else []
-    plan = schedule(forms, args.caches, rnd)
+    restarts = [f for f in forms if f.startswith("ipc_cache")]
+    held = daemons(shape, args.work, args.gpus, args.n, restarts) if restarts else []
+    plan = schedule(forms, args.caches, rnd, engine_forms(args.engine)[1])
     size = batch_size(shape, args, bool(held))
     batch: list[tuple[str, str, Ranks]] = []
     try:
@@ -163,12 +164,12 @@ def measure_shape(shape: Shape, args: argparse.Namespace, rnd: int, save) -> lis
                 try:
                     daemons_ready(held)
                 except (RuntimeError, ValueError) as e:
-                    rows.append({"form": "ipc_cache", "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"})
-                    plan = plan[:size] + [p for p in plan[size:] if p[0] != "ipc_cache"]
+                    rows += [{"form": f, "cache": "restart", "failed": f"daemon: {str(e)[-1500:]}"} for f in restarts]
+                    plan = plan[:size] + [p for p in plan[size:] if p[0] not in restarts]
                     for kind, _, ranks in batch:
-                        if kind == "ipc_cache":
+                        if kind in restarts:
                             ranks.kill()
-                    batch[:] = [b for b in batch if b[0] != "ipc_cache"]
+                    batch[:] = [b for b in batch if b[0] not in restarts]
             for _, _, ranks in batch:
                 ranks.settle()
             for kind, cache, ranks in batch:
@@ -210,9 +211,15 @@ def setup(args: argparse.Namespace, layers: int) -> tuple[list[Shape], dict[str,
     """The checkpoint of ``layers`` MoE layers, its store, and the per-rank form of each shape."""
     from common import bench_config, ensure_checkpoint
 
-    base = args.work / f"l{layers}"
+    base = args.work / f"{args.engine}-l{layers}" if args.engine != "vllm" else args.work / f"l{layers}"
     src = base / "src"
-    synth_s = ensure_checkpoint(src, bench_config(args.preset, layers, args.experts, 0, 1024))
+    if args.engine == "sglang":
+        from node_forms_sglang import checkpoint_config
+
+        config = checkpoint_config(args.preset, args.family, layers, args.experts)
+    else:
+        config = bench_config(args.preset, layers, args.experts, 0, 1024)
+    synth_s = ensure_checkpoint(src, config)
     start = time.perf_counter()
     convert(src, base / "store", None, None)
     shapes = []
@@ -221,7 +228,7 @@ def setup(args: argparse.Namespace, layers: int) -> tuple[list[Shape], dict[str,
             per_rank = base / f"ep{ep}"
             convert(src, per_rank, ep, None if ep == args.n else f"0-{args.n - 1}")
             shapes.append(Shape(f"{name}-l{layers}", layers, ep, args.n, src, per_rank, base / "store",
-                                args.sockets))
+                                args.sockets, args.engine))
     return shapes, {"layers": layers, "synth_s": synth_s, "convert_s": time.perf_counter() - start,
                     "source_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors")),
                     "store_bytes": sum(f.stat().st_size for f in (base / "store").rglob("*.safetensors"))}
@@ -258,14 +265,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--fingerprint", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--daemon", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, default=Path("/tmp/megamoe-node"))
     p.add_argument("--n", type=int, default=0, help="rank processes (default: one per GPU)")
-    p.add_argument("--preset", default="flash")
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm",
+                   help="whose real modules and loaders: vLLM 0.33 (DeepSeek-V4, MXFP4) or SGLang 0.5.23 "
+                        "(Hopper's FP8 MegaMoE, --family)")
+    p.add_argument("--family", choices=["qwen3_moe", "deepseek_v3"], default="qwen3_moe",
+                   help="SGLang's model family (its published dims: Qwen3-235B-A22B, DeepSeek-V3)")
+    p.add_argument("--preset", default=None, help="the checkpoint's dims (default: flash; SGLang: the family's)")
+    p.add_argument("--experts", type=int, default=None, help="routed experts (default: the preset's)")
     p.add_argument("--layers", default="8,2", help="MoE layer counts, each its own checkpoint, in this order")
     p.add_argument("--rounds", default="2,1", help="rounds for each of --layers")
     p.add_argument("--shapes", default="node,slice", help="node: EP = N; slice: ranks 0..N-1 of EP 4N")
-    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--forms", default=None, help="default: every form of the engine")
     p.add_argument("--slice-forms", default="", help="the forms timed in the slice shape (default: --forms)")
     p.add_argument("--caches", default="cold,warm")
     p.add_argument("--budget-s", type=float, default=0, help="start nothing new after this many seconds")
@@ -279,24 +292,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny dims, 2 rank processes, warm, "
                                                        "the forms that run without a GPU")
     args = p.parse_args(argv)
-    if args.quick:
+    forms, _ = engine_forms(args.engine)
+    if args.quick and args.engine == "sglang":
+        args.preset, args.layers, args.rounds, args.n, args.caches = preset(args, True), "1", "1", 2, "warm"
+        args.forms, args.shapes, args.batch = args.forms or ",".join(forms), "node", 8  # imports: seconds of CPU each
+    elif args.quick:
         args.preset, args.experts, args.layers, args.rounds, args.n = "tiny", 8, "1", "1", 2
         args.caches, args.forms = "warm", "auto,auto_ep_filter,instanttensor,megamoe_per_rank,megamoe_store,ipc_cache"
         args.slice_forms = "auto_ep_filter,megamoe_store"
+    args.preset = args.preset or preset(args, False)
+    args.experts = args.experts or __import__("node_forms_sglang").expert_count(args.preset)
+    args.forms = args.forms or ",".join(forms)
     args.layers = [int(x) for x in args.layers.split(",")]
     args.rounds = [int(x) for x in args.rounds.split(",")] + [1] * len(args.layers)
     args.shapes, args.forms, args.caches = args.shapes.split(","), args.forms.split(","), args.caches.split(",")
     args.slice_forms = args.slice_forms.split(",") if args.slice_forms else args.forms
-    unknown = (set(args.forms) | set(args.slice_forms)) - set(FORMS)
+    unknown = (set(args.forms) | set(args.slice_forms)) - set(forms)
     if unknown:
-        raise SystemExit(f"--forms: unknown {sorted(unknown)}; known: {', '.join(FORMS)}")
+        raise SystemExit(f"--forms: unknown {sorted(unknown)}; known for {args.engine}: {', '.join(forms)}")
     return args
+
+
+def engine_forms(engine: str) -> tuple[list[str], tuple[str, ...]]:
+    """The engine's forms, and those a round times first."""
+    if engine == "sglang":
+        import node_forms_sglang
+
+        return list(node_forms_sglang.FORMS), node_forms_sglang.FIRST
+    return list(FORMS), FIRST
+
+
+def preset(args: argparse.Namespace, tiny: bool) -> str:
+    from node_forms_sglang import FAMILIES
+
+    return ("tiny" if tiny else "flash") if args.engine == "vllm" else FAMILIES[args.family][1 if tiny else 0]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.child:
-        child_main(args.child, args.rank, Shape.from_json(args.shape), args.fingerprint, START)
+        shape = Shape.from_json(args.shape)
+        if shape.engine == "sglang":
+            import node_forms_sglang as sg
+
+            if args.daemon:
+                sg.daemon_main(args.child, args.rank, shape, START)
+            else:
+                sg.child_main(args.child, args.rank, shape, args.fingerprint, START)
+        else:
+            child_main(args.child, args.rank, shape, args.fingerprint, START)
         return {}
     import torch
 
@@ -307,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.deadline = time.time() + args.budget_s if args.budget_s else float("inf")
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
     args.sockets = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # short: a Unix socket's path is bounded
-    results: dict[str, Any] = {"benchmark": "node", "machine": machine(args), "setup": [], "steps": [],
+    results: dict[str, Any] = {"benchmark": "node", "engine": args.engine, "machine": machine(args), "setup": [],
+                               "steps": [], "preset": args.preset,
                                "forms": args.forms, "ceilings": list(CEILINGS), "warm_reads": args.warm_reads}
 
     def save(_: Any = None) -> None:

@@ -12,6 +12,14 @@
 #   benchmarks/device_node.sh job SECONDS [FLAGS]  # bench_node.py [FLAGS] in the background, nothing new after SECONDS
 #   benchmarks/device_node.sh wait DEST [S]    # wait (at most S seconds) for the job, copy its results to DEST
 #   benchmarks/device_node.sh run [FLAGS]      # bench_node.py [FLAGS] now, in the foreground
+#
+# SGLang 0.5.23's forms (bench_node.py --engine sglang) from .device/sglang/, built by
+#   python benchmarks/device_carry.py --engines sglang==0.5.23 --out .device/sglang
+# (SGLang's own folder and its transformers, its import chain, its wheels and its own tree.tar), unpacked
+# to folders of their own (/tmp/sglang, /tmp/sgsite, /tmp/sgtree) beside the vLLM ones:
+#   benchmarks/device_node.sh sglang-setup
+#   benchmarks/device_node.sh sglang-job SECONDS [FLAGS]   # Qwen3-235B-A22B's FP8 dims, 2 MoE layers, 1 round
+#   benchmarks/device_node.sh sglang-wait DEST [S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=/tmp/node-results
@@ -42,10 +50,41 @@ wait_for() {
     tail -n 60 "$RESULTS/node.log"
 }
 
+SG_RESULTS=/tmp/node-sglang-results
+SG_PATH=/tmp/sgsite:/tmp/sglang
+
+sglang_setup() {
+    mkdir -p /tmp/sglang /tmp/sgsite /tmp/sgtree "$SG_RESULTS"
+    tar xJf .device/sglang/sglang-0.5.23.tar.xz -C /tmp/sglang && tar xJf .device/sglang/site.tar.xz -C /tmp/sgsite \
+        && tar xf .device/sglang/tree.tar -C /tmp/sgtree || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite \
+        .device/sglang/whl/*.whl > "$SG_RESULTS/pip.log" 2>&1 || { tail -n 20 "$SG_RESULTS/pip.log"; exit 1; }
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
+      df -h /tmp; free -g; } | tee "$SG_RESULTS/machine.log"
+}
+
+sglang_job() {  # nothing new after SECONDS from its start (set-up included); rows saved as they go
+    setsid nohup bash -c "PYTHONPATH=$SG_PATH python3 /tmp/sgtree/benchmarks/bench_node.py --engine sglang \
+        --layers 2 --rounds 1 --batch 4 --work $WORK-sglang --budget-s $1 ${*:2} --save $SG_RESULTS/node.json \
+        > $SG_RESULTS/node.log 2>&1; touch $SG_RESULTS/done" > /dev/null 2>&1 < /dev/null &
+}
+
+sglang_wait() {
+    for _ in $(seq 1 "${2:-560}"); do [ -e "$SG_RESULTS/done" ] && break; sleep 1; done
+    cp "$SG_RESULTS"/node.json "$SG_RESULTS"/node.log "$SG_RESULTS"/machine.log "$1"/ 2>/dev/null
+    tar czf "$1/logs.tgz" -C "$WORK-sglang" logs 2>/dev/null
+    tail -n 40 "$SG_RESULTS/node.log"
+}
+
 case "${1:-}" in
     setup) setup ;;
     job) shift; job "${1:-900}" "${@:2}" ;;
     wait) wait_for "$2" "${3:-560}" ;;
     run) shift; python3 /tmp/tree/benchmarks/bench_node.py --work "$WORK" "$@" ;;
-    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]" >&2; exit 2 ;;
+    sglang-setup) sglang_setup ;;
+    sglang-job) shift; sglang_job "${1:-330}" "${@:2}" ;;
+    sglang-wait) sglang_wait "$2" "${3:-560}" ;;
+    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]|sglang-setup|sglang-job SECONDS [FLAGS]|sglang-wait DEST [SECONDS]" >&2
+       exit 2 ;;
 esac

@@ -21,6 +21,7 @@ import report_daemon
 import report_gains
 import report_load
 import report_node
+import report_node_sglang
 import report_probe
 import report_recovery
 import report_startup
@@ -113,6 +114,7 @@ needs and the folder its results land in; `python benchmarks/make_report.py` rew
 those folders. `make bench` runs the quick convert benchmark.
 
 {report_node.section()}
+{report_node_sglang.section()}
 {boot}{report_startup.section(startup_png)}
 {report_daemon.section()}
 {report_store.section()}

@@ -64,6 +64,8 @@ class Shape:
     per_rank: Path
     store: Path
     sockets: str
+    #: Whose modules the ranks build and load into: ``vllm`` (this module) or ``sglang`` (node_forms_sglang).
+    engine: str = "vllm"
 
     def to_json(self) -> str:
         return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()})
@@ -89,6 +91,10 @@ class Shape:
 
     def files_of(self, kind: str) -> list[Path]:
         """The files ``kind`` reads (the page cache is filled with them for a warm run)."""
+        if self.engine == "sglang":
+            from node_forms_sglang import files_of
+
+            return files_of(self, kind)
         group = files_read(kind)
         if group == "source":
             return sorted(self.src.glob("*.safetensors"))

@@ -90,15 +90,19 @@ class Ranks:
         stop(self.procs)
 
 
-def daemons(shape: Shape, work: Path, gpus: int, n: int) -> list[subprocess.Popen]:
-    """One vLLM weight-cache daemon per rank, loading the per-rank form (``megamoe preload``'s path)."""
+def daemons(shape: Shape, work: Path, gpus: int, n: int, restarts: list[str] | None = None) -> list[subprocess.Popen]:
+    """One weight-cache daemon per rank: vLLM's loading the per-rank form (``megamoe preload``'s path), or
+    SGLang's loading the source."""
     procs: list[subprocess.Popen] = []
     try:
-        for rank in range(n):
+        for rank, restart in [(r, k) for r in range(n) for k in restarts or ["ipc_cache"]]:
             cmd = [sys.executable, str(REPO / "benchmarks" / "bench_daemon.py"), "--role", "daemon", "--model",
                    str(shape.per_rank), "--rank", str(rank), "--ep-size", str(shape.ep_size),
                    "--socket-dir", shape.socket_dir(rank)]
-            log = work / "logs" / f"{shape.name}-daemon-r{rank}.err"
+            if shape.engine == "sglang":  # SGLang's daemon for that restart form (node_forms_sglang.daemon_main)
+                cmd = [sys.executable, str(BENCH_NODE), "--child", restart, "--daemon", "--rank", str(rank),
+                       "--shape", shape.to_json()]
+            log = work / "logs" / f"{shape.name}-daemon-{restart}-r{rank}.err"
             with open(log, "w") as err:
                 proc = subprocess.Popen(cmd, env=child_env(gpu_of(rank, gpus)), stdout=subprocess.PIPE,
                                         stderr=err, text=True)
