@@ -83,7 +83,7 @@ case "${1:-}" in
     wait) wait_for "$2" "${3:-560}" ;;
     run) shift; python3 /tmp/tree/benchmarks/bench_node.py --work "$WORK" "$@" ;;
     sglang-setup) sglang_setup ;;
-    sglang-job) shift; sglang_job "${1:-330}" "${@:2}" ;;
+    sglang-job) shift; sglang_job "${1:-300}" "${@:2}" ;;
     sglang-wait) sglang_wait "$2" "${3:-560}" ;;
     *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]|sglang-setup|sglang-job SECONDS [FLAGS]|sglang-wait DEST [SECONDS]" >&2
        exit 2 ;;

@@ -106,20 +106,43 @@ def files_of(shape: Any, kind: str) -> list[Path]:
 # --------------------------------------------------------------------------------------
 
 def gpu() -> bool:
-    """Whether this process has a GPU (``device_count``: SGLang is told ``is_available`` is false)."""
+    """Whether this process has a GPU."""
     import torch
 
     return torch.cuda.device_count() > 0
 
 
+#: SGLang's modules the forms use, imported with the harness (so all of them see no CUDA while they import).
+SGLANG_MODULES = ("sglang.srt.configs.load_config", "sglang.srt.configs.model_config",
+                  "sglang.srt.configs.device_config", "sglang.srt.model_loader.loader",
+                  "sglang.srt.weight_cache.ipc_loader", "sglang.srt.weight_cache.daemon",
+                  "sglang.srt.weight_cache.protocol")
+
+
 def import_sglang() -> types.ModuleType:
-    """The harness (SGLang's modules) imported with ``torch.cuda.is_available`` false for good: SGLang
-    then imports none of its compiled kernels (``sgl_kernel``), which the CPU build it stands on lacks."""
+    """The harness and SGLang's modules, imported while ``torch.cuda.is_available`` answers no: SGLang then
+    imports none of its compiled kernels (``sgl_kernel``, absent from the CPU build it stands on), settles on
+    its CPU platform and caches its CUDA checks as false, as on the CPU machine its tests run on; after
+    that, CUDA is there again for the tensors, the staging and the ceilings."""
     import torch
 
-    torch.cuda.is_available = lambda: False  # SGLang's import-time and load-time checks: a machine without CUDA
-    importlib.import_module("sglang_harness")  # the torchvision stand-in, before SGLang is imported
-    return importlib.import_module("sglang_fp8_harness")
+    if "sglang_fp8_harness" in sys.modules:
+        return sys.modules["sglang_fp8_harness"]
+    real = torch.cuda.is_available
+    torch.cuda.is_available = lambda: False
+    try:
+        importlib.import_module("sglang_harness")  # the torchvision stand-in, before SGLang is imported
+        harness = importlib.import_module("sglang_fp8_harness")
+        for name in SGLANG_MODULES:
+            importlib.import_module(name)
+        from sglang.srt import platforms
+        from sglang.srt.utils.common import is_cuda, is_cuda_alike
+
+        assert platforms.current_platform is not None  # resolved once, here
+        is_cuda(), is_cuda_alike()  # cached
+    finally:
+        torch.cuda.is_available = real
+    return harness
 
 
 def device() -> Any:

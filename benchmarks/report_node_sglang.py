@@ -17,7 +17,7 @@ NAMES = {"auto": "SGLang `auto`", "presharded_dump": "SGLang `presharded`, first
          "megamoe_store": "`megamoe`, store", "ipc_cache": "restart, SGLang's daemons (loaded from the source)",
          "ipc_cache_megamoe": "restart, `megamoe preload`'s daemons"}
 RESTARTS = ("ipc_cache", "ipc_cache_megamoe")
-COMMAND = ("`benchmarks/device_node.sh sglang-setup && benchmarks/device_node.sh sglang-job 330`, then "
+COMMAND = ("`benchmarks/device_node.sh sglang-setup && benchmarks/device_node.sh sglang-job 300`, then "
            "`benchmarks/device_node.sh sglang-wait DEST`")
 HEAD = """## A whole node at once: SGLang 0.5.23's real loading code beside megamoe (bench_node.py --engine sglang)
 

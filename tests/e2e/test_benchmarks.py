@@ -37,6 +37,7 @@ def test_every_script_has_a_test():
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
               "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
+              "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
               "common.py",  # common.py: through every script that imports it
@@ -284,6 +285,36 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
             ended = max(r["end_unix"] for r in ranks)
     # every form that loaded left the same kernel bytes, rank by rank, in each shape
     assert len(result["identical"]) == 4 and all(result["identical"].values()), result["identical"]
+
+
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
+def test_bench_node_quick_in_sglang_0523(tmp_path):
+    """The node benchmark's SGLang forms on the CPU: two rank processes per form, released together, loading
+    through SGLang 0.5.23's DefaultModelLoader, its presharded first run and reload, restarts mapping its
+    weight-cache daemons (loaded from the source, and as megamoe preload's from the per-rank form) and
+    install(), into SGLang's real Hopper FP8 MegaMoE modules. Every form leaves the same kernel bytes; a
+    restart from SGLang's own daemons leaves the modules without the MegaMoE tuples, every other form with them."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    path = os.pathsep.join([*map(str, ensure("sglang==0.5.23")), str(REPO), str(BENCH)])
+    run("bench_node.py", "--engine", "sglang", "--quick", "--work", tmp_path, "--save", tmp_path / "n.json",
+        timeout=1800, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
+    result = json.loads((tmp_path / "n.json").read_text())
+    (step,) = result["steps"]
+    assert (result["engine"], step["shape"], step["ep_size"]) == ("sglang", "node-l1", 2)
+    rows = {(r["form"], r["cache"]): r for r in step["rows"]}
+    loads = ("auto", "presharded_dump", "presharded", "megamoe_per_rank", "megamoe_store")
+    restarts = ("ipc_cache", "ipc_cache_megamoe")
+    assert sorted(rows) == sorted([(f, "warm") for f in (*loads, "pipe", "host_read", "h2d")] +
+                                  [(f, "restart") for f in restarts])
+    for key in [(f, "warm") for f in loads] + [(f, "restart") for f in restarts]:
+        row = rows[key]
+        assert [r["rank"] for r in row["ranks"]] == [0, 1] and row["node_wall_s"] > 0, row
+        assert all(r["kernel_tuples"] is (key[0] != "ipc_cache") for r in row["ranks"]), row
+    assert all(r["written_bytes"] > 0 for r in rows[("presharded_dump", "warm")]["ranks"])
+    assert "needs a CUDA GPU" in rows[("pipe", "warm")]["skipped"]
+    assert len(result["identical"]) == 2 and all(result["identical"].values()), result["identical"]
 
 
 def test_node_report_sets_apart_warm_rows_run_right_after_their_files_first_read():
