@@ -76,12 +76,21 @@ def patched(rank: int, ep_size: int) -> Iterator[Any]:
         enter(h.patched(rank, ep_size))
         enter(mock.patch.object(model_py, "get_ep_group", lambda: ep_group))
         enter(mock.patch.object(type(current_platform), "get_device_capability", sm100))
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():  # vLLM's CPU platform (no vllm._C here) would pack its linears for the CPU
+            enter(mock.patch("vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm", _plain_linear))
+        else:
             enter(mock.patch("torch.cuda.Stream", lambda *a, **k: None))
             enter(mock.patch("torch.cuda.Event", lambda *a, **k: None))
             enter(mock.patch("torch.accelerator.current_device_index", lambda: 0))
             enter(mock.patch("torch.accelerator.empty_cache", lambda: None))
         yield model_py
+
+
+def _plain_linear(layer: Any, remove_weight: bool) -> None:
+    """What vLLM's CPU platform does for a layer it skips packing: the plain ``F.linear`` on the weight."""
+    import torch
+
+    layer.cpu_linear = torch.nn.functional.linear
 
 
 def build(model_py: Any, config: Any, device: Any) -> Any:
@@ -130,12 +139,14 @@ def _owner(modules: dict[str, Any], ckpt_name: str) -> str:
 
 def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, Any]:
     """``out``'s non-expert tensors (one file), and each layer's routed experts that ranks
-    ``0..ranks-1`` of EP ``ep_size`` hold (one file a layer)."""
+    ``0..ranks-1`` of EP ``ep_size`` hold (one file a layer); the other ranks' experts, where there are
+    any, as sparse files (listed, so the checkpoint is whole, but no byte of them on the disk)."""
     import numpy as np
 
     from megamoe_convert.output.writer import write_json_atomic, write_safetensors
     from megamoe_convert.source import families, formats
     from megamoe_convert.source.layers import MoELayer
+    from megamoe_convert.source.safetensors_io import encode_header
     from megamoe_convert.synth.tensors import SynthTensor, expert_tensors
 
     raw = json.loads((out / "config.json").read_text())
@@ -151,6 +162,15 @@ def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, An
         write_safetensors(out / name, out, [t.spec() for t in tensors], chunks, metadata={"format": "pt"}, fsync=False)
         weight_map.update({t.name: name for t in tensors})
 
+    def write_unread(name: str, tensors: list[SynthTensor]) -> None:
+        """A file whose header lists ``tensors`` and whose data is a hole (a sparse file): the
+        checkpoint is whole for ``convert``, and no rank of the node reads these bytes."""
+        header = encode_header([t.spec() for t in tensors], {"format": "pt"})
+        with open(out / name, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(t.spec().nbytes for t in tensors))
+        weight_map.update({t.name: name for t in tensors})
+
     fills = {"BF16": "ones", "F32": "ones", "F16": "ones"}  # finite floats; integer tables random
     write("rest.safetensors", [SynthTensor(n, d, s, fills.get(d, "random")) for n, d, s in rest])
     per_rank = raw["n_routed_experts"] // ep_size
@@ -159,6 +179,12 @@ def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, An
         experts = [t for t in expert_tensors(names, MoELayer(False, i), per_rank * ranks, raw["hidden_size"],
                                              raw["moe_intermediate_size"], formats.MXFP4, "I8", "F8_E8M0")]
         write(f"experts-{i:03d}.safetensors", experts)
+        if per_rank * ranks < raw["n_routed_experts"]:  # the other ranks' experts: listed, never read here
+            held = {t.name for t in experts}
+            write_unread(f"experts-{i:03d}-other-ranks.safetensors", [
+                t for t in expert_tensors(names, MoELayer(False, i), raw["n_routed_experts"], raw["hidden_size"],
+                                          raw["moe_intermediate_size"], formats.MXFP4, "I8", "F8_E8M0")
+                if t.name not in held])
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     write_json_atomic(out / "model.safetensors.index.json", json.dumps(index), fsync=False)
     return {"rest_tensors": len(rest), "rest_bytes": (out / "rest.safetensors").stat().st_size}

@@ -26,6 +26,7 @@ what it needs, safetensors, tokenizers) is not carried. ``--check PYTHON`` then 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -35,6 +36,7 @@ import sys
 import sysconfig
 import tarfile
 import tempfile
+import tomllib
 from importlib import metadata
 from pathlib import Path
 
@@ -61,6 +63,9 @@ SKIP_SUFFIXES = (".pyc", ".pyi", ".h", ".hpp", ".cuh", ".cu", ".c", ".cc", ".cpp
                  ".rst", ".so", ".pyd", ".dll", ".dylib", ".exe")
 SKIP_DIRS = {"__pycache__", "tests", "test", "bin", "include"}
 SKIP_META = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+#: Folders kept whole, sources of other languages included: an engine's JIT kernels, compiled on the
+#: device at first use (SGLang finds its JIT package by these folders at import).
+KEEP_WHOLE = ("sglang/kernels/jit/",)
 #: The device's glibc takes any of these (pip matches each tag exactly).
 PLATFORMS = [*(f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)), "manylinux2014_x86_64", "manylinux1_x86_64"]
 
@@ -213,7 +218,9 @@ class Dist:
         keep = []
         for f in self.files:
             meta = f.parts[0].endswith(".dist-info")
-            if meta and f.name in SKIP_META or not meta and (f.suffix in SKIP_SUFFIXES or ".so." in f.name
+            if f.as_posix().startswith(KEEP_WHOLE) and f.suffix not in (".pyc", ".so"):
+                pass
+            elif meta and f.name in SKIP_META or not meta and (f.suffix in SKIP_SUFFIXES or ".so." in f.name
                                                              or SKIP_DIRS & set(f.parts[:-1])
                                                              or f.parts[0].endswith(".libs")):
                 continue
@@ -287,9 +294,23 @@ def pack(dists: list[Dist], out: Path, modules: set[str] | None = None) -> int:
 
 
 def tree(out: Path) -> None:
-    """The committed code (``git archive HEAD``), without the results and docs the runs do not read."""
-    paths = ["megamoe_convert", "benchmarks/*.py", "benchmarks/*.sh", "tests", "pyproject.toml"]
+    """The committed code (``git archive HEAD``), without the results and docs the runs do not read, and
+    the package's entry points (a ``dist-info`` beside it), so that the engines find its plugins when the
+    tree is on ``sys.path``, as they do where megamoe-convert is installed."""
+    paths = ["megamoe_convert", "benchmarks/*.py", "benchmarks/*.sh", "tests", "configs", "pyproject.toml"]
     subprocess.run(["git", "archive", "--format=tar", "-o", str(out), "HEAD", "--", *paths], cwd=REPO, check=True)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    info = f"{project['name'].replace('-', '_')}-{project['version']}.dist-info"
+    entry_points = "".join(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()) + "\n"
+                           for group, points in project.get("entry-points", {}).items())
+    files = {"METADATA": f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n",
+             "entry_points.txt": entry_points}
+    with tarfile.open(out, "a") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            member = tarfile.TarInfo(f"{info}/{name}")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
 
 
 def working_tree_bytes() -> int:

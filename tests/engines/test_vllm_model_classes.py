@@ -49,10 +49,11 @@ def parsed(out):
 
 
 def model_config(out) -> types.SimpleNamespace:
-    """What ``DefaultModelLoader`` reads of vLLM's ``ModelConfig``, with the config vLLM parsed (a
-    full ``ModelConfig`` is built once, in the test below)."""
+    """What vLLM's loaders read of its ``ModelConfig`` (``DefaultModelLoader``'s fields, and the weights
+    override the Run:ai streamer's reads), with the config vLLM parsed (a full ``ModelConfig`` is built
+    once, in the test below)."""
     return types.SimpleNamespace(model=str(out), revision=None, quantization="fp8", is_moe=True,
-                                 multimodal_config=None, hf_config=parsed(out))
+                                 multimodal_config=None, hf_config=parsed(out), model_weights="")
 
 
 @contextmanager
