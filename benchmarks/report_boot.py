@@ -84,6 +84,11 @@ def slopes(got: dict) -> str:
             table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers", "44 layers, s"], rows))
 
 
+def last_error_line(text: str) -> str:
+    """A failed row's error: the last line of its rank's output, as it ended."""
+    return text.strip().splitlines()[-1].strip().replace("`", "'") if text.strip() else "no output"
+
+
 def section_of(name: str, run: dict[str, Any]) -> str:
     m = run["machine"]
     got = cells(run)
@@ -96,6 +101,9 @@ def section_of(name: str, run: dict[str, Any]) -> str:
         parts.append(f"#### {what}, {info['layers']} MoE layers; source {info['source_bytes'] / 1e9:.1f} GB "
                      f"(non-expert {info['rest_bytes'] / 1e9:.2f} GB), conversion {info['converted_bytes'] / 1e9:.1f} GB")
         parts.append(shape_table(got, shape))
+        failed = [f"`{r['form']}` {r['cache']}: {last_error_line(r['failed'])}" for r in run["rows"]
+                  if r["shape"] == shape and "failed" in r]
+        parts += [f"Did not finish: {'; '.join(failed)}."] if failed else []
     parts += [slopes(got)] if slopes(got) else []
     if run.get("skipped"):
         parts.append("Not run (the run's time budget): " + "; ".join(run["skipped"]) + ".")
