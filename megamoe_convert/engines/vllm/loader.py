@@ -55,7 +55,25 @@ def make_loader_class(default_loader: Any) -> type:
             setattr(model, INSTALLED_ATTR, self.installed)  # the model's own load_weights must not install again
             super().load_weights(model, model_config)
 
+        def track_weights_loading(self, model: nn.Module, loaded_weights: set[str] | None, *args: Any,
+                                  **kwargs: Any) -> None:
+            """vLLM's check that every parameter was loaded (by default where the model is unquantized):
+            the experts ``install`` put in place count as loaded, as the model's ``load_weights`` never
+            sees them."""
+            if loaded_weights is not None and self.installed is not None and self.installed.layers:
+                loaded_weights = set(loaded_weights) | installed_parameters(model)
+            super().track_weights_loading(model, loaded_weights, *args, **kwargs)
+
     return MegaMoEModelLoader
+
+
+def installed_parameters(model: nn.Module) -> set[str]:
+    """The names of the MegaMoE experts modules' parameters (every one of them is installed, or the
+    install refuses), as ``model.named_parameters`` gives them."""
+    from megamoe_convert.engines.vllm.experts import looks_like_megamoe_experts
+
+    return {f"{name}.{param}" if name else param for name, module in model.named_modules()
+            if looks_like_megamoe_experts(module) for param, _ in module.named_parameters()}
 
 
 def register() -> None:
