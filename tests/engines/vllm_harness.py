@@ -100,8 +100,24 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
                 enter(mock.patch.object(model_py, "get_deep_gemm_mega_moe_backend", lambda *a, **k: backend()))
             else:  # 0.30-0.31: the module asks CUDA for the device's capability itself
                 enter(mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (10, 0)))
-            enter(mock.patch.dict(sys.modules, {"deep_gemm": _bundled_deep_gemm()}))
+            enter(module_named("deep_gemm", _bundled_deep_gemm()))
         yield
+
+
+@contextlib.contextmanager
+def module_named(name: str, module: types.ModuleType) -> Iterator[None]:
+    """``sys.modules[name]`` is ``module`` for the block, and only that key is put back after it
+    (``mock.patch.dict`` would also drop every module first imported inside the block, so a later
+    import would make a second copy of each, with classes of their own)."""
+    before = sys.modules.get(name)
+    sys.modules[name] = module
+    try:
+        yield
+    finally:
+        if before is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = before
 
 
 #: vLLM >= 0.33's weight cache: its daemon, its engine-side ``IpcModelLoader``, their protocol.
