@@ -15,6 +15,8 @@ what ``engines/vllm/format_table.py`` says with a conversion, per-rank files and
 
 from __future__ import annotations
 
+import contextlib
+import types
 from unittest import mock
 
 import pytest
@@ -114,6 +116,23 @@ def refuses(load_format, out, ckpt, want) -> None:
     assert not built.called
 
 
+@contextlib.contextmanager
+def one_process_parallel_state():
+    """vLLM's tensor- and pipeline-parallel rank and groups, as one process serving alone has them
+    (the sharded loaders read them to name the files they look for; no process group is made here)."""
+    import vllm.distributed as dist
+
+    alone = types.SimpleNamespace(world_size=1, rank_in_group=0)
+    stand_ins = {"get_tensor_model_parallel_rank": lambda: 0, "get_pipeline_model_parallel_rank": lambda: 0,
+                 "get_tensor_model_parallel_world_size": lambda: 1, "get_pp_group": lambda: alone,
+                 "get_tp_group": lambda: alone}
+    with contextlib.ExitStack() as stack:
+        for name, stand_in in stand_ins.items():
+            if hasattr(dist, name):
+                stack.enter_context(mock.patch.object(dist, name, stand_in))
+        yield
+
+
 def no_local_folder(load_format, out, ckpt, want) -> None:
     from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -121,7 +140,7 @@ def no_local_folder(load_format, out, ckpt, want) -> None:
     errors = []
     for path in (out, ckpt):
         config = model_config(path)
-        with h.patched(RANK, EP_SIZE):
+        with h.patched(RANK, EP_SIZE), one_process_parallel_state():
             model = main_model(ckpt, RANK, config)
             before = [p.clone() for p in model.parameters()]
             with set_current_vllm_config(VllmConfig()), pytest.raises(Exception) as refused:
