@@ -40,6 +40,7 @@ def test_every_script_has_a_test():
               "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
+              "gpu_load_formats.py",  # --smoke: tests/engines/test_*_format_matrix.py
               "common.py",  # common.py: through every script that imports it
               "report_gains.py", "report_convert.py", "report_verify.py", "report_load.py", "device_carry.py"}
     # bench_node --quick: below; report_*: make_report regenerating docs/benchmarks.md exactly;
