@@ -17,20 +17,10 @@ WORK=${WORK:-/tmp/boot}
 export PYTHONPATH=/tmp/site:/tmp/v33 PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu  # vLLM's CPU platform: no vllm._C
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-setup() {
-    mkdir -p /tmp/v33 /tmp/site /tmp/tree "$RESULTS"
-    tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xJf .device/site.tar.xz -C /tmp/site \
-        && tar xf .device/tree.tar -C /tmp/tree || exit 1
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .device/whl/*.whl > "$RESULTS/pip.log" 2>&1 || { tail -n 20 "$RESULTS/pip.log"; exit 1; }
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-      python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
-      df -h /tmp; free -g; lsblk -d -o NAME,SIZE,ROTA,MODEL 2>/dev/null; } | tee "$RESULTS/machine.log"
-}
-
 job() {
     # The slice (ranks 0..N-1 of EP 4N, 44 MoE layers) cold and warm, then the node (EP N) at 1, 2
     # and 4 MoE layers warm: the per-layer slope. Each shape's files are removed once it is measured.
+    rm -f "$RESULTS/done"  # an earlier job's end is not this one's
     setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_boot.py --work $WORK --budget-s $1 --clean \
         --node-caches warm ${*:2} --save $RESULTS/boot.json > $RESULTS/boot.log 2>&1; touch $RESULTS/done" \
         > /dev/null 2>&1 < /dev/null &
@@ -44,7 +34,7 @@ wait_for() {
 }
 
 case "${1:-}" in
-    setup) setup ;;
+    setup) RESULTS=$RESULTS bash benchmarks/device_node.sh setup ;;  # the same folders as the node benchmark
     job) shift; job "${1:-480}" "${@:2}" ;;
     wait) wait_for "$2" "${3:-560}" ;;
     *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]" >&2; exit 2 ;;

@@ -22,7 +22,7 @@
 #   benchmarks/device_node.sh sglang-wait DEST [S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=/tmp/node-results
+RESULTS=${RESULTS:-/tmp/node-results}  # device_boot.sh's setup writes its machine.log into its own
 WORK=${WORK:-/tmp/node}
 export PYTHONPATH=/tmp/site:/tmp/v33 PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu  # vLLM's CPU platform: no vllm._C
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,6 +39,7 @@ setup() {
 }
 
 job() {
+    rm -f "$RESULTS/done"  # an earlier job's end is not this one's
     setsid nohup bash -c "python3 /tmp/tree/benchmarks/bench_node.py --work $WORK --budget-s $1 ${*:2} \
         --save $RESULTS/node.json > $RESULTS/node.log 2>&1; touch $RESULTS/done" > /dev/null 2>&1 < /dev/null &
 }
@@ -65,6 +66,7 @@ sglang_setup() {
 }
 
 sglang_job() {  # nothing new after SECONDS from its start (set-up included); rows saved as they go
+    rm -f "$SG_RESULTS/done"
     setsid nohup bash -c "PYTHONPATH=$SG_PATH python3 /tmp/sgtree/benchmarks/bench_node.py --engine sglang \
         --layers 2 --rounds 1 --batch 4 --work $WORK-sglang --budget-s $1 ${*:2} --save $SG_RESULTS/node.json \
         > $SG_RESULTS/node.log 2>&1; touch $SG_RESULTS/done" > /dev/null 2>&1 < /dev/null &
