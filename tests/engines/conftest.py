@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -143,3 +143,13 @@ def engine_store(engine_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def sglang_store(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``sglang_ckpt`` as a store: the same files serve SGLang's placement (and vLLM's)."""
     return built("converted", "sglang-store", tmp_path_factory, run_convert(sglang_ckpt))
+
+
+@pytest.fixture
+def probes_afresh() -> Iterator[None]:
+    """No layout probe passed before the test, nor after it: each test's install probes the engine again."""
+    from megamoe_convert.engines import probe
+
+    probe.forget()
+    yield
+    probe.forget()

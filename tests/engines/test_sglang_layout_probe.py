@@ -27,11 +27,8 @@ RELEASE = "SGLang 0.5.23"
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.fixture(autouse=True)
-def every_test_probes_afresh():
-    probe.forget()
-    yield
-    probe.forget()
+#: Each test probes the engine afresh (tests/engines/conftest.py).
+pytestmark = pytest.mark.usefixtures("probes_afresh")
 
 
 def _state(model) -> dict[str, torch.Tensor]:

@@ -43,11 +43,8 @@ from megamoe_convert.errors import InstallError
 EP_SIZE, REDUNDANT = 4, 4
 
 
-@pytest.fixture(autouse=True)
-def every_test_probes_afresh():
-    probe.forget()
-    yield
-    probe.forget()
+#: Each test probes the engine afresh (tests/engines/conftest.py).
+pytestmark = pytest.mark.usefixtures("probes_afresh")
 
 
 @pytest.fixture

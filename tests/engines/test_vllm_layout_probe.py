@@ -23,11 +23,8 @@ EP_SIZE, REDUNDANT = 4, 4
 RELEASE = f"vLLM {h.vllm.__version__}"
 
 
-@pytest.fixture(autouse=True)
-def every_test_probes_afresh():
-    probe.forget()
-    yield
-    probe.forget()
+#: Each test probes the engine afresh (tests/engines/conftest.py).
+pytestmark = pytest.mark.usefixtures("probes_afresh")
 
 
 def _state(model) -> dict[str, torch.Tensor | None]:
