@@ -231,15 +231,21 @@ def test_bench_startup_smoke_in_vllm_033(tmp_path):
     assert summary["identical"] == {"redundant=0": True}, out
 
 
-def test_device_node_script_parses_and_runs_real_flags():
-    subprocess.run(["bash", "-n", str(BENCH / "device_node.sh")], check=True)
+def device_script_flags(script: str, benchmark: str, extra: str) -> list[str]:
+    """The flags a device script's first (non-comment) line passes ``benchmark``, with its shell variables
+    filled in (``${*:2}``: ``extra``); the script is checked to parse first."""
+    subprocess.run(["bash", "-n", str(BENCH / script)], check=True)
     sys.path.insert(0, str(BENCH))
+    text = (BENCH / script).read_text().replace("\\\n", " ")
+    line = next(row for row in text.splitlines() if benchmark in row and not row.lstrip().startswith("#"))
+    return shlex.split(line.split(benchmark, 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
+                       .replace("$1", "60").replace("${*:2}", extra).replace("$RESULTS", "/tmp/r"))
+
+
+def test_device_node_script_parses_and_runs_real_flags():
+    flags = device_script_flags("device_node.sh", "bench_node.py", "--shapes slice")
     import bench_node
 
-    text = (BENCH / "device_node.sh").read_text().replace("\\\n", " ")
-    line = next(row for row in text.splitlines() if "bench_node.py" in row and not row.lstrip().startswith("#"))
-    flags = shlex.split(line.split("bench_node.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
-                        .replace("$1", "60").replace("${*:2}", "--shapes slice").replace("$RESULTS", "/tmp/r"))
     args = bench_node.parse_args(flags)  # exits (SystemExit) on an unknown flag
     assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json" and args.shapes == ["slice"]
 
@@ -398,14 +404,9 @@ def test_the_store_benchmark_refuses_bad_forms_before_converting_anything(tmp_pa
 
 
 def test_device_boot_script_parses_and_runs_real_flags():
-    subprocess.run(["bash", "-n", str(BENCH / "device_boot.sh")], check=True)
-    sys.path.insert(0, str(BENCH))
+    flags = device_script_flags("device_boot.sh", "bench_boot.py", "--rounds 2")
     import bench_boot
 
-    text = (BENCH / "device_boot.sh").read_text().replace("\\\n", " ")
-    line = next(row for row in text.splitlines() if "bench_boot.py" in row and not row.lstrip().startswith("#"))
-    flags = shlex.split(line.split("bench_boot.py", 1)[1].split(">", 1)[0].replace("$WORK", "/tmp/w")
-                        .replace("$1", "60").replace("${*:2}", "--rounds 2").replace("$RESULTS", "/tmp/r"))
     args = bench_boot.parse_args(flags)  # exits (SystemExit) on an unknown flag
     assert args.budget_s == 60 and args.clean and args.node_caches == ["warm"] and args.rounds == 2
 
