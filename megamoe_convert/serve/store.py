@@ -182,8 +182,16 @@ def _fill_cuda(jobs: list[tuple[int, list[Read], Destinations]], before_writes: 
     staging.fill_device(ranges, device, before_writes)
 
 
-def _fill(path_of: dict[MoELayer, Path], reads: dict[MoELayer, list[Read]],
-          dests: dict[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
+def fill(path_of: Mapping[MoELayer, Path], reads: Mapping[MoELayer, list[Read]],
+         dests: Mapping[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
+    """Every read of each layer's file (``path_of``) into that layer's destinations (CPU ones with one
+    ``preadv`` each, CUDA ones through the pinned ring): a store's slots, or a rank file's
+    (:mod:`.rank_slots`)."""
+    _fill(path_of, reads, dests, before_writes)
+
+
+def _fill(path_of: Mapping[MoELayer, Path], reads: Mapping[MoELayer, list[Read]],
+          dests: Mapping[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
     fds: dict[MoELayer, int] = {}
     try:
         cuda: dict[torch.device, list[tuple[int, list[Read], Destinations]]] = {}
