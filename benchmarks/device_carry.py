@@ -53,8 +53,10 @@ DEVICE_HAS = {"torch", "numpy", "triton", "sympy", "mpmath", "networkx", "jinja2
               "fsspec", "typing-extensions", "setuptools", "safetensors", "tokenizers", "sentencepiece",
               "megamoe-convert"}
 #: vLLM's load formats beside `auto` (vLLM 0.33 asks fastsafetensors>=0.3.3, instanttensor>=0.2.2,
-#: runai-model-streamer>=0.15.7, which needs humanize): wheels only, imported on a GPU alone.
-LOAD_FORMATS = ["fastsafetensors==0.5.0", "instanttensor==0.2.2", "runai-model-streamer==0.17.0", "humanize==4.17.0"]
+#: runai-model-streamer>=0.15.7, which needs humanize), and compressed-tensors (vLLM 0.33's pin) with its
+#: loguru, which vLLM's quantization methods import on the CUDA platform alone: wheels only.
+LOAD_FORMATS = ["fastsafetensors==0.5.0", "instanttensor==0.2.2", "runai-model-streamer==0.17.0", "humanize==4.17.0",
+                "compressed-tensors==0.17.0", "loguru==0.7.3"]
 #: Where each engine's own folder unpacks on the device (the device scripts' paths).
 TARGETS = {"vllm==0.33.0": "/tmp/v33", "vllm==0.32.0": "/tmp/v32", "sglang==0.5.23": "/tmp/sglang"}
 #: Files that no import reads: by suffix, and by folder name.

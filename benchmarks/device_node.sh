@@ -60,6 +60,11 @@ sglang_setup() {
         && tar xf .device/sglang/tree.tar -C /tmp/sgtree || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sgsite \
         .device/sglang/whl/*.whl > "$SG_RESULTS/pip.log" 2>&1 || { tail -n 20 "$SG_RESULTS/pip.log"; exit 1; }
+    # The load formats' packages (gpu_load_formats.py --engine sglang): the vLLM set's wheels, where a
+    # call before carried them (the two sets do not fit one call's carry).
+    formats=$(ls .device/whl/{fastsafetensors,instanttensor,runai_model_streamer,humanize}-*.whl 2>/dev/null)
+    [ -z "$formats" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/sgsite $formats >> "$SG_RESULTS/pip.log" 2>&1 || { tail -n 20 "$SG_RESULTS/pip.log"; exit 1; }
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
       df -h /tmp; free -g; } | tee "$SG_RESULTS/machine.log"
