@@ -169,8 +169,10 @@ def recover(models: dict[int, nn.Module], config: types.SimpleNamespace, entry: 
 
 
 def fresh_build(ckpt: Any, config: types.SimpleNamespace, rank: int, table: Sequence[Sequence[int]]) -> nn.Module:
-    """SGLang's own loading of the checkpoint for ``rank`` under ``table``: the reference."""
+    """SGLang's own loading of the checkpoint for ``rank`` under ``table``: the reference (built from the
+    config without the section a served model's carries, so the plugin's hooked load installs nothing)."""
+    own = types.SimpleNamespace(**{k: v for k, v in vars(config).items() if k != marker.SECTION})
     with h.patched(rank, EP_SIZE, REDUNDANT, **table_args(table)):
-        model = h.build_main_model(config, rank, REDUNDANT)
+        model = h.build_main_model(own, rank, REDUNDANT)
         h.sglang_load(model, ckpt)
     return model

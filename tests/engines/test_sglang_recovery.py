@@ -3,7 +3,7 @@ updater on every surviving rank at once (``sglang_recovery_harness``): EP 4 with
 rank 3 fails holding the only copies of experts 6 and 7. Without megamoe-convert SGLang's own path
 leaves their new slots corrupt; with it (the plugin's hook, a store) every kernel tensor of every
 surviving rank equals SGLang's own fresh build under the new placement; without a store that can
-serve, recovery refuses before any byte moves."""
+serve, recovery refuses before any byte moves (a per-rank conversion: ``test_sglang_recovery_per_rank``)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_sglangs_expert_backup_does_not_know_deepseek_v4s_expert_names(sglang_ck
             client.update_weights(None)
 
 
-def test_recovery_refuses_a_model_not_served_from_a_store_before_any_byte_moves(sglang_ckpt):
+def test_recovery_refuses_a_model_not_served_from_a_conversion_before_any_byte_moves(sglang_ckpt):
     config = h.hf_config(sglang_ckpt)
     model = served(sglang_ckpt, None, 0, config)
     before = {p: [t.clone() for t in h.state(m).values()] for p, m in h.experts_of(model).items()}
@@ -114,8 +114,8 @@ def test_recovery_refuses_a_model_not_served_from_a_store_before_any_byte_moves(
     assert kind == "error" and isinstance(error, InstallError)
     assert str(error) == ("SGLang's EPLB recovery must restore MegaMoE experts that lived only on failed ranks "
                           "(layer 0: [6]; layer 1: [7]), which its own backup and checkpoint reload would write in "
-                          "the wrong layout, and the model was not served from a megamoe-convert store: refusing "
-                          "to serve garbage; serve it from a store (megamoe convert without --ep-size)")
+                          "the wrong layout, and the model was not served from a megamoe-convert conversion: "
+                          "refusing to serve garbage; serve it from a store or a per-rank conversion")
     for prefix, module in h.experts_of(model).items():
         assert all(torch.equal(a, b) for a, b in zip(h.state(module).values(), before[prefix], strict=True))
 

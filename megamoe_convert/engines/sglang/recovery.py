@@ -38,7 +38,8 @@ from megamoe_convert.engines.sglang.mega_moe import CONTRACT
 from megamoe_convert.errors import InstallError, MegamoeError
 from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout import inverse
-from megamoe_convert.serve.converted import ConvertedModel
+from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
+from megamoe_convert.serve.rank_slots import holders, load_held_experts
 from megamoe_convert.serve.store import load_slots, slot_specs
 from megamoe_convert.source.layers import MoELayer
 
@@ -72,7 +73,7 @@ def is_sm90(module: EngineModule) -> bool:
 
 
 def targets(module: EngineModule) -> dict[str, torch.Tensor]:
-    """The module's tensors the store's per-slot tensors go into, by rank-file key, in the kernel's
+    """The module's tensors a conversion's per-slot tensors go into, by rank-file key, in the kernel's
     form (MN-major scales as the module holds them)."""
     if is_sm90(module):
         return {"l1_weight": module.w13_weight.data, "l1_sf": module.w13_weight_scale_inv.data,
@@ -128,10 +129,17 @@ def lost_experts(old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], lay
 
 @dataclass
 class Source:
-    """The store the model was served from, checked against the model's modules."""
+    """The conversion the model was served from, checked against the model's modules."""
 
     converted: ConvertedModel
     layers: dict[int, MoELayer]  # by layer id
+
+    def load(self, ids: Mapping[MoELayer, Sequence[int]], device: torch.device) -> dict[str, ExpertLayer]:
+        """Each layer's logical experts ``ids[layer]``, one per slot: a store's blocks, or a per-rank
+        conversion's, each from a rank file holding it."""
+        if self.converted.manifest.store:
+            return load_slots(self.converted, ids, device=device)
+        return load_held_experts(self.converted, ids, device)
 
 
 def describe(lost: Lost) -> str:
@@ -139,23 +147,21 @@ def describe(lost: Lost) -> str:
 
 
 def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Lost) -> Source:
-    """The store to restore ``lost`` from, or a one-line refusal: none known, not a store, a layer or
-    expert it lacks, other dims, or a layout SGLang's own build does not make (the layout probe)."""
+    """The conversion to restore ``lost`` from, or a one-line refusal: none known, a layer it lacks, a
+    per-rank conversion with no rank file present holding a lost expert, other dims, or a layout
+    SGLang's own build does not make (the layout probe)."""
     from megamoe_convert.engines.sglang.model_classes import conversion_of
 
     head = (f"SGLang's EPLB recovery must restore MegaMoE experts that lived only on failed ranks ({describe(lost)}), "
             "which its own backup and checkpoint reload would write in the wrong layout")
     path = conversion_of(model)
     if path is None:
-        raise InstallError(f"{head}, and the model was not served from a megamoe-convert store: refusing to serve "
-                           "garbage; serve it from a store (megamoe convert without --ep-size)")
+        raise InstallError(f"{head}, and the model was not served from a megamoe-convert conversion: refusing to "
+                           "serve garbage; serve it from a store or a per-rank conversion")
     try:
         converted = open_converted(path)
     except MegamoeError as e:
         raise InstallError(f"{head}: {e}") from e
-    if not converted.manifest.store:
-        raise InstallError(f"{head}, but {converted.path} is a per-rank conversion (ep_size "
-                           f"{converted.manifest.ep_size}): only a store holds every expert; serve from a store")
     known = {layer.key: layer for layer in converted.manifest.layers}
     layers: dict[int, MoELayer] = {}
     for layer_id in lost:
@@ -167,6 +173,8 @@ def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Los
         check_dims(module, converted, known[key], head)
     planned = [(modules[i], contract_of(modules[i]), layers[i]) for i in lost]
     try:
+        if not converted.manifest.store:  # every lost expert in a rank file present, before any byte moves
+            holders(converted, {layers[i]: ids for i, ids in lost.items()})
         driver.probe_layouts(planned, converted)
     except MegamoeError as e:
         raise InstallError(f"{head}: {e}") from e
@@ -174,7 +182,7 @@ def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Los
 
 
 def check_dims(module: EngineModule, converted: ConvertedModel, layer: MoELayer, head: str) -> None:
-    """Every kernel tensor of the module takes one store block per slot, as it is."""
+    """Every kernel tensor of the module takes one conversion block per slot, as it is."""
     specs = slot_specs(converted.manifest, layer, 1)
     for key, dest in targets(module).items():
         spec = specs[key]
@@ -187,8 +195,8 @@ def check_dims(module: EngineModule, converted: ConvertedModel, layer: MoELayer,
 
 def restore(source: Source, modules: Mapping[int, EngineModule], new: Sequence[Sequence[int]], missing: Lost,
             rank: int) -> int:
-    """Each slot of ``rank`` the new placement gives a missing expert: its bytes from the store, in every
-    kernel tensor. Returns the slots written."""
+    """Each slot of ``rank`` the new placement gives a missing expert: its bytes from the conversion, in
+    every kernel tensor. Returns the slots written."""
     plans: dict[int, list[int]] = {}
     ids: dict[MoELayer, list[int]] = {}
     for layer_id, logical in missing.items():
@@ -197,8 +205,7 @@ def restore(source: Source, modules: Mapping[int, EngineModule], new: Sequence[S
         row = list(new[layer_id])[rank * local:(rank + 1) * local]
         plans[layer_id] = [slot for slot, held in enumerate(row) if held in logical]
         ids[source.layers[layer_id]] = [row[slot] for slot in plans[layer_id]]
-    devices = {modules[i].w13_weight.device for i in missing}
-    loaded = load_slots(source.converted, ids, device=next(iter(devices)))
+    loaded = source.load(ids, next(iter({modules[i].w13_weight.device for i in missing})))
     for layer_id, slots in plans.items():
         write_slots(modules[layer_id], slots, loaded[source.layers[layer_id].prefix].tensors)
     return sum(len(s) for s in plans.values())
@@ -208,8 +215,8 @@ def restore(source: Source, modules: Mapping[int, EngineModule], new: Sequence[S
 # The hook
 # --------------------------------------------------------------------------------------
 
-class StoreRecovery:
-    """SGLang's ``ExpertLocationUpdater``, whose missing experts come from the store."""
+class ConversionRecovery:
+    """SGLang's ``ExpertLocationUpdater``, whose missing experts come from the conversion served."""
 
     def __init__(self, updater: Any, model: nn.Module, modules: dict[int, EngineModule]) -> None:
         self.updater, self.model, self.modules = updater, model, modules
@@ -241,10 +248,12 @@ class StoreRecovery:
 
 def recovery_around(update_with_recovery: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``AROUND`` hook of SGLang's recovery entry point: for a MegaMoE model, missing experts come from
-    the store (see the module docstring); any other model goes SGLang's own way."""
+    the conversion the model was served from (see the module docstring); any other model goes SGLang's
+    own way."""
     modules = megamoe_modules(kwargs["model"])
     if modules:
-        kwargs["expert_location_updater"] = StoreRecovery(kwargs["expert_location_updater"], kwargs["model"], modules)
+        updater = kwargs["expert_location_updater"]
+        kwargs["expert_location_updater"] = ConversionRecovery(updater, kwargs["model"], modules)
     return update_with_recovery(*args, **kwargs)
 
 
