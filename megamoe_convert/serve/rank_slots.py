@@ -14,7 +14,7 @@ checked against the manifest before any expert byte is read.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -33,40 +33,58 @@ from megamoe_convert.source.safetensors_io import TensorEntry, read_header
 Holder = tuple[int, int]
 
 
-def holders(converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]]) -> dict[MoELayer, list[Holder]]:
-    """For each layer, a ``(rank, local slot)`` per logical expert of ``wanted[layer]``, in order: the
-    lowest rank whose file is present (converted, listed, of its recorded size) and holds it under
-    the manifest's placement; an expert in no present file is refused in one line."""
+def _each_expert(converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]],
+                 ) -> Iterator[tuple[MoELayer, int, list[Holder], dict[int, str | None]]]:
+    """Each wanted expert with the ``(rank, local slot)`` of every slot holding it under the manifest's
+    placement, and by rank what keeps that rank's file from serving it (``None``: present)."""
     out, manifest = converted.path, converted.manifest
     if manifest.store:
         raise LoadError(f"{out} is a store: read its experts with store.load_slots")
     listed = {record.path: record for record in manifest.files}
     present: dict[str, str | None] = {}  # rank file -> its problem, or None
 
-    def problem(rel: str) -> str | None:
+    def problem(rank: int, layer: MoELayer) -> str | None:
+        rel = manifest.expert_file(layer, rank)
+        if rank not in manifest.ranks:
+            return "its rank was not converted"
         if rel not in present:
             record = listed.get(rel)
             present[rel] = "not listed in the manifest" if record is None \
                 else file_problem(out / rel, record, MANIFEST_NAME, False)
         return present[rel]
 
-    chosen: dict[MoELayer, list[Holder]] = {}
     for layer, ids in wanted.items():
         placement = manifest.placement_for(layer)
         local = placement.experts_per_rank
-        store.check_ids(f"{out}: {layer.key}", ids, manifest.dims.experts_of(layer))
-        chosen[layer] = []
-        for logical in ids:
+        for logical in store.check_ids(f"{out}: {layer.key}", ids, manifest.dims.experts_of(layer)):
             slots = [(p // local, p % local) for p, held in enumerate(placement.physical_to_logical) if held == logical]
-            absent = {rank: "its rank was not converted" if rank not in manifest.ranks
-                      else problem(manifest.expert_file(layer, rank)) for rank, _ in slots}
-            found = [(rank, slot) for rank, slot in slots if absent[rank] is None]
-            if not found:
-                raise LoadError(f"{out}: expert {logical} of {layer.key} is in no rank file present: "
-                                + "; ".join(f"{manifest.expert_file(layer, rank)} ({why})"
-                                            for rank, why in absent.items()))
-            chosen[layer].append(found[0])
+            yield layer, logical, slots, {rank: problem(rank, layer) for rank, _ in slots}
+
+
+def holders(converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]]) -> dict[MoELayer, list[Holder]]:
+    """For each layer, a ``(rank, local slot)`` per logical expert of ``wanted[layer]``, in order: the
+    lowest rank whose file is present (converted, listed, of its recorded size) and holds it under
+    the manifest's placement; an expert in no present file is refused in one line."""
+    chosen: dict[MoELayer, list[Holder]] = {layer: [] for layer in wanted}
+    for layer, logical, slots, absent in _each_expert(converted, wanted):
+        found = [(rank, slot) for rank, slot in slots if absent[rank] is None]
+        if not found:
+            raise LoadError(f"{converted.path}: expert {logical} of {layer.key} is in no rank file present: "
+                            + "; ".join(f"{converted.manifest.expert_file(layer, rank)} ({why})"
+                                        for rank, why in absent.items()))
+        chosen[layer].append(found[0])
     return chosen
+
+
+def ranks_to_fetch(converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]]) -> list[int]:
+    """The ranks whose files a partial copy (a hub pull of some ranks) lacks to serve ``wanted``: for
+    each expert in no rank file present, the lowest converted rank holding it."""
+    fetch = set()
+    for _, _, slots, absent in _each_expert(converted, wanted):
+        converted_ranks = [rank for rank, _ in slots if rank in converted.manifest.ranks]
+        if converted_ranks and all(why is not None for why in absent.values()):
+            fetch.add(min(converted_ranks))
+    return sorted(fetch)
 
 
 def _checked_entries(converted: ConvertedModel, layer: MoELayer, rank: int) -> dict[str, TensorEntry]:

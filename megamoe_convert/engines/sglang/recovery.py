@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -39,8 +40,8 @@ from megamoe_convert.errors import InstallError, MegamoeError
 from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout import inverse
 from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
-from megamoe_convert.serve.rank_slots import holders, load_held_experts
-from megamoe_convert.serve.store import load_slots, slot_specs
+from megamoe_convert.serve.rank_slots import holders, load_held_experts, ranks_to_fetch
+from megamoe_convert.serve.store import check_pulled, load_slots, rank_read_plan, slot_specs
 from megamoe_convert.source.layers import MoELayer
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Los
         raise InstallError(f"{head}, and the model was not served from a megamoe-convert conversion: refusing to "
                            "serve garbage; serve it from a store or a per-rank conversion")
     try:
-        converted = open_converted(path)
+        converted = open_converted(path, ())  # a hub repo: its manifest (a store: whole, as its install pulled it)
     except MegamoeError as e:
         raise InstallError(f"{head}: {e}") from e
     known = {layer.key: layer for layer in converted.manifest.layers}
@@ -173,12 +174,26 @@ def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Los
         check_dims(module, converted, known[key], head)
     planned = [(modules[i], contract_of(modules[i]), layers[i]) for i in lost]
     try:
-        if not converted.manifest.store:  # every lost expert in a rank file present, before any byte moves
-            holders(converted, {layers[i]: ids for i, ids in lost.items()})
+        converted = check_held(path, converted, {layers[i]: ids for i, ids in lost.items()})
         driver.probe_layouts(planned, converted)
     except MegamoeError as e:
         raise InstallError(f"{head}: {e}") from e
     return Source(converted, layers)
+
+
+def check_held(path: str, converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]]) -> ConvertedModel:
+    """Every byte ``wanted`` needs is there before any byte moves: a store pulled by ranges holds the
+    lost experts' ranges; a per-rank conversion has a rank file present holding each (a hub repo's
+    pulled first: just the ranks that hold them). Returns the conversion to read."""
+    if converted.manifest.store:
+        manifest = converted.manifest
+        check_pulled(converted.path, {manifest.expert_file(layer): rank_read_plan(manifest, layer, ids)
+                                      for layer, ids in wanted.items()})
+        return converted
+    if not Path(path).is_dir() and (fetch := ranks_to_fetch(converted, wanted)):
+        converted = open_converted(path, fetch)
+    holders(converted, wanted)
+    return converted
 
 
 def check_dims(module: EngineModule, converted: ConvertedModel, layer: MoELayer, head: str) -> None:
