@@ -1,4 +1,4 @@
-"""SGLang's elastic-EP recovery of MegaMoE experts, from the store the model was served from (SGLang 0.5.23).
+"""SGLang's elastic-EP recovery of MegaMoE experts, from the conversion the model was served from (SGLang 0.5.23).
 
 When ranks fail, SGLang's EPLB (``eplb_manager.update_expert_location_with_recovery``) moves every
 expert to the new placement through its ``ExpertLocationUpdater``: receives from a failed rank are
@@ -12,12 +12,16 @@ experts are MegaMoE modules, SGLang's own updater still runs (its moves between 
 right); around it:
 
 - before any byte moves, the experts this rank needs that lived only on failed ranks are worked out
-  from the old and new placement; if there are any, the conversion the model was served from must be
-  a store holding this model's layers in the layout SGLang's own build makes (the layout probe,
-  :mod:`..probe`); otherwise recovery refuses in one line (:class:`InstallError`), nothing changed;
-- after it, each slot the new placement gives a missing expert gets that expert's bytes from the
-  store (its byte ranges only: :func:`megamoe_convert.serve.store.load_slots`) in every kernel tensor
-  (weights, the UTCCP scales and the scales without UTCCP); no other slot is touched;
+  from the old and new placement; if there are any, the conversion the model was served from must
+  hold them in the layout SGLang's own build makes (the layout probe, :mod:`..probe`), and every byte
+  they need must be there: a store (a ranged pull of one: their ranges pulled), or a per-rank
+  conversion with a rank file present holding each (any rank's, under the conversion's placement; a
+  hub repo's: just the ranks holding them pulled first); otherwise recovery refuses in one line
+  (:class:`InstallError`), nothing changed;
+- after it, each slot the new placement gives a missing expert gets that expert's bytes, by byte
+  ranges only (:func:`megamoe_convert.serve.store.load_slots`,
+  :func:`megamoe_convert.serve.rank_slots.load_held_experts`), in every kernel tensor (weights, the
+  UTCCP scales and the scales without UTCCP); no other slot is touched;
 - SGLang is told nothing is missing, so neither its backup nor its checkpoint reload runs.
 """
 
