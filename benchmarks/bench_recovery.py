@@ -11,6 +11,9 @@ and each fills them by one method; a node's time is its slowest rank's. Methods,
   recover_store   ``--lost K`` slots of every layer on every rank, the lost experts' byte ranges
                   from the store (``engines/sglang/recovery.restore``: what SGLang's EPLB recovery
                   runs with megamoe-convert, the same functions, the same six tensors);
+  recover_per_rank the same slots from a per-rank conversion of the same EP size whose placement puts
+                  each rank's experts in the next rank's files: each lost expert's slot blocks read
+                  from another rank's file, as from a failed rank's (``--source`` picks these two);
   recover_peer    the same slots copied from a peer GPU's tensors (CUDA IPC, ``copy_`` between
                   devices: an NVLink peer that still holds them; warm only: no file is read);
   join_store      a joining rank's every slot from the store (what ``install`` reads for a joiner);
@@ -40,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, bench_config, drop_page_cache, emit_summary, ensure_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-METHODS = ("recover_store", "recover_peer", "join_store", "join_checkpoint")
+METHODS = ("recover_store", "recover_per_rank", "recover_peer", "join_store", "join_checkpoint")
+#: ``--source``: what each recovery method reads.
+SOURCES = {"store": "recover_store", "per-rank": "recover_per_rank"}
 
 
 # --------------------------------------------------------------------------------------
@@ -77,6 +82,8 @@ def modules(store: Path, ep_size: int, rank: int, device: str) -> tuple[Any, dic
 
 
 def recover_store(converted: Any, built: dict, rows: dict, rank: int, lost: int) -> None:
+    """The rank's first ``lost`` slots of every layer from ``converted`` (a store or a per-rank
+    conversion), through recovery's own functions."""
     from megamoe_convert.engines.sglang import recovery
 
     local = next(iter(built.values())).num_local_experts
@@ -154,6 +161,11 @@ def rank_main(rank: int, args: dict, barrier: Any, results: Any, peers: Any) -> 
         torch.cuda.set_device(rank)
     converted, built, rows = modules(Path(args["store"]), args["ep_size"], rank, device)
     method, lost = args["method"], args["lost"]
+    per_rank = None
+    if method == "recover_per_rank":
+        from megamoe_convert.serve.loader import open_converted
+
+        per_rank = open_converted(args["per_rank"])
     peer = None
     if method == "recover_peer":  # each rank shares its tensors with the next, takes the previous one's
         join_store(converted, built, rows, rank)  # the peer holds its experts (not timed)
@@ -163,6 +175,8 @@ def rank_main(rank: int, args: dict, barrier: Any, results: Any, peers: Any) -> 
     start = time.perf_counter()
     if method == "recover_store":
         recover_store(converted, built, rows, rank, lost)
+    elif method == "recover_per_rank":
+        recover_store(per_rank, built, rows, rank, lost)
     elif method == "recover_peer":
         for i, module in built.items():
             for dst, src in zip([getattr(module, name) for name in KERNEL_TENSORS], peer[i], strict=True):
@@ -197,16 +211,25 @@ def run_method(args: dict, method: str) -> dict[str, Any]:
 # The run
 # --------------------------------------------------------------------------------------
 
-def prepare(work: Path, args: argparse.Namespace) -> tuple[Path, Path, dict]:
+def prepare(work: Path, args: argparse.Namespace, sources: list[str]) -> tuple[Path, Path, Path, dict]:
+    """The checkpoint, its store and (``per-rank`` among ``sources``) its per-rank conversion at
+    ``--ep-size`` under SGLang's rule, each rank's experts of the default placement in the next rank's files."""
+    import json
+
     from megamoe_convert.convert.plan import ConvertOptions
     from megamoe_convert.convert.run import convert
 
     config = bench_config(args.preset, args.layers, args.experts, 0, 512)
-    ckpt, store = work / "ckpt", work / "store"
+    ckpt, store, per_rank = work / "ckpt", work / "store", work / f"per-rank-ep{args.ep_size}"
     ensure_checkpoint(ckpt, config)
     if not (store / "manifest.json").exists():
         convert(ckpt, store, ConvertOptions(ep_size=None, experts_only=True, fsync=False))
-    return ckpt, store, config
+    if "per-rank" in sources and not (per_rank / "manifest.json").exists():
+        n, local = args.experts, args.experts // args.ep_size
+        (work / "next-rank.json").write_text(json.dumps([(p - local) % n for p in range(n)]))
+        convert(ckpt, per_rank, ConvertOptions(ep_size=args.ep_size, placement_file=work / "next-rank.json",
+                                               engine="sglang", experts_only=True, fsync=False))
+    return ckpt, store, per_rank, config
 
 
 def warm(paths: list[Path]) -> None:
@@ -228,16 +251,23 @@ def main() -> None:
     parser.add_argument("--lost", type=int, default=2, help="lost slots of every layer on every rank")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=240)
+    parser.add_argument("--source", default="store,per-rank",
+                        help=f"what recovery reads, comma-separated: {', '.join(SOURCES)}")
     parser.add_argument("--save")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny, two ranks, warm only (tests/e2e)")
     args = parser.parse_args()
     if args.smoke:
         args.preset, args.layers, args.experts, args.ep_size, args.rounds = "tiny", 1, 8, 2, 1
+    sources = args.source.split(",")
+    if unknown := sorted(set(sources) - set(SOURCES)):
+        parser.error(f"--source {unknown[0]!r}: choose among {', '.join(SOURCES)}")
     device = "cpu" if args.smoke else "cuda"
-    ckpt, store, config = prepare(args.work, args)
-    common = {"ckpt": str(ckpt), "store": str(store), "ep_size": args.ep_size, "lost": args.lost, "device": device,
-              "ranks": args.ep_size, "timeout": args.timeout}
-    methods = [m for m in METHODS if device == "cuda" or m != "recover_peer"]
+    ckpt, store, per_rank, config = prepare(args.work, args, sources)
+    common = {"ckpt": str(ckpt), "store": str(store), "per_rank": str(per_rank), "ep_size": args.ep_size,
+              "lost": args.lost, "device": device, "ranks": args.ep_size, "timeout": args.timeout}
+    skipped = {"recover_peer"} if device != "cuda" else set()
+    skipped |= {method for source, method in SOURCES.items() if source not in sources}
+    methods = [m for m in METHODS if m not in skipped]
     rows, cold_ok = [], None
     for round_ in range(args.rounds):
         for cache in ("warm", "cold") if not args.smoke else ("warm",):
@@ -245,7 +275,8 @@ def main() -> None:
                 if cache == "cold" and method == "recover_peer":
                     continue
                 if cache == "warm":
-                    warm([store] if method.endswith("store") else [ckpt] if method == "join_checkpoint" else [])
+                    warm([store] if method.endswith("store") else [per_rank] if method == "recover_per_rank"
+                         else [ckpt] if method == "join_checkpoint" else [])
                 else:
                     cold_ok = drop_page_cache()
                 rows.append({"round": round_, "cache": cache, "method": method, **run_method(common, method)})
@@ -257,7 +288,8 @@ def main() -> None:
     for row in rows:
         del row["digests"]
     summary = {"bench": "recovery", "config": config, "ep_size": args.ep_size, "lost_per_layer": args.lost,
-               "ranks": args.ep_size, "device": device, "gpu": _gpu(device), "cold_dropped": cold_ok,
+               "ranks": args.ep_size, "sources": sources, "device": device, "gpu": _gpu(device),
+               "cold_dropped": cold_ok,
                "identical": same, "expert_bytes": _expert_bytes(store), "rows": rows}
     emit_summary(summary, args.save)
 

@@ -14,6 +14,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: The method's row name, and what it stands for.
 METHODS = {
     "recover_store": "lost experts from the store (megamoe-convert's EPLB recovery)",
+    "recover_per_rank": "the same lost experts from a per-rank conversion, each from another rank's file",
     "recover_peer": "the same slots copied from a peer GPU of the node (CUDA copy between devices)",
     "join_store": "a joining rank's every slot from the store",
     "join_checkpoint": "a joining rank's own way: the whole checkpoint read, its slots transformed on the GPU",

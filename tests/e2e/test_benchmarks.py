@@ -448,7 +448,8 @@ def test_bench_recovery_smoke_and_its_report(tmp_path, monkeypatch):
     saved = tmp_path / "results" / "recovery-cpu" / "recovery.json"
     summary = last_json(run("bench_recovery.py", "--smoke", "--work", tmp_path / "work", "--save", saved))
     assert summary["identical"] is True and summary["ranks"] == 2
-    assert {r["method"] for r in summary["rows"]} == {"recover_store", "join_store", "join_checkpoint"}
+    assert {r["method"] for r in summary["rows"]} == {"recover_store", "recover_per_rank", "join_store",
+                                                      "join_checkpoint"}
     assert all(len(r["rank_s"]) == 2 and r["node_s"] == max(r["rank_s"]) for r in summary["rows"])
     sys.path.insert(0, str(BENCH))
     import report_recovery
