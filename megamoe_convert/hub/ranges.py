@@ -22,13 +22,14 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import huggingface_hub
 
 from megamoe_convert.hub.pull import HubError, Pinned, _hub_errors, claim_local_dir, pin, pull_into, select_files
 from megamoe_convert.layout.placement import Placement, parse_ranks
 from megamoe_convert.output import ranged
+from megamoe_convert.output.locks import hold_whole_output
 from megamoe_convert.output.manifest import Manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.shards import rank_shard_specs, store_metadata
@@ -120,9 +121,9 @@ def pull_ranges(repo_id: str, local_dir: Path | str, ep_size: int, ranks: str | 
         ranged.write_record(local_dir, ranged.RangedRecord(pinned.commit, files=kept))  # nothing served meanwhile
         pull_into(pinned, local_dir, records, patterns, non_expert, verify=verify, drop_store=False,
                   max_workers=max_workers)
-        files, fetched, requests = _fetch_ranges(pinned, local_dir, placements, needed, kept, max_workers)
+        files, fetched, requests = _fetch_ranges(pinned, local_dir, list(placements), needed, kept, max_workers)
         ranged.write_record(local_dir, ranged.RangedRecord(pinned.commit, ranged.manifest_checksum(local_dir), True,
-                                                           files))  # last: the pull is done
+                                                           files, pinned.repo_id))  # last: the pull is done
     need = sum(n for ranges in needed.values() for _, n in ranges)
     return {"path": str(local_dir), "repo_id": pinned.repo_id, "commit": pinned.commit, "ep_size": ep_size,
             "ranks": chosen, "needed_bytes": need, "fetched_bytes": fetched, "requests": requests,
@@ -141,7 +142,7 @@ def _kept_ranges(local_dir: Path, pinned: Pinned) -> dict[str, ranged.Ranges]:
     return old.files
 
 
-def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Placement],
+def _fetch_ranges(pinned: Pinned, local_dir: Path, layers: Sequence[MoELayer],
                   needed: dict[str, list[tuple[int, int]]], kept: dict[str, ranged.Ranges], max_workers: int,
                   ) -> tuple[dict[str, ranged.Ranges], int, int]:
     """Each store file's ranges, fetched at the pinned commit and written at their offsets (a file
@@ -151,7 +152,7 @@ def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Pl
     fs = huggingface_hub.HfFileSystem()
     files: dict[str, ranged.Ranges] = {}
     plans = {}
-    for layer in placements:
+    for layer in layers:
         rel = manifest.expert_file(layer)
         have = kept.get(rel, [])
         in_place = bool(have) and _is_file_of(local_dir / rel, manifest.file(rel).size)
@@ -176,6 +177,43 @@ def _fetch_ranges(pinned: Pinned, local_dir: Path, placements: dict[MoELayer, Pl
             requests += len(fetch)
             files[rel] = ranged.merge([*(kept.get(rel, []) if in_place else []), *fetch])
     return files, fetched, requests
+
+
+def fetch_experts(local_dir: Path | str, wanted: Mapping[MoELayer, Sequence[int]], *, timeout: float = 600,
+                  max_workers: int = 8) -> int:
+    """The byte ranges of logical experts ``wanted[layer]`` that a finished ranged pull into ``local_dir``
+    lacks, fetched from the repo and commit it was pulled from and written in place (elastic EP's
+    recovery of experts no rank of the node pulled). Under the folder's lock (waiting up to
+    ``timeout`` seconds for a rank fetching beside it); the record goes on serving what it served
+    while they come (their bytes were holes no reader takes) and names the new ranges last.
+    Returns the bytes fetched (0: every range was there)."""
+    local_dir = Path(local_dir)
+    with hold_whole_output(local_dir, timeout=timeout, who="a fetch of experts' ranges"):
+        record = ranged.read_record(local_dir, HubError)
+        served = ranged.served_ranges(local_dir, HubError)  # finished, of the folder's own manifest
+        if record is None or served is None:
+            raise HubError(f"{local_dir}: not a ranged pull (`megamoe pull --ep-size`): no ranges to fetch into it")
+        if not record.repo_id:
+            raise HubError(f"{ranged.record_path(local_dir)}: records no repo to fetch more ranges from (a pull of an "
+                           "older megamoe-convert): rerun `megamoe pull --ep-size` to record it")
+        pinned = pin(record.repo_id, record.commit)
+        if file_checksum(pinned.snapshot / MANIFEST_NAME) != record.manifest:
+            raise HubError(f"{local_dir}: its manifest.json is not the one of {pinned.repo_id}@{record.commit[:12]}")
+        manifest, needed, layers = pinned.manifest, {}, []
+        for layer, ids in wanted.items():
+            rel = manifest.expert_file(layer)
+            have = served.get(rel, [])
+            missing = [(start, n) for start, n in store.merged_ranges(store.rank_read_plan(manifest, layer, ids))
+                       if not ranged.covered(have, start, n)]
+            if missing:
+                needed[rel] = missing
+                layers.append(layer)
+        if not needed:
+            return 0
+        files, fetched, _ = _fetch_ranges(pinned, local_dir, layers, needed, served, max_workers)
+        ranged.write_record(local_dir, ranged.RangedRecord(record.commit, record.manifest, True, {**served, **files},
+                                                           record.repo_id))  # last: the new ranges served
+    return fetched
 
 
 def _is_file_of(path: Path, size: int) -> bool:

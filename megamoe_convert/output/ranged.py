@@ -39,16 +39,19 @@ Ranges = list[tuple[int, int]]
 
 @dataclass
 class RangedRecord:
-    """What a ranged pull holds: the commit, the manifest's checksum (empty while unfinished), and
-    each store file's ranges."""
+    """What a ranged pull holds: the commit, the manifest's checksum (empty while unfinished), each
+    store file's ranges, and the repo they came from (empty in a record of an older pull): where
+    more of them can be fetched (:func:`megamoe_convert.hub.ranges.fetch_experts`)."""
 
     commit: str
     manifest: str = ""
     complete: bool = False
     files: dict[str, Ranges] = field(default_factory=dict)
+    repo_id: str = ""
 
     def to_json(self) -> dict[str, object]:
         return {"commit": self.commit, "manifest": self.manifest, "complete": self.complete,
+                **({"repo_id": self.repo_id} if self.repo_id else {}),
                 "files": {rel: [list(r) for r in ranges] for rel, ranges in sorted(self.files.items())}}
 
 
@@ -64,7 +67,8 @@ def _parse(data: object, where: Path, error: type[E]) -> RangedRecord:
     """The record's fields, each checked (``error`` names the first that is wrong)."""
     f = jsonio.Fields(where, error, REFETCH)
     f.obj(data, name="ranged pull record")
-    record = RangedRecord(f.str(data, "commit"), f.str(data, "manifest"), f.bool(data, "complete"))
+    record = RangedRecord(f.str(data, "commit"), f.str(data, "manifest"), f.bool(data, "complete"),
+                          repo_id=f.str(data, "repo_id") if "repo_id" in f.obj(data) else "")
     if record.manifest and not _CHECKSUM.fullmatch(record.manifest):
         raise f.fail("manifest must be the manifest's checksum (32 hex digits)")
     files = f.obj(data, "files")

@@ -22,7 +22,7 @@ from megamoe_convert.convert.run import convert
 from megamoe_convert.errors import LinkInOutput, LoadError, MegamoeError
 from megamoe_convert.hub.pull import HubError, pull
 from megamoe_convert.hub.push import push
-from megamoe_convert.hub.ranges import pull_ranges
+from megamoe_convert.hub.ranges import fetch_experts, pull_ranges
 from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve import store
 from megamoe_convert.serve.loader import load_rank, open_converted
@@ -124,6 +124,32 @@ def test_load_rank_of_a_ranged_pull_refuses_the_ranges_it_does_not_hold(hub, tmp
     with pytest.raises(LoadError, match="were not pulled"):
         load_rank(node, 0)  # a store's EP 1 view: every expert, most of them holes here
     assert_same(loaded(node, 0), loaded(local_store, 0))
+
+
+def test_fetch_experts_adds_just_their_missing_ranges_from_the_repo_the_pull_came_from(hub, tmp_path, local_store):
+    node = tmp_path / "node"
+    pull_ranges(REPO_ID, node, 4, "0", non_expert=False)  # experts 0-1 of every layer
+    converted = open_converted(node)
+    wanted = {layer: [1, 6] for layer in converted.manifest.layers}
+    with pytest.raises(LoadError, match="were not pulled"):
+        store.load_slots(converted, wanted)
+    before = len(hub.ranged)
+    assert fetch_experts(node, wanted) > 0
+    assert {path for path, _, _ in hub.ranged[before:]} == {f"experts/{key}.safetensors" for key in LAYERS}
+    fetched = len(hub.ranged)
+    assert fetch_experts(node, wanted) == 0 and len(hub.ranged) == fetched  # every range there now
+    got, want = store.load_slots(converted, wanted), store.load_slots(open_converted(local_store), wanted)
+    assert_same({p: dict(x.tensors) for p, x in got.items()}, {p: dict(x.tensors) for p, x in want.items()})
+
+
+def test_fetch_experts_refuses_a_record_that_names_no_repo(hub, tmp_path):
+    node = tmp_path / "node"
+    pull_ranges(REPO_ID, node, 4, "0", non_expert=False)
+    data = json.loads((node / RECORD).read_text())
+    assert data.pop("repo_id") == REPO_ID
+    (node / RECORD).write_text(json.dumps(data))
+    with pytest.raises(HubError, match="records no repo to fetch more ranges from"):
+        fetch_experts(node, {open_converted(node).manifest.layers[0]: [6]})
 
 
 def test_push_refuses_a_ranged_pull(hub, tmp_path):
