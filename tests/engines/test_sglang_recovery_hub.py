@@ -5,11 +5,13 @@ A store on the hub is whole in the HF cache once its install pulled it: recovery
 experts' byte ranges there and downloads nothing. A per-rank conversion on the hub is in the cache
 only for the ranks pulled: recovery pulls just the rank holding the lost experts, then reads their
 byte ranges. Either way every kernel tensor of every surviving rank equals SGLang's own fresh build
-under the new placement. A node's ranged pull of a store that lacks the lost experts' ranges is
-refused in one line before any byte moves."""
+under the new placement. A node's ranged pull of a store that lacks the lost experts' ranges gets
+them by range from the repo it was pulled from (the hub module's ranged reader), or, where its
+record names no repo, is refused in one line before any byte moves."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 from pathlib import Path
@@ -96,20 +98,51 @@ def test_recovery_of_a_per_rank_conversion_served_by_repo_id_pulls_just_the_rank
     assert_fresh_build(sglang_ckpt, config, models)
 
 
-def test_recovery_refuses_a_ranged_pull_without_the_lost_experts_ranges_before_any_byte_moves(
-        sglang_ckpt, sglang_store, hub, tmp_path):
-    """A node's ranged pull (``megamoe pull --ep-size 4 --ranks 0-1``) holds experts 0-3 alone: rank 0
-    serves from it, but the experts it must restore are holes there."""
+def node_pull(hub: FakeHub, store: Path, local: Path) -> Path:
+    """A node's ranged pull (``megamoe pull --ep-size 4 --ranks 0-1``): experts 0-3 alone."""
     from megamoe_convert.hub.ranges import pull_ranges
 
-    local = tmp_path / "node"
-    pull_ranges(pushed(hub, sglang_store), local, 4, "0-1", engine="sglang")
+    pull_ranges(pushed(hub, store), local, 4, "0-1", engine="sglang")
+    return local
+
+
+def test_recovery_from_a_nodes_ranged_pull_fetches_just_the_lost_experts_ranges_from_its_repo(
+        sglang_ckpt, sglang_store, hub, tmp_path):
+    """Ranks 0 and 1 serve from a ranged pull that holds experts 0-5 (their old slots); the experts they
+    must restore are holes there, fetched by range from the repo and commit it was pulled from."""
+    from megamoe_convert.hub.ranges import pull_ranges
+
+    local = node_pull(hub, sglang_store, tmp_path / "node")
+    pull_ranges(REPO, local, 4, "0-2", engine="sglang")  # rank 2's slots too: experts 0-5
+    config = h.hf_config(sglang_ckpt)
+    models = {rank: served_store(sglang_ckpt, local, rank, config) for rank in r.SURVIVORS}
+    pulled = len(hub.ranged)
+    asked = r.recover(models, config, entry(hooked=True))
+    assert asked == {rank: [] for rank in r.SURVIVORS}
+    fetched = hub.ranged[pulled:]
+    assert fetched and {path for path, _, _ in fetched} == {"experts/layers.0.safetensors",
+                                                            "experts/layers.1.safetensors"}
+    block = sum(getattr(next(iter(h.experts_of(models[0]).values())), n)[0].nbytes
+                for n in ("w13_weight", "w2_weight", "mega_w13_weight_scale_utccp", "mega_w2_weight_scale_utccp"))
+    assert sum(n for _, _, n in fetched) <= 2 * 2 * block * 1.05  # experts 6 and 7 of two layers, gaps merged
+    assert_fresh_build(sglang_ckpt, config, models)
+
+
+def test_recovery_refuses_a_ranged_pull_that_names_no_repo_before_any_byte_moves(
+        sglang_ckpt, sglang_store, hub, tmp_path):
+    """A ranged pull whose record names no repo (an older pull's) holds experts 0-3 alone: rank 0 serves
+    from it, but the experts it must restore are holes there and nothing says where to fetch them."""
+    local = node_pull(hub, sglang_store, tmp_path / "node")
+    record = local / ".megamoe" / "ranges.json"
+    data = json.loads(record.read_text())
+    del data["repo_id"]
+    record.write_text(json.dumps(data))
     config = h.hf_config(sglang_ckpt)
     model = served_store(sglang_ckpt, local, 0, config)
     before = {p: [t.clone() for t in h.state(m).values()] for p, m in h.experts_of(model).items()}
     asked = r.recover({0: model}, config, entry(hooked=True))
     [(kind, error)] = asked[0]
     assert kind == "error" and isinstance(error, InstallError)
-    assert "\n" not in str(error) and "were not pulled" in str(error) and "layers.0.safetensors" in str(error)
+    assert "\n" not in str(error) and "were not pulled" in str(error) and "records no repo" in str(error)
     for prefix, module in h.experts_of(model).items():
         assert all(torch.equal(a, b) for a, b in zip(h.state(module).values(), before[prefix], strict=True))

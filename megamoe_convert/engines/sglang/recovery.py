@@ -14,7 +14,8 @@ right); around it:
 - before any byte moves, the experts this rank needs that lived only on failed ranks are worked out
   from the old and new placement; if there are any, the conversion the model was served from must
   hold them in the layout SGLang's own build makes (the layout probe, :mod:`..probe`), and every byte
-  they need must be there: a store (a ranged pull of one: their ranges pulled), or a per-rank
+  they need must be there: a store (a node's ranged pull of one: their ranges fetched from its repo
+  first, :func:`megamoe_convert.hub.ranges.fetch_experts`), or a per-rank
   conversion with a rank file present holding each (any rank's, under the conversion's placement; a
   hub repo's: just the ranks holding them pulled first); otherwise recovery refuses in one line
   (:class:`InstallError`), nothing changed;
@@ -40,7 +41,7 @@ from megamoe_convert.engines.contract import EngineModule
 from megamoe_convert.engines.sglang import sm90_fp8
 from megamoe_convert.engines.sglang.experts import SGLANG_PREFIX, layer_key
 from megamoe_convert.engines.sglang.mega_moe import CONTRACT
-from megamoe_convert.errors import InstallError, MegamoeError
+from megamoe_convert.errors import InstallError, LoadError, MegamoeError
 from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout import inverse
 from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
@@ -187,12 +188,22 @@ def open_source(model: nn.Module, modules: Mapping[int, EngineModule], lost: Los
 
 def check_held(path: str, converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]]) -> ConvertedModel:
     """Every byte ``wanted`` needs is there before any byte moves: a store pulled by ranges holds the
-    lost experts' ranges; a per-rank conversion has a rank file present holding each (a hub repo's
-    pulled first: just the ranks that hold them). Returns the conversion to read."""
+    lost experts' ranges (fetched from its repo first where it lacks them); a per-rank conversion has
+    a rank file present holding each (a hub repo's pulled first: just the ranks that hold them).
+    Returns the conversion to read."""
     if converted.manifest.store:
         manifest = converted.manifest
-        check_pulled(converted.path, {manifest.expert_file(layer): rank_read_plan(manifest, layer, ids)
-                                      for layer, ids in wanted.items()})
+        reads = {manifest.expert_file(layer): rank_read_plan(manifest, layer, ids) for layer, ids in wanted.items()}
+        try:
+            check_pulled(converted.path, reads)
+        except LoadError as e:  # a node's ranged pull without them: their ranges from the repo it came from
+            from megamoe_convert.hub.ranges import fetch_experts
+
+            try:
+                fetch_experts(converted.path, wanted)
+            except MegamoeError as why:
+                raise LoadError(f"{e}; {why}") from why
+            check_pulled(converted.path, reads)
         return converted
     if not Path(path).is_dir() and (fetch := ranks_to_fetch(converted, wanted)):
         converted = open_converted(path, fetch)
