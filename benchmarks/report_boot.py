@@ -4,7 +4,7 @@ loaded model, ``--load-format megamoe`` against vLLM 0.33's ``auto``, phase by p
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Sequence
 
 from common import RESULTS, result, short_gpu, table
 
@@ -56,32 +56,115 @@ def shape_table(got: dict, shape: str) -> str:
     return table(header, rows)
 
 
-def slope(got: dict, form: str, cache: str) -> tuple[float, float, list[int]] | None:
-    """Least squares of the node shape's node time on its MoE layers: (s per layer, intercept, layers)."""
-    points = [(int(s.split("-l")[1]), node_s(rows)) for (s, f, c), rows in got.items()
-              if s.startswith("node-") and f == form and c == cache]
-    if len(points) < 3:
-        return None
+#: DeepSeek-V4-Flash's MoE layers (``bench_boot.py --slice-layers``' default): the whole model the
+#: node shape's per-layer slope is carried to.
+WHOLE_MODEL_LAYERS = 44
+#: What the plugin may add to a rank process beyond the bytes it moves, in seconds.
+FIXED_COST_GOAL_S = 0.050
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``y = slope * x + intercept`` through ``points`` (two distinct x at least)."""
     xs, ys = [x for x, _ in points], [y for _, y in points]
     mx, my = statistics.mean(xs), statistics.mean(ys)
     per = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
-    return per, my - per * mx, sorted(xs)
+    return per, my - per * mx
 
 
-def slopes(got: dict) -> str:
+def node_layers(shape: str) -> int | None:
+    """The MoE layers of a node shape's name (``node-l4`` -> 4); ``None`` for another shape."""
+    return int(shape.removeprefix("node-l")) if shape.startswith("node-l") else None
+
+
+def slope(got: dict, form: str, cache: str) -> tuple[float, float, list[int]] | None:
+    """Least squares of the node shape's node time on its MoE layers, from three layer counts at
+    least: (s per MoE layer, s at no layer: imports, config, the model's other parts; layers)."""
+    points = [(layers, node_s(rows)) for (s, f, c), rows in got.items()
+              if (layers := node_layers(s)) is not None and f == form and c == cache]
+    if len({x for x, _ in points}) < 3:
+        return None
+    per, base = fit_line(points)
+    return per, base, sorted(x for x, _ in points)
+
+
+def slice_rows(run: dict[str, Any], got: dict, form: str, cache: str) -> list[dict[str, Any]]:
+    """The measured slice rows of the whole model's layers (one node of EP 4N) for a form and cache."""
+    whole = {i["name"] for i in run["setup"] if i["name"].startswith("slice") and i["layers"] == WHOLE_MODEL_LAYERS}
+    return [row for (s, f, c), rows in got.items() if s in whole and f == form and c == cache for row in rows]
+
+
+def slopes(run: dict[str, Any], got: dict) -> str:
+    """The per-layer slope of each form's node time, and the whole model's node time estimated from it
+    (and, where the slice of the whole model ran, that measurement beside it)."""
     rows = []
-    for form in ("auto", "megamoe"):
-        for cache in ("cold", "warm"):
+    for cache in ("cold", "warm"):
+        for form in ("auto", "megamoe"):
             fit = slope(got, form, cache)
-            if fit:
-                per, base, xs = fit
-                rows.append([f"`{form}`", cache, ", ".join(map(str, xs)), f"{per:.3f}", f"{base:.2f}",
-                             f"{base + 44 * per:.1f} (estimate)"])
+            if not fit:
+                continue
+            per, base, xs = fit
+            measured = slice_rows(run, got, form, cache)
+            rows.append([f"`{form}`", cache, ", ".join(map(str, xs)), f"{per:.3f}", f"{base:.2f}",
+                         f"{base + WHOLE_MODEL_LAYERS * per:.1f}",
+                         f"{statistics.median(r['node_s'] for r in measured):.1f}" if measured else "not run"])
     if not rows:
         return ""
-    return ("The node shape's time against its MoE layers (least squares; the 44-layer figure is an "
-            "extrapolation, not a measurement):\n\n" +
-            table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers", "44 layers, s"], rows))
+    return (f"The node shape's start against its MoE layers: a least-squares line per form, its slope the "
+            f"seconds each MoE layer adds and its intercept what no layer costs (imports, config, the model's "
+            f"other parts). The {WHOLE_MODEL_LAYERS}-layer column is an estimate from measured per-layer "
+            f"slopes, not a measurement; the slice column is measured (one node of EP 4N: the whole model's "
+            f"layers, a quarter of the experts a rank of the node shape holds).\n\n" +
+            table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers",
+                   f"{WHOLE_MODEL_LAYERS} layers, s (estimate from measured per-layer slopes)",
+                   f"slice of {WHOLE_MODEL_LAYERS} layers, s (measured)"], rows))
+
+
+def rank_median(rows: list[dict[str, Any]], rank: int, key: str) -> float:
+    """The median over rounds of one rank's ``key`` (a phase, or a report field; absent: 0)."""
+    return statistics.median(next((r["phases"].get(key, r.get(key, 0.0)) for r in row["ranks"] if r["rank"] == rank),
+                                  0.0) for row in rows)
+
+
+#: The plugin's own costs a megamoe rank reports, and the phases it lengthens against ``auto``'s.
+FIXED_FIELDS = (("plugin_import_s", "import"), ("plugin_register_s", "register"),
+                ("install_import_s", "first call's imports"), ("probe_s", "layout probe"))
+FIXED_DELTAS = (("loader", "loader made, over auto"), ("construct", "model build, over auto"))
+
+
+def fixed_costs(got: dict, shape: str, cache: str) -> list[dict[str, float]]:
+    """Per rank of ``shape``: the plugin's own cost in a rank process (each of :data:`FIXED_FIELDS`
+    and :data:`FIXED_DELTAS`, medians over rounds, and their ``total``); empty without both forms."""
+    ours, auto = got.get((shape, "megamoe", cache)), got.get((shape, "auto", cache))
+    if not ours or not auto:
+        return []
+    out = []
+    for rank in sorted({r["rank"] for row in ours for r in row["ranks"]}):
+        cost = {key: rank_median(ours, rank, key) for key, _ in FIXED_FIELDS}
+        cost.update({key: rank_median(ours, rank, key) - rank_median(auto, rank, key) for key, _ in FIXED_DELTAS})
+        out.append({"rank": rank, **cost, "total": sum(cost.values())})
+    return out
+
+
+def fixed_table(got: dict, shapes: list[str]) -> str:
+    """Each shape's worst rank process: what the plugin added to it, against the goal."""
+    rows = []
+    for shape in shapes:
+        for cache in ("cold", "warm"):
+            costs = fixed_costs(got, shape, cache)
+            if not costs:
+                continue
+            worst = max(costs, key=lambda c: c["total"])
+            waited = rank_median(got[shape, "megamoe", cache], int(worst["rank"]), "probe_wait_s")
+            rows.append([shape, cache, worst["rank"], *[f"{1e3 * worst[k]:.1f}" for k, _ in FIXED_FIELDS + FIXED_DELTAS],
+                         f"{1e3 * worst['total']:.1f}", "yes" if worst["total"] < FIXED_COST_GOAL_S else "no",
+                         f"{1e3 * waited:.1f}"])
+    if not rows:
+        return ""
+    return ("What the plugin adds to a rank process beyond the bytes it moves (`megamoe` against `auto`, ms, the "
+            "rank with the largest total; the probe runs beside the first reads, so its time is counted whole "
+            "though part of it overlaps them: the last column is how long the load waited for it):\n\n" +
+            table(["shape", "cache", "rank", *[label for _, label in FIXED_FIELDS + FIXED_DELTAS], "total",
+                   f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", "the load waited for the probe"], rows))
 
 
 def last_error_line(text: str) -> str:
@@ -104,7 +187,7 @@ def section_of(name: str, run: dict[str, Any]) -> str:
         failed = [f"`{r['form']}` {r['cache']}: {last_error_line(r['failed'])}" for r in run["rows"]
                   if r["shape"] == shape and "failed" in r]
         parts += [f"Did not finish: {'; '.join(failed)}."] if failed else []
-    parts += [slopes(got)] if slopes(got) else []
+    parts += [text for text in (fixed_table(got, [i["name"] for i in run["setup"]]), slopes(run, got)) if text]
     if run.get("skipped"):
         parts.append("Not run (the run's time budget): " + "; ".join(run["skipped"]) + ".")
     parts.append("Identical kernel bytes across forms: " + ", ".join(f"{k}: {v}" for k, v in run["identical"].items()))

@@ -1,0 +1,119 @@
+"""benchmarks/report_boot.py's figures from a hand-built ``bench_boot.py`` result: the node shape's
+per-layer slope and the whole model's estimate from it, the slice measured beside it, and what the
+plugin adds to a rank process."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report_boot  # noqa: E402
+
+PHASES = ("imports", "plugin", "cuda", "config", "process_group", "loader", "construct", "weights", "post")
+#: Node seconds by (shape, form, round): not on one line, so the fit has residuals to get right.
+NODE_S = {("node-l1", "auto"): (20.0, 20.4), ("node-l2", "auto"): (23.1, 22.9), ("node-l4", "auto"): (29.5, 29.1),
+          ("node-l8", "auto"): (41.0, 41.6), ("node-l1", "megamoe"): (18.0, 18.2),
+          ("node-l2", "megamoe"): (19.0, 19.4), ("node-l4", "megamoe"): (21.2, 21.0),
+          ("node-l8", "megamoe"): (25.9, 25.1), ("slice-l44", "auto"): (60.5, 61.5),
+          ("slice-l44", "megamoe"): (33.0, 34.0)}
+#: One rank's phases that differ between the forms, by (form, rank), per round.
+LOADER_S = {("auto", 0): (0.006, 0.008), ("auto", 1): (0.005, 0.007), ("megamoe", 0): (0.020, 0.024),
+            ("megamoe", 1): (0.018, 0.030)}
+CONSTRUCT_S = {("auto", 0): (0.150, 0.170), ("auto", 1): (0.160, 0.200), ("megamoe", 0): (0.160, 0.168),
+               ("megamoe", 1): (0.175, 0.205)}
+FIXED = {0: {"plugin_import_s": (0.010, 0.012), "plugin_register_s": (0.001, 0.001),
+             "install_import_s": (0.030, 0.034), "probe_s": (0.040, 0.050)},
+         1: {"plugin_import_s": (0.011, 0.011), "plugin_register_s": (0.001, 0.002),
+             "install_import_s": (0.031, 0.029), "probe_s": (0.045, 0.047)}}
+#: How long each rank's load waited for the probe, per round (reported, not in the total).
+WAIT_S = {0: (0.004, 0.010), 1: (0.0, 0.002)}
+
+
+def rank(form: str, r: int, rnd: int) -> dict:
+    phases = dict.fromkeys(PHASES, 1.0)
+    phases.update(loader=LOADER_S[form, r][rnd], construct=CONSTRUCT_S[form, r][rnd])
+    fixed = {k: v[rnd] for k, v in FIXED[r].items()} | {"probe_wait_s": WAIT_S[r][rnd]} if form == "megamoe" else {}
+    return {"rank": r, "phases": phases, "weights_experts_s": 0.5, "weights_rest_s": 0.5, **fixed}
+
+
+@pytest.fixture
+def run() -> dict:
+    shapes = sorted({s for s, _ in NODE_S})
+    setup = [{"name": s, "layers": int(s.split("-l")[1]), "ep_size": 8 if s.startswith("slice") else 2,
+              "source_bytes": 1e9, "rest_bytes": 1e8, "converted_bytes": 1e9} for s in shapes]
+    rows = [{"shape": s, "form": f, "cache": "warm", "round": rnd, "node_s": seconds[rnd],
+             "ranks": [rank(f, r, rnd) for r in (0, 1)]}
+            for (s, f), seconds in NODE_S.items() for rnd in (0, 1)]
+    return {"machine": {"gpus": [], "cpus": 2, "rank_processes": 2, "torch": "2"}, "setup": setup, "rows": rows,
+            "skipped": [], "identical": {}}
+
+
+def split_row(row: str) -> list[str]:
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def expected_line(form: str) -> tuple[float, float]:
+    """numpy's degree-1 polyfit through the medians of the node shape's rounds."""
+    xs = [int(s.split("-l")[1]) for (s, f) in NODE_S if f == form and s.startswith("node")]
+    ys = [statistics.median(NODE_S[f"node-l{x}", form]) for x in xs]
+    slope, intercept = np.polyfit(xs, ys, 1)
+    return float(slope), float(intercept)
+
+
+@pytest.mark.parametrize("form", ["auto", "megamoe"])
+def test_slope_is_the_least_squares_line_of_the_node_shape(run, form):
+    per, base, layers = report_boot.slope(report_boot.cells(run), form, "warm")
+    slope, intercept = expected_line(form)
+    assert layers == [1, 2, 4, 8]
+    assert per == pytest.approx(slope) and base == pytest.approx(intercept)
+
+
+def test_whole_model_is_an_estimate_beside_the_measured_slice(run):
+    text = report_boot.slopes(run, report_boot.cells(run))
+    assert "estimate from measured per-layer slopes" in text
+    for form in ("auto", "megamoe"):
+        slope, intercept = expected_line(form)
+        line = next(row for row in text.splitlines() if row.startswith(f"| `{form}` | warm |"))
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[3] == f"{slope:.3f}" and cells[4] == f"{intercept:.2f}"
+        assert cells[5] == f"{intercept + 44 * slope:.1f}"
+        assert cells[6] == f"{statistics.median(NODE_S['slice-l44', form]):.1f}"  # measured, not fitted
+
+
+def test_no_slope_from_fewer_than_three_layer_counts(run):
+    run["rows"] = [row for row in run["rows"] if row["shape"] in ("node-l1", "node-l2", "slice-l44")]
+    assert report_boot.slope(report_boot.cells(run), "auto", "warm") is None
+    assert report_boot.slopes(run, report_boot.cells(run)) == ""
+
+
+def test_the_plugins_cost_per_rank_process(run):
+    costs = {c["rank"]: c for c in report_boot.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
+    for r in (0, 1):
+        own = sum(statistics.median(v) for v in FIXED[r].values())
+        loader = statistics.median(LOADER_S["megamoe", r]) - statistics.median(LOADER_S["auto", r])
+        construct = statistics.median(CONSTRUCT_S["megamoe", r]) - statistics.median(CONSTRUCT_S["auto", r])
+        assert costs[r]["total"] == pytest.approx(own + loader + construct)
+        assert costs[r]["construct"] == pytest.approx(construct)
+    text = report_boot.section_of("boot-test", run)
+    worst = max(costs.values(), key=lambda c: c["total"])
+    lines = text.splitlines()
+    line = next(row for row in lines if row.startswith("| node-l4 | warm |"))
+    header = next(row for row in lines if row.startswith("| shape | cache | rank"))
+    cells = dict(zip(split_row(header), split_row(line), strict=True))
+    assert cells["rank"] == str(worst["rank"]) and cells["total"] == f"{1e3 * worst['total']:.1f}"
+    assert cells["under 50 ms"] == ("yes" if worst["total"] < 0.050 else "no")
+    waited = statistics.median(WAIT_S[worst["rank"]])
+    assert cells["the load waited for the probe"] == f"{1e3 * waited:.1f}"
+
+
+def test_whole_model_layers_are_bench_boots_slice_default():
+    import bench_boot
+
+    assert bench_boot.parse_args([]).slice_layers == report_boot.WHOLE_MODEL_LAYERS
