@@ -29,6 +29,7 @@ from unittest import mock
 import pytest
 import sglang_harness as h
 import torch
+from cli_runs import run_cli
 from sglang.srt.layers.moe import mega_moe
 from sglang.srt.weight_cache import daemon as daemon_py  # noqa: F401 (imported outside any patch.dict of
 from sglang.srt.weight_cache import ipc_loader  # noqa: F401  sys.modules, so the plugin's hooks stay on them)
@@ -208,19 +209,18 @@ def test_megamoe_preload_runs_sglangs_launcher_with_the_entry_in_each_daemon(sgl
     assert daemon.run_weight_cache_daemon is not preload.daemon_entry  # put back
 
 
-def megamoe(*args: object) -> subprocess.CompletedProcess:
-    """The real ``megamoe`` command in this engine's environment (with the harness's torchvision stand-in)."""
-    main = "import runpy, sys; sys.argv[0] = 'megamoe'; runpy.run_module('megamoe_convert.cli', run_name='__main__')"
-    return subprocess.run([sys.executable, "-c", h.TORCHVISION_STAND_IN + main, *map(str, args)],
-                          capture_output=True, text=True, timeout=600)
+def test_megamoe_preload_refuses_in_one_line_what_no_sglang_daemon_serves(sglang_converted, engine_converted,
+                                                                        monkeypatch):
+    """The real ``megamoe`` command, in this process (SGLang already imported: tests/cli_runs.py);
+    no daemon is launched for any of them."""
+    from sglang.srt.weight_cache import daemon
 
-
-def test_megamoe_preload_refuses_in_one_line_what_no_sglang_daemon_serves(sglang_converted, engine_converted):
+    monkeypatch.setattr(daemon, "launch_weight_cache_daemons", mock.Mock(side_effect=AssertionError("launched")))
     for args, why in [((sglang_converted, "--engine", "vllm"), "converted for sglang's expert placement"),
                       ((engine_converted, "--engine", "sglang"), "converted for vllm's expert placement"),
                       ((sglang_converted, "--model-path", "x"), "--model-path: megamoe preload takes"),
                       ((sglang_converted, "--load-format", "dummy"), "--load-format dummy: a daemon loads")]:
-        proc = megamoe("preload", "--model", *args)
+        proc = run_cli("preload", "--model", *args, check=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
         lines = [line for line in proc.stderr.splitlines() if line.strip()]  # SGLang's import warnings, then ours
         errors = [line for line in lines if line.startswith("error:")]

@@ -23,6 +23,7 @@ from unittest import mock
 import pytest
 import torch
 import vllm_harness as h
+from cli_runs import run_cli
 
 pytestmark = pytest.mark.only_kernel_layout  # vLLM >= 0.33: the weight cache exists there only
 
@@ -30,9 +31,9 @@ EP = 4
 
 
 def megamoe(*args: object, check: bool = False) -> subprocess.CompletedProcess:
-    """The real ``megamoe`` command, in this engine's environment."""
-    return subprocess.run([sys.executable, "-m", "megamoe_convert.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=600, check=check)
+    """The real ``megamoe`` command, in this engine's environment: in this process (vLLM already
+    imported), through the console script's own entry (``tests/cli_runs.py``)."""
+    return run_cli(*args, check=check, timeout=600)
 
 
 def run_convert(src: Path, out: Path, *args: object) -> Path:
@@ -317,8 +318,12 @@ def test_megamoe_preload_refuses_what_the_daemon_cannot_serve(engine_converted, 
         ((ep4, "--load-format", "safetensors"), "--load-format safetensors: megamoe preload loads a conversion "
                                                 "with --load-format megamoe"),
     ]
+    from vllm.entrypoints.cli.preload import PreloadSubcommand
+
+    started = AssertionError("vLLM's preload was started")
     for (model, *flags), message in cases:
-        done = megamoe("preload", "--model", model, *flags)
+        with mock.patch.object(PreloadSubcommand, "cmd", side_effect=started):
+            done = megamoe("preload", "--model", model, *flags)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and lines[-1].startswith("error: ") and message in lines[-1], done.stderr
         assert "weight-cache-target" not in done.stderr and "Traceback" not in done.stderr
