@@ -3,9 +3,12 @@ every phase timed, and the source checkpoint it reads, written from the model vL
 
 The model is vLLM 0.33's own ``DeepseekV4ForCausalLM`` (``vllm.models.deepseek_v4.nvidia``): every
 decoder layer's real attention, MoE block with its ``DeepGemmMegaMoEExperts``, norms, embedding and
-head, built by its own ``__init__`` from the config ``EngineArgs`` makes; its weights go through
-vLLM's ``DefaultModelLoader`` (``--load-format auto``) or megamoe-convert's loader
-(``--load-format megamoe``), then vLLM's ``process_weights_after_loading``. Patched, as the test
+head, built by its own ``__init__`` from the config ``EngineArgs`` makes (with ``--load-format
+megamoe``, through the plugin's subclass of it, the class vLLM's registry gives once the plugin is
+registered); its weights go through vLLM's ``DefaultModelLoader`` (``--load-format auto``) or
+megamoe-convert's loader (``--load-format megamoe``), then vLLM's ``process_weights_after_loading``.
+The plugin's own costs are reported apart: its import and ``register``, what its loader's first
+call imports, the layout probe and how long the load waited for it. Patched, as the test
 harnesses patch: the SM100 checks (the device capability reads as SM100, the MegaMoE support check),
 the process groups (a world of one process, the EP group's rank and size set), and, on a machine
 without CUDA, the CUDA streams and events the constructors make.
@@ -19,6 +22,7 @@ import contextlib
 import importlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -93,15 +97,26 @@ def _plain_linear(layer: Any, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 
 
-def build(model_py: Any, config: Any, device: Any) -> Any:
-    """``DeepseekV4ForCausalLM(vllm_config=...)`` as ``initialize_model`` calls it: under the model's
-    dtype, on ``device``, with the config current."""
+def model_class(model_py: Any, form: str) -> Any:
+    """The class vLLM's registry gives: its own ``DeepseekV4ForCausalLM``, or with the plugin
+    registered (``megamoe``) the plugin's subclass of it (its checks and its staging start run
+    while the model is built, as in ``vllm serve``)."""
+    if form != "megamoe":
+        return model_py.DeepseekV4ForCausalLM
+    from megamoe_convert.engines.vllm import model_classes
+
+    return model_classes.make_model_class(model_py.DeepseekV4ForCausalLM, draft=False)
+
+
+def build(cls: Any, config: Any, device: Any) -> Any:
+    """``cls(vllm_config=...)`` as ``initialize_model`` calls it: under the model's dtype, on
+    ``device``, with the config current."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype), torch.device(device):
-        return model_py.DeepseekV4ForCausalLM(vllm_config=config, prefix="")
+        return cls(vllm_config=config, prefix="")
 
 
 # --------------------------------------------------------------------------------------
@@ -153,7 +168,7 @@ def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, An
     config = engine_config(str(out), "dummy")
     process_group(config, 29400)
     with patched(rank, ep_size) as model_py:
-        rest = checkpoint_names(build(model_py, config, "meta"))
+        rest = checkpoint_names(build(model_py.DeepseekV4ForCausalLM, config, "meta"))
     rng = np.random.default_rng(0)
     weight_map: dict[str, str] = {}
 
@@ -264,15 +279,14 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
     split, probe = Split(), _ProbeTimer()
     from vllm.config import set_current_vllm_config
 
-    with set_current_vllm_config(config), patched(rank, ep_size) as model_py, _cuda_platform(device), \
-            (probe.timing() if form == "megamoe" else contextlib.nullcontext()):
+    with set_current_vllm_config(config), patched(rank, ep_size) as model_py, _cuda_platform(device):
         loader = get_model_loader(config.load_config)  # megamoe's starts its staging here
         loader.enable_weights_track = False  # as for a quantized (FP8) checkpoint: no strict tracking
         marks["loader"] = time.perf_counter()
-        net = build(model_py, config, device)
+        net = build(model_class(model_py, form), config, device)
         _sync(device)
         marks["construct"] = time.perf_counter()
-        experts_s = _load(loader, net, config, split, form)
+        experts_s = _load(loader, net, config, split, form, probe, fixed)
         _sync(device)
         marks["weights"] = time.perf_counter()
         process_weights_after_loading(net, config.model_config, device)
@@ -284,21 +298,25 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
     report = {"form": form, "rank": rank, "phases": phases, "process_s": marks["post"] - start,
               "spawned_unix": spawned, "end_unix": time.time(),
               "weights_experts_s": experts, "weights_rest_s": weights_s - experts,
-              "tensors": split.tensors, **fixed, **probe.report(),
+              "tensors": split.tensors, **fixed, **probe.report(), **_ring_report(marks),
               "parameters": sum(p.numel() for p in net.parameters()),
               "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
     report["fingerprint"] = _fingerprint(net)
     return report
 
 
-def _load(loader: Any, net: Any, config: Any, split: Split, form: str) -> float:
-    """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``)."""
+def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: _ProbeTimer,
+          fixed: dict[str, float]) -> float:
+    """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``),
+    and in ``fixed`` what its first call imports (the install's modules: ``install_import_s``)."""
     if form != "megamoe":
         real = loader.get_all_weights
         with mock.patch.object(loader, "get_all_weights", lambda mc, m: split.wrap(real(mc, m))):
             loader.load_weights(net, config.model_config)
         return 0.0
-    megamoe_install = importlib.import_module("megamoe_convert.engines.vllm.installing")  # the loader's source
+    t0 = time.perf_counter()
+    megamoe_install = importlib.import_module("megamoe_convert.engines.vllm.installing")  # the loader's first call
+    fixed["install_import_s"] = time.perf_counter() - t0
 
     took = [0.0]
     real_install = megamoe_install.install_layers
@@ -310,23 +328,36 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str) -> float:
         finally:
             took[0] = time.perf_counter() - t0
 
-    with mock.patch.object(megamoe_install, "install_layers", timed):
+    with mock.patch.object(megamoe_install, "install_layers", timed), probe.timing():
         loader.load_weights(net, config.model_config)
     return took[0]
 
 
+def _ring_report(marks: dict[str, float]) -> dict[str, Any]:
+    """The staging ring megamoe's loader pins in the background (on a GPU): how long pinning took,
+    and when it was ready against the model build's end (negative: before it)."""
+    staging = sys.modules.get("megamoe_convert.serve.staging")
+    ring = getattr(staging, "_RING", None)
+    if ring is None:
+        return {}
+    return {"ring_pin_s": ring.pin_seconds, "ring_ready_after_build_s": ring.ready_at - marks["construct"]}
+
+
 class _ProbeTimer:
     """The layout probe's own time (it runs beside the first reads): vLLM's loading code on one
-    synthetic expert per contract, timed where the install driver starts it."""
+    synthetic expert per contract, timed where the install driver starts it; and how long the load
+    waited for its word (the reads' first writes, and the install's end, wait on it): the part of the
+    probe on the rank's critical path."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
+        self.waits: list[float] = []
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         from megamoe_convert.engines import driver
 
-        real = driver.probe_layouts
+        real, start = driver.probe_layouts, driver.layout_probe.in_background
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -335,11 +366,29 @@ class _ProbeTimer:
             finally:
                 self.seconds.append(time.perf_counter() - t0)
 
-        with mock.patch.object(driver, "probe_layouts", timed):
+        def started(*args: Any, **kwargs: Any) -> Any:
+            future = start(*args, **kwargs)
+            result = future.result
+
+            def waited(timeout: float | None = None) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return result(timeout)
+                finally:
+                    self.waits.append(time.perf_counter() - t0)
+
+            future.result = waited  # type: ignore[method-assign]  # what the install's lanes and its end call
+            return future
+
+        with mock.patch.object(driver, "probe_layouts", timed), \
+                mock.patch.object(driver.layout_probe, "in_background", started):
             yield
 
     def report(self) -> dict[str, Any]:
-        return {"probe_s": sum(self.seconds), "probe_calls": len(self.seconds)} if self.seconds else {}
+        if not self.seconds:
+            return {}
+        return {"probe_s": sum(self.seconds), "probe_calls": len(self.seconds),
+                "probe_wait_s": max(self.waits, default=0.0)}
 
 
 @contextlib.contextmanager
