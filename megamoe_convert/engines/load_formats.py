@@ -9,6 +9,7 @@ and a checkpoint without routed experts that no marker names is refused (:class:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import re
@@ -21,7 +22,6 @@ from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 from megamoe_convert.output.naming import MANIFEST_NAME
-from megamoe_convert.source import families
 
 if TYPE_CHECKING:  # the driver is imported where an install runs, not by the plugin
     from megamoe_convert.engines.driver import Installed
@@ -32,10 +32,6 @@ LOAD_FORMAT = "megamoe"
 RANK_FILES_PATTERN = "rank-*-of-*/*"
 #: Nor a store's expert files (``install`` reads just this rank's slots of them itself).
 STORE_FILES_PATTERN = "experts/*"
-#: Checkpoint tensor names of routed experts (what the megamoe load format never reads), by every
-#: family's projection names (``experts.3.w1``, ``experts.3.gate_proj``; never ``shared_experts``).
-EXPERT_TENSOR_NAME = re.compile(r"\.experts\.(\d+\.)?(%s)" % "|".join(
-    sorted({re.escape(name) for family in families.FAMILIES for name in family.projections.values()})))
 #: Set on a model once its conversion's experts are installed (by the load format or by the
 #: model's own ``load_weights``), so that the other does not install them again.
 INSTALLED_ATTR = "megamoe_installed"
@@ -43,6 +39,17 @@ INSTALLED_ATTR = "megamoe_installed"
 HF_SNAPSHOT = re.compile(r"models--(?P<owner>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 #: What an engine feeds a model's ``load_weights``: ``(name, tensor)`` pairs.
 Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+@functools.cache
+def expert_tensor_name() -> re.Pattern[str]:
+    """Checkpoint tensor names of routed experts (what the megamoe load format never reads), by every
+    family's projection names (``experts.3.w1``, ``experts.3.gate_proj``; never ``shared_experts``):
+    made at the first load, as the families table is not the plugin's to import in every process."""
+    from megamoe_convert.source import families
+
+    return re.compile(r"\.experts\.(\d+\.)?(%s)" % "|".join(
+        sorted({re.escape(name) for family in families.FAMILIES for name in family.projections.values()})))
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +112,10 @@ class ExpertTensorCount:
         self.weights, self.experts, self.tensors = weights, 0, 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        expert = expert_tensor_name().search
         for name, tensor in self.weights:
             self.tensors += 1
-            self.experts += bool(EXPERT_TENSOR_NAME.search(name))
+            self.experts += bool(expert(name))
             yield name, tensor
 
     def refusal(self, model: str, engine: str) -> str | None:
@@ -123,7 +131,8 @@ def without_expert_tensors(weights: Weights, installed: Installed | None = None)
     """The default safetensors iterator, minus routed-expert tensors and the shared-expert
     tensors ``installed`` put in place from the rank files (``Installed.skip``)."""
     skip = installed.skip if installed else frozenset()
-    return ((name, t) for name, t in weights if not EXPERT_TENSOR_NAME.search(name) and name not in skip)
+    expert = expert_tensor_name().search
+    return ((name, t) for name, t in weights if not expert(name) and name not in skip)
 
 
 def as_safetensors_config(load_config: Any) -> Any:

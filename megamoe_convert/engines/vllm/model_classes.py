@@ -36,10 +36,9 @@ import torch
 from torch import nn
 
 from megamoe_convert.engines.load_formats import INSTALLED_ATTR, load_installing, served_reference
-from megamoe_convert.engines.vllm import format_table, private_hooks
+from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
-from megamoe_convert.source import engines_table, families
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +78,8 @@ def make_model_class(base: Any, draft: bool) -> type:
             own = getattr(spec, "draft_model_config", None) if draft else vllm_config.model_config
             out = conversion_of(own)
             if out is not None:
+                from megamoe_convert.engines.vllm import format_table  # on a conversion only (the plugin's cost)
+
                 format_table.refuse_unserved(out, vllm_config)  # before vLLM builds anything
                 from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (the plugin's cost)
 
@@ -167,6 +168,8 @@ def refuse_family_vllm_cannot_serve(model: Any, model_type: Any) -> None:
     """A conversion of a family whose MegaMoE vLLM does not run (SGLang's SM90 FP8 families) is
     refused when its config is read: vLLM would build the family's own modules, which take none of
     the pre-baked experts, and serve them empty."""
+    from megamoe_convert.source import engines_table, families  # on a conversion only (the plugin's cost)
+
     family = next((f for f in families.FAMILIES if model_type in f.model_types), None)
     if family is not None and (why := engines_table.family_refusal(family, "vllm")) is not None:
         raise InstallError(f"{model}: a megamoe-convert conversion of {family.title}, which vLLM cannot serve: {why}")
