@@ -25,7 +25,6 @@ from megamoe_convert.hub.resolve import open_converted
 from megamoe_convert.layout.placement import Placement
 from megamoe_convert.serve.converted import ConvertedModel, ExpertLayer
 from megamoe_convert.serve.loader import load_rank
-from megamoe_convert.serve.store import load_slots
 from megamoe_convert.source.checkpoint import SHARED_PROJECTIONS
 from megamoe_convert.source.layers import MoELayer
 
@@ -130,6 +129,8 @@ def _load(planned: list[tuple[nn.Module, Contract, MoELayer]], converted: Conver
     into = {layer.prefix: contract.destinations(module, converted) for module, contract, layer in planned}
     if not converted.manifest.store:
         return load_rank(converted, rank, verify=verify, into=into, before_writes=before_writes)
+    from megamoe_convert.serve.store import load_slots  # a store's reader: not imported where a rank's own files load
+
     placements = converted.placements
     return load_slots(converted, {layer: placements[layer].rank_logical_ids(rank) for layer in placements},
                       starts={layer: p.experts_start(rank) for layer, p in placements.items()},

@@ -28,7 +28,7 @@ from megamoe_convert.output.compare import copied_family_problem
 from megamoe_convert.output.manifest import read_manifest
 from megamoe_convert.output.naming import MANIFEST_NAME
 from megamoe_convert.output.writer import FileRecord
-from megamoe_convert.serve import staging, store
+from megamoe_convert.serve import staging
 from megamoe_convert.serve.converted import (
     ConvertedModel,
     Destinations,
@@ -183,6 +183,8 @@ def _load_store_rank(converted: ConvertedModel, rank: int, device: torch.device,
     if not 0 <= rank < ep_size:
         raise LoadError(f"rank {rank} is out of range for ep_size={ep_size} (ranks 0..{ep_size - 1})")
     chosen = resolve_layers(manifest, list(into) if into is not None else layers)
+    from megamoe_convert.serve import store  # a store's reader: not imported where a rank's own files load
+
     return store.load_store_rank(converted, rank, ep_size, chosen, device, verify, into, before_writes)
 
 
