@@ -86,6 +86,8 @@ def run(work: Path, formats: list[str], smoke: bool, engine: str = "vllm") -> in
 
     import torch
 
+    if engine == "sglang" and torch.cuda.is_available():  # SGLang imported as on the CPU: no sgl_kernel
+        importlib.import_module("node_forms_sglang").import_sglang()
     matrix = importlib.import_module(f"test_{engine}_format_matrix")
     h = importlib.import_module(f"{engine}_harness")
     reference = importlib.import_module(f"test_{engine}_model_classes").reference
@@ -112,7 +114,7 @@ def run(work: Path, formats: list[str], smoke: bool, engine: str = "vllm") -> in
                 print(f"{load_format} {form}: FAILED: {type(e).__name__}: {' '.join(str(e).split())[:400]}")
                 status = max(status, 1)
             else:
-                print(f"{load_format} {form}: served, experts byte-equal to vLLM's own loading of the source")
+                print(f"{load_format} {form}: served, experts byte-equal to {engine}'s own loading of the source")
     return status
 
 
