@@ -1,11 +1,14 @@
-"""The lead of docs/benchmarks.md: what a node gains, per shape, from the newest node run of each node size
-(benchmarks/results/node-*/node.json, saved by benchmarks/bench_node.py)."""
+"""The lead of docs/benchmarks.md: what a node gains. First its whole start, process start to a loaded
+model (benchmarks/results/boot-*/boot.json, saved by benchmarks/bench_boot.py), then its expert loading
+alone, per shape, from the newest node run of each node size (benchmarks/results/node-*/node.json, saved
+by benchmarks/bench_node.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from common import short_gpu
+import report_boot
+from common import short_gpu, table
 from report_node import (
     COMMAND,
     NAMES,
@@ -92,6 +95,46 @@ def other_forms(name: str, result: dict[str, Any]) -> str:
             + "; ".join(cells) + ".")
 
 
+def whole_start() -> str:
+    """Each boot run's shapes at their most MoE layers: how many seconds sooner the node holds a loaded
+    model with ``megamoe`` than with vLLM's ``auto``, the share of ``auto``'s start that is, and the share
+    that is ``auto``'s expert loading and its imports (which stay)."""
+    rows = []
+    for name, run in report_boot.runs():
+        got = report_boot.cells(run)
+        setup = {i["name"]: i for i in run["setup"]}
+        shapes = {s for s, _, _ in got}
+        both = {s for s in shapes if any((s, "megamoe", c) in got for c in ("cold", "warm"))}
+        for shape in sorted(both or shapes, key=lambda s: -setup[s]["layers"])[:1]:
+            info = setup[shape]
+            where = (f"one node of EP {info['ep_size']}" if shape.startswith("slice")
+                     else f"one node holds every rank (EP {info['ep_size']})")
+            for cache in ("cold", "warm"):
+                auto, ours = got.get((shape, "auto", cache)), got.get((shape, "megamoe", cache))
+                if not auto:
+                    continue
+                base = report_boot.node_s(auto)
+                experts = report_boot.slowest(auto, "weights_experts_s")
+                imports = report_boot.slowest(auto, "imports")
+                mine = report_boot.node_s(ours) if ours else None
+                gpus = run["machine"]["gpus"]
+                rows.append([f"{len(gpus)} x {short_gpu(gpus[0])}", f"{where}, {info['layers']} MoE layers",
+                             cache, f"{mine:.1f}" if mine is not None else "not run", f"{base:.1f}",
+                             f"{base - mine:.1f} s ({(base - mine) / base:.0%})" if mine is not None else "-",
+                             f"{experts:.1f} s ({experts / base:.0%})", f"{imports:.1f} s ({imports / base:.0%})",
+                             f"`{name}`"])
+    if not rows:
+        return ""
+    return ("Process start to a loaded model, every rank process of the node at once, one per GPU, through vLLM "
+            "0.33's real `DeepseekV4ForCausalLM` (Flash dims at the layers named), `--load-format megamoe` "
+            "against vLLM 0.33's own `auto` in the same run (`bench_boot.py`; the slowest rank, medians over the "
+            "rounds):\n\n" + table(["node", "shape", "cache", "`megamoe` s", "vLLM 0.33 `auto` s",
+                                     "sooner (of `auto`'s start)", "`auto`'s expert loading", "`auto`'s imports",
+                                     "run"], rows)
+            + "\n\nWhere the experts are a few percent of the start, the forms differ by less than the imports vary "
+              "from one start to the next (each run's section below gives every rank's phases).\n")
+
+
 def gains() -> str:
     """The page's lead: what a node gains, per shape, from the newest run of each node size, each figure
     beside vLLM's `auto` and the limit measured in the same run."""
@@ -123,6 +166,8 @@ def gains() -> str:
     if any(FEWER in line for line in lines):
         notes.append(f"- {FEWER} a median of fewer rounds than the shape ran (a row set apart, or a form that did "
                      "not run in every round): its section's table says which.")
-    return ("Every rank process of a node released at once, one per GPU, into vLLM 0.33's real modules (Flash dims "
+    start = whole_start()
+    return ((f"### The whole start\n\n{start}\n### Expert loading alone\n\n" if start else "")
+            + "Every rank process of a node released at once, one per GPU, into vLLM 0.33's real modules (Flash dims "
             "cut to the layers named), first load, medians over the rounds; each ratio against the figure beside it "
             "from the same run:\n\n" + "\n".join(lines) + "\n\n" + "\n".join(notes))
