@@ -290,16 +290,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--form-timeout", type=float, default=150, help="stop a measurement that runs longer (s)")
     p.add_argument("--save", type=Path)
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny dims, 2 rank processes, warm, "
-                                                       "the forms that run without a GPU")
+                                                       "each form's code once (QUICK_FORMS)")
     args = p.parse_args(argv)
     forms, _ = engine_forms(args.engine)
     if args.quick and args.engine == "sglang":
         args.preset, args.layers, args.rounds, args.n, args.caches = preset(args, True), "1", "1", 2, "warm"
-        args.forms, args.shapes, args.batch = args.forms or ",".join(forms), "node", 8  # imports: seconds of CPU each
+        args.forms, args.shapes, args.batch = args.forms or QUICK_FORMS["sglang"][0], "node", 8
     elif args.quick:
         args.preset, args.experts, args.layers, args.rounds, args.n = "tiny", 8, "1", "1", 2
-        args.caches, args.forms = "warm", "auto,auto_ep_filter,instanttensor,megamoe_per_rank,megamoe_store,ipc_cache"
-        args.slice_forms = "auto_ep_filter,megamoe_store"
+        args.caches, (args.forms, args.slice_forms) = "warm", QUICK_FORMS["vllm"]
     args.preset = args.preset or preset(args, False)
     args.experts = args.experts or __import__("node_forms_sglang").expert_count(args.preset)
     args.forms = args.forms or ",".join(forms)
@@ -311,6 +310,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         raise SystemExit(f"--forms: unknown {sorted(unknown)}; known for {args.engine}: {', '.join(forms)}")
     return args
+
+
+#: engine -> the forms of ``--quick`` in the node shape, and in the slice shape. Every process imports the
+#: engine (seconds of CPU each), so each form's code runs once: vLLM's two loader forms and megamoe's
+#: two split between the shapes (each shape still compares a vLLM form with a megamoe one), the form
+#: that needs a GPU says why without a process; SGLang's ``auto`` and ``megamoe_per_rank`` loads run
+#: in the restarts' daemons (``node_forms_sglang.DAEMONS``), whose experts the restarts map.
+QUICK_FORMS = {"vllm": ("auto,instanttensor,megamoe_per_rank,ipc_cache", "auto_ep_filter,megamoe_store"),
+               "sglang": ("presharded_dump,presharded,ipc_cache,ipc_cache_megamoe,megamoe_store", "")}
 
 
 def engine_forms(engine: str) -> tuple[list[str], tuple[str, ...]]:

@@ -151,6 +151,7 @@ def _cuda_platform():
 
 
 def skip_reason(kind: str) -> str | None:
+    """Why ``kind`` cannot run on this machine (the parent asks before it starts any rank process), or ``None``."""
     import torch
 
     if kind in ("fastsafetensors", "instanttensor", "h2d", "pipe") and not torch.cuda.is_available():
@@ -266,20 +267,14 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
     from bench_startup import io_read_bytes
 
     imported = time.perf_counter() - start
-    reason = skip_reason(kind)
     with contextlib.ExitStack() as stack:
-        prepared = None
-        if reason is None:
-            prepare = PREPARE[FORMS[kind][0]] if kind in FORMS else prepare_ceiling
-            prepared = prepare(kind, rank, shape, stack)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+        prepare = PREPARE[FORMS[kind][0]] if kind in FORMS else prepare_ceiling
+        prepared = prepare(kind, rank, shape, stack)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         ready_unix = time.time()
         protocol.write("ready\n")
         if sys.stdin.readline().strip() != "go":
-            return
-        if prepared is None:
-            protocol.write(json.dumps({"rank": rank, "skipped": reason}) + "\n")
             return
         read_before, t0, start_unix = io_read_bytes(), time.perf_counter(), time.time()
         prepared.load()

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node_forms import Shape
+from node_forms import Shape, skip_reason
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH_NODE = Path(__file__).with_name("bench_node.py")
@@ -30,15 +30,19 @@ def gpu_of(rank: int, gpus: int) -> dict[str, str]:
 
 class Ranks:
     """One measurement's rank processes: spawned with the rest of their batch, each reporting
-    ready on its protocol pipe, then released at once."""
+    ready on its protocol pipe, then released at once. A form or ceiling this machine cannot run
+    (:func:`node_forms.skip_reason`) starts no process: its rows say why."""
 
     #: Why the processes never became ready (:meth:`settle`), or ``None``.
     error: str | None = None
 
     def __init__(self, kind: str, shape: Shape, work: Path, gpus: int, n: int, threads: int,
                  fingerprint: bool) -> None:
-        self.kind, self.shape = kind, shape
+        self.kind, self.shape, self.n = kind, shape, n
         self.procs: list[subprocess.Popen] = []
+        self.skipped = skip_reason(kind)
+        if self.skipped:
+            return
         try:
             for rank in [0] if kind == "disk_read" else range(n):
                 cmd = [sys.executable, str(BENCH_NODE), "--child", kind, "--rank", str(rank), "--shape",
@@ -77,6 +81,8 @@ class Ranks:
 
     def go(self, timeout: float) -> list[dict[str, Any]]:
         """Release every rank (each is blocked on its stdin: one write each) and collect their reports."""
+        if self.skipped:
+            return [{"rank": rank, "skipped": self.skipped} for rank in range(self.n)]
         for proc in self.procs:
             proc.stdin.write("go\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]

@@ -252,9 +252,10 @@ def test_device_node_script_parses_and_runs_real_flags():
 
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_node_quick_in_vllm_033(tmp_path):
-    """The node benchmark on the CPU: two rank processes per shape, released together, loading through
-    vLLM 0.33's own loaders, install() and an ipc_cache restart into vLLM's real modules; every form
-    that ran leaves the same kernel bytes, and a form that cannot run here says why."""
+    """The node benchmark on the CPU: two rank processes per form, released together, loading through
+    vLLM 0.33's own loaders (with and without its EP filter), install() from the per-rank form and the
+    store, and an ipc_cache restart into vLLM's real modules, each form once, in one shape or the other;
+    every form that ran leaves the same kernel bytes, and a form that cannot run here says why."""
     sys.path.insert(0, str(REPO / "tests"))
     from engine_envs import ensure
 
@@ -264,8 +265,7 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
     result = json.loads((tmp_path / "n.json").read_text())
     assert [(s["shape"], s["ep_size"]) for s in result["steps"]] == [("node-l1", 2), ("slice-l1", 8)]
     node, piece = ({(r["form"], r["cache"]): r for r in step["rows"]} for step in result["steps"])
-    for rows, forms in ((node, ("auto", "auto_ep_filter", "megamoe_per_rank", "megamoe_store")),
-                        (piece, ("auto_ep_filter", "megamoe_store"))):
+    for rows, forms in ((node, ("auto", "megamoe_per_rank")), (piece, ("auto_ep_filter", "megamoe_store"))):
         assert sorted(f for f, _ in rows) == sorted([*forms, "pipe", "host_read", "h2d"] +
                                                     (["instanttensor", "ipc_cache"] if rows is node else []))
         for form in (*forms, "host_read"):
@@ -297,10 +297,11 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_node_quick_in_sglang_0523(tmp_path):
     """The node benchmark's SGLang forms on the CPU: two rank processes per form, released together, loading
-    through SGLang 0.5.23's DefaultModelLoader, its presharded first run and reload, restarts mapping its
-    weight-cache daemons (loaded from the source, and as megamoe preload's from the per-rank form) and
-    install(), into SGLang's real Hopper FP8 MegaMoE modules. Every form leaves the same kernel bytes; a
-    restart from SGLang's own daemons leaves the modules without the MegaMoE tuples, every other form with them."""
+    through SGLang 0.5.23's presharded first run (its DefaultModelLoader's load) and reload, restarts mapping
+    its weight-cache daemons (loaded from the source by its DefaultModelLoader, and as megamoe preload's from
+    the per-rank form by install()) and install() from the store, into SGLang's real Hopper FP8 MegaMoE
+    modules. Every form leaves the same kernel bytes; a restart from SGLang's own daemons leaves the modules
+    without the MegaMoE tuples, every other form with them."""
     sys.path.insert(0, str(REPO / "tests"))
     from engine_envs import ensure
 
@@ -311,7 +312,7 @@ def test_bench_node_quick_in_sglang_0523(tmp_path):
     (step,) = result["steps"]
     assert (result["engine"], step["shape"], step["ep_size"]) == ("sglang", "node-l1", 2)
     rows = {(r["form"], r["cache"]): r for r in step["rows"]}
-    loads = ("auto", "presharded_dump", "presharded", "megamoe_per_rank", "megamoe_store")
+    loads = ("presharded_dump", "presharded", "megamoe_store")
     restarts = ("ipc_cache", "ipc_cache_megamoe")
     assert sorted(rows) == sorted([(f, "warm") for f in (*loads, "pipe", "host_read", "h2d")] +
                                   [(f, "restart") for f in restarts])
