@@ -29,9 +29,24 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(2, str(Path(__file__).resolve().parents[1]))  # the tests' shared helpers
 
-import sglang_harness as h  # noqa: E402  (first: its torchvision stand-in)
 import torch  # noqa: E402
+
+#: SGLang imported while CUDA answers no, as on the CPU machine its tests run on: it then imports none of
+#: its compiled kernels (``sgl_kernel``, which this run does not carry), settles on its CPU platform and
+#: caches its CUDA checks as false; the tensors, the daemon's export and the mapping still use the GPU.
+_cuda_available = torch.cuda.is_available
+torch.cuda.is_available = lambda: False
+try:
+    import sglang_harness as h  # noqa: E402  (first: its torchvision stand-in)
+    import test_sglang_model_classes  # noqa: E402, F401
+    import test_sglang_weight_cache  # noqa: E402, F401
+    from sglang.srt.utils.common import is_cuda, is_cuda_alike  # noqa: E402
+
+    is_cuda(), is_cuda_alike()  # cached while CUDA is hidden
+finally:
+    torch.cuda.is_available = _cuda_available
 
 EP_SIZE, REDUNDANT = 4, 4
 
@@ -51,13 +66,13 @@ def build(work: Path) -> tuple[Path, Path]:
 
 
 def environment(stack: ExitStack, sockets: Path, device: str) -> None:
-    """SGLang's socket and ready-file templates; on the CPU a device UUID (a GPU has its own)."""
+    """SGLang's socket and ready-file templates, and the device UUID they name (SGLang's CPU platform,
+    which it settled on, has none)."""
     os.environ["SGLANG_WEIGHT_CACHE_SOCKET_TEMPLATE"] = f"{sockets}/{{device_uuid}}.sock"
     os.environ["SGLANG_WEIGHT_CACHE_READY_TEMPLATE"] = f"{sockets}/{{device_uuid}}.ready"
-    if device == "cpu":
-        from sglang.srt.platforms import current_platform
+    from sglang.srt.platforms import current_platform
 
-        stack.enter_context(mock.patch.object(current_platform, "get_device_uuid", lambda device_id=0: "gpu0"))
+    stack.enter_context(mock.patch.object(current_platform, "get_device_uuid", lambda device_id=0: "gpu0"))
 
 
 def daemon_main(ckpt: Path, out: Path, rank: int, device: str, sockets: Path) -> None:
