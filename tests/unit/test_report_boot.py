@@ -117,3 +117,16 @@ def test_whole_model_layers_are_bench_boots_slice_default():
     import bench_boot
 
     assert bench_boot.parse_args([]).slice_layers == report_boot.WHOLE_MODEL_LAYERS
+
+
+def test_a_field_an_older_run_did_not_report_is_not_timed(run):
+    for row in run["rows"]:
+        for r in row["ranks"]:
+            r.pop("install_import_s", None)
+            r.pop("probe_wait_s", None)
+    lines = report_boot.section_of("boot-test", run).splitlines()
+    header = split_row(next(row for row in lines if row.startswith("| shape | cache | rank")))
+    cells = dict(zip(header, split_row(next(row for row in lines if row.startswith("| node-l4 | warm |"))),
+                     strict=True))
+    assert cells["first call's imports"] == "not timed" and cells["the load waited for the probe"] == "not timed"
+    assert cells["layout probe"] != "not timed"
