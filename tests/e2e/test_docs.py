@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_FENCES = ("bash", "sh", "shell", "console")
@@ -138,8 +138,9 @@ class TinyWorld:
 
 
 def run_megamoe(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "megamoe_convert.cli", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    """A documented ``megamoe`` command, through the console script's own entry in this process
+    (``tests/cli_runs.py``: what a command sets process-wide is put back after it)."""
+    return run_cli(*args, check=False)
 
 
 def test_every_documented_command_runs_or_says_why_not(tiny_ckpt, tmp_path):
