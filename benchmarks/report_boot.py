@@ -4,7 +4,7 @@ loaded model, ``--load-format megamoe`` against vLLM 0.33's ``auto``, phase by p
 from __future__ import annotations
 
 import statistics
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from common import RESULTS, result, short_gpu, table
 
@@ -76,15 +76,36 @@ def node_layers(shape: str) -> int | None:
     return int(shape.removeprefix("node-l")) if shape.startswith("node-l") else None
 
 
-def slope(got: dict, form: str, cache: str) -> tuple[float, float, list[int]] | None:
-    """Least squares of the node shape's node time on its MoE layers, from three layer counts at
-    least: (s per MoE layer, s at no layer: imports, config, the model's other parts; layers)."""
-    points = [(layers, node_s(rows)) for (s, f, c), rows in got.items()
+class Slope(NamedTuple):
+    """The node shape's least-squares line: ``per`` seconds each MoE layer adds after the imports,
+    ``base`` what the rest takes at no layer (config, the model's other parts), ``start`` the median
+    spawn-and-imports time (no layer count changes it), from ``layers``."""
+
+    per: float
+    base: float
+    start: float
+    layers: list[int]
+
+    def at(self, layers: int) -> float:
+        return self.start + self.base + self.per * layers
+
+
+def after_imports(row: dict[str, Any]) -> float:
+    """The slowest rank's time after its imports: the part of the node's time the layers change
+    (the imports, tens of seconds and noisy, are fitted apart so they do not drown the slope)."""
+    return max(r["process_s"] - r["phases"]["imports"] for r in row["ranks"])
+
+
+def slope(got: dict, form: str, cache: str) -> Slope | None:
+    """Least squares of the node shape's time after the imports on its MoE layers, from three layer
+    counts at least; the imports' median beside it (see :class:`Slope`)."""
+    cells_ = [(layers, rows) for (s, f, c), rows in got.items()
               if (layers := node_layers(s)) is not None and f == form and c == cache]
-    if len({x for x, _ in points}) < 3:
+    if len({x for x, _ in cells_}) < 3:
         return None
-    per, base = fit_line(points)
-    return per, base, sorted(x for x, _ in points)
+    per, base = fit_line([(x, statistics.median(after_imports(row) for row in rows)) for x, rows in cells_])
+    start = statistics.median(row["node_s"] - after_imports(row) for _, rows in cells_ for row in rows)
+    return Slope(per, base, start, sorted(x for x, _ in cells_))
 
 
 def slice_rows(run: dict[str, Any], got: dict, form: str, cache: str) -> list[dict[str, Any]]:
@@ -102,20 +123,21 @@ def slopes(run: dict[str, Any], got: dict) -> str:
             fit = slope(got, form, cache)
             if not fit:
                 continue
-            per, base, xs = fit
             measured = slice_rows(run, got, form, cache)
-            rows.append([f"`{form}`", cache, ", ".join(map(str, xs)), f"{per:.3f}", f"{base:.2f}",
-                         f"{base + WHOLE_MODEL_LAYERS * per:.1f}",
+            rows.append([f"`{form}`", cache, ", ".join(map(str, fit.layers)), f"{fit.per:.3f}", f"{fit.base:.2f}",
+                         f"{fit.start:.2f}", f"{fit.at(WHOLE_MODEL_LAYERS):.1f}",
                          f"{statistics.median(r['node_s'] for r in measured):.1f}" if measured else "not run"])
     if not rows:
         return ""
-    return (f"The node shape's start against its MoE layers: a least-squares line per form, its slope the "
-            f"seconds each MoE layer adds and its intercept what no layer costs (imports, config, the model's "
-            f"other parts). The {WHOLE_MODEL_LAYERS}-layer column is an estimate from measured per-layer "
-            f"slopes, not a measurement; the slice column is measured (one node of EP 4N: the whole model's "
-            f"layers, a quarter of the experts a rank of the node shape holds).\n\n" +
-            table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers",
-                   f"{WHOLE_MODEL_LAYERS} layers, s (estimate from measured per-layer slopes)",
+    return (f"The node shape's start against its MoE layers, per form: a least-squares line of the slowest rank's "
+            f"time after its imports (its slope the seconds each MoE layer adds, its intercept what no layer "
+            f"costs: config, the model's other parts), and the spawn and imports apart (their median: no layer "
+            f"count changes them). The {WHOLE_MODEL_LAYERS}-layer column, spawn and imports + intercept + "
+            f"{WHOLE_MODEL_LAYERS} x slope, is an estimate from measured per-layer slopes, not a measurement; the "
+            f"slice column is measured (one node of EP 4N: the whole model's layers, a quarter of the experts a "
+            f"rank of the node shape holds).\n\n" +
+            table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers after imports",
+                   "spawn and imports, s", f"{WHOLE_MODEL_LAYERS} layers, s (estimate from measured per-layer slopes)",
                    f"slice of {WHOLE_MODEL_LAYERS} layers, s (measured)"], rows))
 
 

@@ -36,11 +36,20 @@ FIXED = {0: {"plugin_import_s": (0.010, 0.012), "plugin_register_s": (0.001, 0.0
 WAIT_S = {0: (0.004, 0.010), 1: (0.0, 0.002)}
 
 
-def rank(form: str, r: int, rnd: int) -> dict:
-    phases = dict.fromkeys(PHASES, 1.0)
-    phases.update(loader=LOADER_S[form, r][rnd], construct=CONSTRUCT_S[form, r][rnd])
+#: Each rank's imports: noisy, and no layer count's doing (rank 1's a little longer).
+IMPORTS_S = {("node-l1", 0): 20.0, ("node-l1", 1): 23.5, ("node-l2", 0): 26.0, ("node-l2", 1): 21.0,
+             ("node-l4", 0): 22.5, ("node-l4", 1): 24.0, ("node-l8", 0): 21.5, ("node-l8", 1): 27.0,
+             ("slice-l44", 0): 25.0, ("slice-l44", 1): 25.0}
+
+
+def rank(shape: str, form: str, r: int, rnd: int) -> dict:
+    phases = dict.fromkeys(PHASES, 0.5)
+    imports = IMPORTS_S[shape, rnd] + 0.25 * r
+    phases.update(imports=imports, loader=LOADER_S[form, r][rnd], construct=CONSTRUCT_S[form, r][rnd])
     fixed = {k: v[rnd] for k, v in FIXED[r].items()} | {"probe_wait_s": WAIT_S[r][rnd]} if form == "megamoe" else {}
-    return {"rank": r, "phases": phases, "weights_experts_s": 0.5, "weights_rest_s": 0.5, **fixed}
+    after = NODE_S[shape, form][rnd] - IMPORTS_S[shape, rnd] - 1.0 - 0.5 * r  # rank 0 the slowest after imports
+    return {"rank": r, "phases": phases, "process_s": imports + after, "weights_experts_s": 0.5,
+            "weights_rest_s": 0.5, **fixed}
 
 
 @pytest.fixture
@@ -49,7 +58,7 @@ def run() -> dict:
     setup = [{"name": s, "layers": int(s.split("-l")[1]), "ep_size": 8 if s.startswith("slice") else 2,
               "source_bytes": 1e9, "rest_bytes": 1e8, "converted_bytes": 1e9} for s in shapes]
     rows = [{"shape": s, "form": f, "cache": "warm", "round": rnd, "node_s": seconds[rnd],
-             "ranks": [rank(f, r, rnd) for r in (0, 1)]}
+             "ranks": [rank(s, f, r, rnd) for r in (0, 1)]}
             for (s, f), seconds in NODE_S.items() for rnd in (0, 1)]
     return {"machine": {"gpus": [], "cpus": 2, "rank_processes": 2, "torch": "2"}, "setup": setup, "rows": rows,
             "skipped": [], "identical": {}}
@@ -59,32 +68,42 @@ def split_row(row: str) -> list[str]:
     return [c.strip() for c in row.strip("|").split("|")]
 
 
-def expected_line(form: str) -> tuple[float, float]:
-    """numpy's degree-1 polyfit through the medians of the node shape's rounds."""
+def expected_fit(form: str) -> tuple[float, float, float]:
+    """numpy's degree-1 polyfit of the slowest rank's time after its imports (medians of the rounds)
+    on the layers, and the median of the node time less that, over every node row of the form."""
     xs = [int(s.split("-l")[1]) for (s, f) in NODE_S if f == form and s.startswith("node")]
-    ys = [statistics.median(NODE_S[f"node-l{x}", form]) for x in xs]
+
+    def after(shape: str, rnd: int) -> float:
+        return max(r["process_s"] - r["phases"]["imports"] for r in (rank(shape, form, i, rnd) for i in (0, 1)))
+
+    ys = [statistics.median(after(f"node-l{x}", rnd) for rnd in (0, 1)) for x in xs]
     slope, intercept = np.polyfit(xs, ys, 1)
-    return float(slope), float(intercept)
+    start = statistics.median(NODE_S[f"node-l{x}", form][rnd] - after(f"node-l{x}", rnd) for x in xs for rnd in (0, 1))
+    return float(slope), float(intercept), start
 
 
 @pytest.mark.parametrize("form", ["auto", "megamoe"])
 def test_slope_is_the_least_squares_line_of_the_node_shape(run, form):
-    per, base, layers = report_boot.slope(report_boot.cells(run), form, "warm")
-    slope, intercept = expected_line(form)
-    assert layers == [1, 2, 4, 8]
-    assert per == pytest.approx(slope) and base == pytest.approx(intercept)
+    fit = report_boot.slope(report_boot.cells(run), form, "warm")
+    slope, intercept, start = expected_fit(form)
+    assert fit.layers == [1, 2, 4, 8]
+    assert fit.per == pytest.approx(slope) and fit.base == pytest.approx(intercept)
+    assert fit.start == pytest.approx(start)
 
 
 def test_whole_model_is_an_estimate_beside_the_measured_slice(run):
     text = report_boot.slopes(run, report_boot.cells(run))
     assert "estimate from measured per-layer slopes" in text
+    header = split_row(next(row for row in text.splitlines() if row.startswith("| form |")))
     for form in ("auto", "megamoe"):
-        slope, intercept = expected_line(form)
+        slope, intercept, start = expected_fit(form)
         line = next(row for row in text.splitlines() if row.startswith(f"| `{form}` | warm |"))
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[3] == f"{slope:.3f}" and cells[4] == f"{intercept:.2f}"
-        assert cells[5] == f"{intercept + 44 * slope:.1f}"
-        assert cells[6] == f"{statistics.median(NODE_S['slice-l44', form]):.1f}"  # measured, not fitted
+        cells = dict(zip(header, split_row(line), strict=True))
+        assert cells["s per MoE layer"] == f"{slope:.3f}" and cells["s at 0 layers after imports"] == f"{intercept:.2f}"
+        estimate = start + intercept + 44 * slope
+        assert cells["44 layers, s (estimate from measured per-layer slopes)"] == f"{estimate:.1f}"
+        measured = statistics.median(NODE_S["slice-l44", form])
+        assert cells["slice of 44 layers, s (measured)"] == f"{measured:.1f}"  # measured, not fitted
 
 
 def test_no_slope_from_fewer_than_three_layer_counts(run):
