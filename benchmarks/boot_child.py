@@ -343,52 +343,70 @@ def _ring_report(marks: dict[str, float]) -> dict[str, Any]:
     return {"ring_pin_s": ring.pin_seconds, "ring_ready_after_build_s": ring.ready_at - marks["construct"]}
 
 
+#: The layout probe's own steps (``engines/probe.py``'s names), by the part of the report they go to;
+#: the rest of the probe's time is the engine's own loading code on the scratch twin.
+PROBE_STEPS = {"synthetic_expert": "input", "reference": "reference", "difference": "compare",
+               "fingerprints": "fingerprint"}
+
+
+def _timed(fn: Any, sink: dict[str, float], key: str) -> Any:
+    """``fn``, adding the seconds each call takes to ``sink[key]``."""
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+    return timed
+
+
 class _ProbeTimer:
     """The layout probe's own time (it runs beside the first reads): vLLM's loading code on one
-    synthetic expert per contract, timed where the install driver starts it; and how long the load
-    waited for its word (the reads' first writes, and the install's end, wait on it): the part of the
-    probe on the rank's critical path."""
+    synthetic expert per contract, timed where the install driver starts it, split by its steps;
+    and how long the load waited for its word (the reads' first writes, and the install's end, wait
+    on it): the part of the probe on the rank's critical path."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self.waits: list[float] = []
+        self.seconds: dict[str, float] = {}
+        self.calls = 0
+        self.waits: dict[str, float] = {}
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
         from megamoe_convert.engines import driver
 
-        real, start = driver.probe_layouts, driver.layout_probe.in_background
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.seconds.append(time.perf_counter() - t0)
+        probe, start = driver.layout_probe, driver.layout_probe.in_background
 
         def started(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
             future = start(*args, **kwargs)
-            result = future.result
+            real = future.result
 
             def waited(timeout: float | None = None) -> Any:
                 t0 = time.perf_counter()
                 try:
-                    return result(timeout)
+                    return real(timeout)
                 finally:
-                    self.waits.append(time.perf_counter() - t0)
+                    self.waits["longest"] = max(self.waits.get("longest", 0.0), time.perf_counter() - t0)
 
             future.result = waited  # type: ignore[method-assign]  # what the install's lanes and its end call
             return future
 
-        with mock.patch.object(driver, "probe_layouts", timed), \
-                mock.patch.object(driver.layout_probe, "in_background", started):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(mock.patch.object(driver, "probe_layouts",
+                                                  _timed(driver.probe_layouts, self.seconds, "probe")))
+            stack.enter_context(mock.patch.object(probe, "in_background", started))
+            for name, part in PROBE_STEPS.items():
+                stack.enter_context(mock.patch.object(probe, name, _timed(getattr(probe, name), self.seconds, part)))
             yield
 
     def report(self) -> dict[str, Any]:
-        if not self.seconds:
+        if not self.calls:
             return {}
-        return {"probe_s": sum(self.seconds), "probe_calls": len(self.seconds),
-                "probe_wait_s": max(self.waits, default=0.0)}
+        parts = {part: round(self.seconds.get(part, 0.0), 4) for part in PROBE_STEPS.values()}
+        parts["engine"] = round(self.seconds.get("probe", 0.0) - sum(parts.values()), 4)
+        return {"probe_s": self.seconds.get("probe", 0.0), "probe_calls": self.calls,
+                "probe_wait_s": self.waits.get("longest", 0.0), "probe_parts_s": parts}
 
 
 @contextlib.contextmanager
