@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import operator
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 #: vLLM's stacked parameters: fused name -> the checkpoint's names, in shard order.
@@ -349,14 +350,14 @@ PROBE_STEPS = {"synthetic_expert": "input", "reference": "reference", "differenc
                "fingerprints": "fingerprint"}
 
 
-def _timed(fn: Any, sink: dict[str, float], key: str) -> Any:
-    """``fn``, adding the seconds each call takes to ``sink[key]``."""
+def _timed(fn: Any, sink: dict[str, float], key: str, combine: Callable[[float, float], float] = operator.add) -> Any:
+    """``fn``, each call's seconds combined into ``sink[key]`` (summed; ``max``: the longest)."""
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            sink[key] = sink.get(key, 0.0) + time.perf_counter() - t0
+            sink[key] = combine(sink.get(key, 0.0), time.perf_counter() - t0)
     return timed
 
 
@@ -379,17 +380,8 @@ class _ProbeTimer:
 
         def started(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            future = start(*args, **kwargs)
-            real = future.result
-
-            def waited(timeout: float | None = None) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return real(timeout)
-                finally:
-                    self.waits["longest"] = max(self.waits.get("longest", 0.0), time.perf_counter() - t0)
-
-            future.result = waited  # type: ignore[method-assign]  # what the install's lanes and its end call
+            future = start(*args, **kwargs)  # what the install's lanes and its end wait on:
+            future.result = _timed(future.result, self.waits, "longest", max)  # type: ignore[method-assign]
             return future
 
         with contextlib.ExitStack() as stack:
