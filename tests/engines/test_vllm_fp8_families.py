@@ -5,6 +5,9 @@ them without experts)."""
 
 from __future__ import annotations
 
+import functools
+from unittest import mock
+
 import pytest
 
 from megamoe_convert.convert import ConvertOptions, convert
@@ -25,12 +28,17 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def parsed(path):
-    """vLLM's own ``get_config`` (the ``hf`` parser, as megamoe-convert's plugin leaves it)."""
+    """vLLM's own ``get_config`` (the ``hf`` parser, as megamoe-convert's plugin leaves it); its retry of
+    a failed parse (for a hub cache being refreshed) calls the parser once more, without the seconds'
+    wait before it."""
     from vllm.plugins import load_general_plugins
-    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils import config
+    from vllm.transformers_utils.repo_utils import with_retry
 
     load_general_plugins()
-    return get_config(str(path), trust_remote_code=False)
+    no_wait = functools.partial(with_retry, retry_delay=0)
+    with mock.patch.object(config, "with_retry", no_wait):
+        return config.get_config(str(path), trust_remote_code=False)
 
 
 @pytest.mark.parametrize("form", ["ep2", "store"])
