@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 from filelock import FileLock
 
 from megamoe_convert.convert.plan import ConvertOptions
@@ -84,9 +83,9 @@ def built(folder: str, name: str, tmp_path_factory: pytest.TempPathFactory, buil
 
 
 def run_convert(src: Path, *args: object) -> Callable[[Path], object]:
-    """A build that converts ``src`` into its path through the real command line."""
-    return lambda out: subprocess.run([sys.executable, "-m", "megamoe_convert.cli", "convert", src, out,
-                                       *map(str, args)], check=True, capture_output=True)
+    """A build that converts ``src`` into its path through the real command line (its entry, in this
+    process: ``tests/cli_runs.py``)."""
+    return lambda out: run_cli("convert", src, out, *args)
 
 
 def synthesized(preset: dict, seed: int) -> Callable[[Path], object]:
