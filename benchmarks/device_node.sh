@@ -20,6 +20,9 @@
 #   benchmarks/device_node.sh sglang-setup
 #   benchmarks/device_node.sh sglang-job SECONDS [FLAGS]   # Qwen3-235B-A22B's FP8 dims, 2 MoE layers, 1 round
 #   benchmarks/device_node.sh sglang-wait DEST [S]
+#   benchmarks/device_node.sh sglang-formats DEST [S]   # gpu_load_formats.py --engine sglang, gpu_sglang_weight_cache.py
+# (the formats' wheels: carry the vLLM set's fastsafetensors, instanttensor, runai_model_streamer and humanize
+# wheels beside .device/sglang; sglang-setup installs them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${RESULTS:-/tmp/node-results}  # device_boot.sh's setup writes its machine.log into its own
@@ -77,6 +80,15 @@ sglang_job() {  # nothing new after SECONDS from its start (set-up included); ro
         > $SG_RESULTS/node.log 2>&1; touch $SG_RESULTS/done" > /dev/null 2>&1 < /dev/null &
 }
 
+sglang_formats() {  # SGLang's GPU load formats and its daemon over CUDA IPC, byte for byte; logs to DEST
+    (cd /tmp/sgtree && PYTHONPATH=$SG_PATH:/tmp/sgtree MEGAMOE_ENGINE=sglang==0.5.23 \
+        timeout "${2:-240}" python3 benchmarks/gpu_load_formats.py --engine sglang --work /tmp/gpu-formats-sglang \
+        > "$1/sglang-0.5.23.log" 2>&1
+     PYTHONPATH=$SG_PATH:/tmp/sgtree MEGAMOE_ENGINE=sglang==0.5.23 timeout "${2:-240}" \
+        python3 tests/engines/gpu_sglang_weight_cache.py --device cuda --work /tmp/gpu-swc > "$1/weight-cache.log" 2>&1)
+    tail -n 8 "$1/sglang-0.5.23.log" "$1/weight-cache.log"
+}
+
 sglang_wait() {
     for _ in $(seq 1 "${2:-560}"); do [ -e "$SG_RESULTS/done" ] && break; sleep 1; done
     cp "$SG_RESULTS"/node.json "$SG_RESULTS"/node.log "$SG_RESULTS"/machine.log "$1"/ 2>/dev/null
@@ -92,6 +104,7 @@ case "${1:-}" in
     sglang-setup) sglang_setup ;;
     sglang-job) shift; sglang_job "${1:-300}" "${@:2}" ;;
     sglang-wait) sglang_wait "$2" "${3:-560}" ;;
-    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]|sglang-setup|sglang-job SECONDS [FLAGS]|sglang-wait DEST [SECONDS]" >&2
+    sglang-formats) sglang_formats "$2" "${3:-240}" ;;
+    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|run [FLAGS]|sglang-setup|sglang-job SECONDS [FLAGS]|sglang-wait DEST [SECONDS]|sglang-formats DEST [SECONDS]" >&2
        exit 2 ;;
 esac

@@ -250,6 +250,17 @@ def test_device_node_script_parses_and_runs_real_flags():
     assert args.budget_s == 60 and str(args.save) == "/tmp/r/node.json" and args.shapes == ["slice"]
 
 
+def test_device_node_sglang_formats_step_passes_flags_its_scripts_declare():
+    """``device_node.sh sglang-formats`` runs the two GPU proofs with flags each script's parser declares."""
+    scripts = {"gpu_load_formats.py": BENCH / "gpu_load_formats.py",
+               "gpu_sglang_weight_cache.py": REPO / "tests" / "engines" / "gpu_sglang_weight_cache.py"}
+    for name, path in scripts.items():
+        flags = [f for f in device_script_flags("device_node.sh", name, "") if f.startswith("--")]
+        assert flags, name
+        declared = set(re.findall(r"add_argument\(\"(--[\w-]+)\"", path.read_text()))
+        assert set(flags) <= declared, (name, set(flags) - declared)
+
+
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_node_quick_in_vllm_033(tmp_path):
     """The node benchmark on the CPU: two rank processes per form, released together, loading through
