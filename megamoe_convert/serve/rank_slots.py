@@ -96,24 +96,6 @@ def _checked_entries(converted: ConvertedModel, layer: MoELayer, rank: int) -> d
     return entries
 
 
-def plan_slot_reads(entries: Mapping[str, TensorEntry], n_local: int, pairs: Sequence[tuple[int, int]],
-                    keys: Sequence[str]) -> list[store.Read]:
-    """The reads that put local slot ``s`` of a rank file into destination slot ``d``, for each
-    ``(s, d)`` of ``pairs`` (sorted by ``d``; runs of consecutive ``s`` and ``d`` in one read)."""
-    runs: list[list[int]] = []
-    for slot, dest in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == slot and runs[-1][1] + runs[-1][2] == dest:
-            runs[-1][2] += 1
-        else:
-            runs.append([slot, dest, 1])
-    reads = []
-    for key in keys:
-        block = entries[key].nbytes // n_local
-        reads += [store.Read(key, entries[key].begin + slot * block, dest * block, count * block)
-                  for slot, dest, count in runs]
-    return reads
-
-
 def load_held_experts(converted: ConvertedModel, wanted: Mapping[MoELayer, Sequence[int]],
                       device: str | torch.device = "cpu") -> dict[str, ExpertLayer]:
     """Each layer's logical experts ``wanted[layer]``, one per slot in order, on ``device``: the per-slot
@@ -133,13 +115,11 @@ def load_held_experts(converted: ConvertedModel, wanted: Mapping[MoELayer, Seque
     for rank, layers in sorted(by_rank.items()):
         entries = {layer: _checked_entries(converted, layer, rank) for layer in layers}
         local = {layer: manifest.placement_for(layer).experts_per_rank for layer in layers}
-        reads = {layer: plan_slot_reads(entries[layer], local[layer], pairs, list(dests[layer]))
-                 for layer, pairs in layers.items()}
+        reads = {layer: store.plan_reads(entries[layer], local[layer], [s for s, _ in pairs], list(dests[layer]),
+                                         [d for _, d in pairs]) for layer, pairs in layers.items()}
         paths = {layer: out / manifest.expert_file(layer, rank) for layer in layers}
         if served is not None:
-            ranged.check_covered(out, {manifest.expert_file(layer, rank): [(r.file_offset, r.nbytes, r.key)
-                                                                            for r in layer_reads]
-                                       for layer, layer_reads in reads.items()}, LoadError, served)
+            store.check_pulled(out, {manifest.expert_file(layer, rank): r for layer, r in reads.items()}, served)
         store.fill(paths, reads, {layer: dests[layer] for layer in layers})
     return {layer.prefix: ExpertLayer(layer.key, kernel_form(dests[layer], manifest.dims.format),
                                       tuple(wanted[layer]), 0) for layer in chosen}

@@ -60,11 +60,12 @@ class Read:
     nbytes: int
 
 
-def slot_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(first slot, first logical id, count)`` of each run of slots holding consecutive logical experts."""
+def slot_runs(ids: Sequence[int], slots: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """``(first slot, first logical id, count)`` of each run of slots holding consecutive logical experts
+    (slot ``slots[i]`` holds ``ids[i]``; by default slot ``i``, every slot in a run)."""
     runs: list[list[int]] = []
-    for slot, logical in enumerate(ids):
-        if runs and runs[-1][1] + runs[-1][2] == logical:
+    for slot, logical in zip(range(len(ids)) if slots is None else slots, ids, strict=True):
+        if runs and runs[-1][1] + runs[-1][2] == logical and runs[-1][0] + runs[-1][2] == slot:
             runs[-1][2] += 1
         else:
             runs.append([slot, logical, 1])
@@ -72,10 +73,11 @@ def slot_runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 def plan_reads(entries: Mapping[str, TensorEntry], n_logical: int, ids: Sequence[int],
-               keys: Sequence[str]) -> list[Read]:
-    """The reads that fill ``keys``' destinations (``len(ids)`` slots) from a store file's ``entries``."""
+               keys: Sequence[str], slots: Sequence[int] | None = None) -> list[Read]:
+    """The reads that fill ``keys``' destinations from a file's ``entries`` of ``n_logical`` blocks per
+    per-slot tensor: block ``ids[i]`` into slot ``slots[i]`` (by default slot ``i``, ``len(ids)`` slots)."""
     reads = []
-    runs = slot_runs(ids)
+    runs = slot_runs(ids, slots)
     for key in keys:
         entry = entries[key]
         if key not in formats.PER_SLOT_KEYS:
@@ -187,11 +189,6 @@ def fill(path_of: Mapping[MoELayer, Path], reads: Mapping[MoELayer, list[Read]],
     """Every read of each layer's file (``path_of``) into that layer's destinations (CPU ones with one
     ``preadv`` each, CUDA ones through the pinned ring): a store's slots, or a rank file's
     (:mod:`.rank_slots`)."""
-    _fill(path_of, reads, dests, before_writes)
-
-
-def _fill(path_of: Mapping[MoELayer, Path], reads: Mapping[MoELayer, list[Read]],
-          dests: Mapping[MoELayer, Destinations], before_writes: staging.BeforeWrites = None) -> None:
     fds: dict[MoELayer, int] = {}
     try:
         cuda: dict[torch.device, list[tuple[int, list[Read], Destinations]]] = {}
@@ -253,7 +250,7 @@ def load_slots(converted: ConvertedModel, slots: Mapping[MoELayer, Sequence[int]
              for layer in slots}
     if served is not None:
         check_pulled(out, {manifest.expert_file(layer): r for layer, r in reads.items()}, served)
-    _fill({layer: out / records[layer].path for layer in slots}, reads, dests, before_writes)
+    fill({layer: out / records[layer].path for layer in slots}, reads, dests, before_writes)
     return {layer.prefix: ExpertLayer(layer.key, kernel_form(dests[layer], manifest.dims.format), ids[layer],
                                       (starts or {}).get(layer, 0)) for layer in slots}
 

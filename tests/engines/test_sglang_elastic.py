@@ -29,8 +29,8 @@ def test_a_joining_rank_takes_its_slots_from_the_store_as_sglangs_own_joiner_loa
                                                                                   monkeypatch):
     config = h.hf_config(sglang_ckpt)
     reads = []
-    real_fill = store_reader._fill
-    monkeypatch.setattr(store_reader, "_fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
+    real_fill = store_reader.fill
+    monkeypatch.setattr(store_reader, "fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
     with h.patched(OFFSET + rank, EP_SIZE, REDUNDANT, **JOIN):
         reference = joiner(config, rank)
         h.sglang_load(reference, sglang_ckpt)  # SGLang's joiner: every expert tensor read, its slots transformed

@@ -28,8 +28,8 @@ def test_one_store_installs_sglangs_explicit_expert_location_as_its_own_loading(
                                                                                monkeypatch):
     config = h.hf_config(sglang_ckpt)
     reads = []
-    real_fill = store_reader._fill
-    monkeypatch.setattr(store_reader, "_fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
+    real_fill = store_reader.fill
+    monkeypatch.setattr(store_reader, "fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
     with h.patched(rank, EP_SIZE, REDUNDANT, init_expert_location=json.dumps({"physical_to_logical_map": TABLE})):
         main, nextn = h.build_main_model(config, rank, REDUNDANT), h.build_nextn_model(config)
         h.sglang_load(main, sglang_ckpt)

@@ -28,8 +28,8 @@ def test_one_store_installs_every_rank_of_every_ep_size_as_vllms_own_loading(eng
                                                                             redundant, monkeypatch):
     config = h.hf_config(engine_ckpt)
     reads = []
-    real_fill = store_reader._fill
-    monkeypatch.setattr(store_reader, "_fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
+    real_fill = store_reader.fill
+    monkeypatch.setattr(store_reader, "fill", lambda paths, r, *rest: (reads.append(r), real_fill(paths, r, *rest))[1])
     for rank in range(ep_size):
         with h.patched(rank, ep_size):
             ref_main, ref_mtp = build(config, rank, ep_size, redundant)

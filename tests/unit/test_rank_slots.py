@@ -32,8 +32,8 @@ def test_each_expert_is_read_from_a_rank_file_holding_it_as_that_ranks_load(tiny
     want = by_logical(tiny_converted)
     asked = {layer: [7, 0, 6, 7] for layer in converted.manifest.layers}
     reads = []
-    real_fill = store._fill
-    monkeypatch.setattr(store, "_fill", lambda paths, r, *rest: (reads.append((paths, r)), real_fill(paths, r, *rest)))
+    real_fill = store.fill
+    monkeypatch.setattr(store, "fill", lambda paths, r, *rest: (reads.append((paths, r)), real_fill(paths, r, *rest)))
     got = rank_slots.load_held_experts(converted, asked)
     for layer, ids in asked.items():
         tensors = got[layer.prefix].tensors
