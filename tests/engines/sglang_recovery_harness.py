@@ -168,6 +168,20 @@ def recover(models: dict[int, nn.Module], config: types.SimpleNamespace, entry: 
     return asked
 
 
+def refusal(model: nn.Module, config: types.SimpleNamespace, entry: Callable[..., Any]) -> tuple[Exception, bool]:
+    """Rank 0's recovery through ``entry``, which must refuse: the one error it raised (an
+    ``InstallError`` of one line), and whether every kernel tensor of the model's experts is as it was."""
+    from megamoe_convert.errors import InstallError
+
+    before = {p: [t.clone() for t in h.state(m).values()] for p, m in h.experts_of(model).items()}
+    asked = recover({0: model}, config, entry)
+    [(kind, error)] = asked[0]
+    assert kind == "error" and isinstance(error, InstallError), asked
+    assert "\n" not in str(error)
+    return error, all(torch.equal(a, b) for prefix, module in h.experts_of(model).items()
+                      for a, b in zip(h.state(module).values(), before[prefix], strict=True))
+
+
 def fresh_build(ckpt: Any, config: types.SimpleNamespace, rank: int, table: Sequence[Sequence[int]]) -> nn.Module:
     """SGLang's own loading of the checkpoint for ``rank`` under ``table``: the reference (built from the
     config without the section a served model's carries, so the plugin's hooked load installs nothing)."""
