@@ -205,16 +205,27 @@ def last_error_line(text: str) -> str:
     return text.strip().splitlines()[-1].strip().replace("`", "'") if text.strip() else "no output"
 
 
+def gpus_of(run: dict[str, Any]) -> str:
+    """The run's GPUs (``4 x H200``), or ``CPU`` for a smoke run."""
+    gpus = run["machine"]["gpus"]
+    return f"{len(gpus)} x {short_gpu(gpus[0])}" if gpus else "CPU"
+
+
+def shape_label(run: dict[str, Any], info: dict[str, Any]) -> str:
+    """What a shape of the run is: one node of a larger EP deployment (the slice) or one node holding
+    every rank."""
+    if info["name"].startswith("slice"):
+        return f"one node of EP {info['ep_size']}: ranks 0-{run['machine']['rank_processes'] - 1}"
+    return f"one node holds every rank (EP {info['ep_size']})"
+
+
 def section_of(name: str, run: dict[str, Any]) -> str:
     m = run["machine"]
     got = cells(run)
-    gpus = f"{len(m['gpus'])} x {short_gpu(m['gpus'][0])}" if m["gpus"] else "CPU"
-    parts = [f"### {name}: {gpus}, {m['cpus']} CPUs, {m['rank_processes']} rank processes, torch {m['torch']}"]
+    parts = [f"### {name}: {gpus_of(run)}, {m['cpus']} CPUs, {m['rank_processes']} rank processes, torch {m['torch']}"]
     for info in run["setup"]:
         shape = info["name"]
-        what = (f"one node of EP {info['ep_size']}: ranks 0-{m['rank_processes'] - 1}" if shape.startswith("slice")
-                else f"one node holds every rank (EP {info['ep_size']})")
-        parts.append(f"#### {what}, {info['layers']} MoE layers; source {info['source_bytes'] / 1e9:.1f} GB "
+        parts.append(f"#### {shape_label(run, info)}, {info['layers']} MoE layers; source {info['source_bytes'] / 1e9:.1f} GB "
                      f"(non-expert {info['rest_bytes'] / 1e9:.2f} GB), conversion {info['converted_bytes'] / 1e9:.1f} GB")
         parts.append(shape_table(got, shape))
         failed = [f"`{r['form']}` {r['cache']}: {last_error_line(r['failed'])}" for r in run["rows"]

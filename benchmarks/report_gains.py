@@ -107,8 +107,6 @@ def whole_start() -> str:
         both = {s for s in shapes if any((s, "megamoe", c) in got for c in ("cold", "warm"))}
         for shape in sorted(both or shapes, key=lambda s: -setup[s]["layers"])[:1]:
             info = setup[shape]
-            where = (f"one node of EP {info['ep_size']}" if shape.startswith("slice")
-                     else f"one node holds every rank (EP {info['ep_size']})")
             for cache in ("cold", "warm"):
                 auto, ours = got.get((shape, "auto", cache)), got.get((shape, "megamoe", cache))
                 if not auto:
@@ -117,8 +115,7 @@ def whole_start() -> str:
                 experts = report_boot.slowest(auto, "weights_experts_s")
                 imports = report_boot.slowest(auto, "imports")
                 mine = report_boot.node_s(ours) if ours else None
-                gpus = run["machine"]["gpus"]
-                rows.append([f"{len(gpus)} x {short_gpu(gpus[0])}", f"{where}, {info['layers']} MoE layers",
+                rows.append([report_boot.gpus_of(run), f"{report_boot.shape_label(run, info)}, {info['layers']} MoE layers",
                              cache, f"{mine:.1f}" if mine is not None else "not run", f"{base:.1f}",
                              f"{base - mine:.1f} s ({(base - mine) / base:.0%})" if mine is not None else "-",
                              f"{experts:.1f} s ({experts / base:.0%})", f"{imports:.1f} s ({imports / base:.0%})",
