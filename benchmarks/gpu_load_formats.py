@@ -69,6 +69,30 @@ def build(work: Path, engine: str) -> tuple[Path, Path, Path]:
     return ckpt, per_rank, store
 
 
+@contextlib.contextmanager
+def _sglang_cuda_platform():
+    """SGLang imported as on the CPU settles on its CPU platform; the iterators that read onto the GPU
+    (InstantTensor's) ask it for the device type and the GPU."""
+    from unittest import mock
+
+    import sglang.srt.model_loader.weight_utils as weight_utils
+    import torch
+
+    real = weight_utils.current_platform
+
+    class Cuda:
+        device_type = "cuda"
+
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        def get_device(self, index: int):
+            return torch.device("cuda", index)
+
+    with mock.patch.object(weight_utils, "current_platform", Cuda()):
+        yield
+
+
 def cannot_run(load_format: str, smoke: bool) -> str | None:
     import torch
 
@@ -95,10 +119,18 @@ def run(work: Path, formats: list[str], smoke: bool, engine: str = "vllm") -> in
     topology = (matrix.RANK, matrix.EP_SIZE) + ((matrix.REDUNDANT,) if engine == "sglang" else ())
     with h.patched(*topology):
         want = reference(ckpt, matrix.RANK)
-    if engine == "vllm" and torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if engine == "vllm" and gpu:
         from node_forms import _cuda_platform as platform  # vLLM's iterators ask its platform for the GPU
-    else:  # SGLang's harness answers CUDA itself
+    elif engine == "sglang" and gpu:
+        platform = _sglang_cuda_platform
+    else:
         platform = contextlib.nullcontext
+    if engine == "sglang":  # through each loader's own load_model, onto the device it loads to
+        def serves(load_format, out, ckpt, want):
+            matrix.serves_through_load_model(load_format, out, ckpt, want, "cuda" if gpu else "cpu")
+    else:
+        serves = matrix.serves
     status = 0
     for load_format in formats:
         why = cannot_run(load_format, smoke)
@@ -109,7 +141,7 @@ def run(work: Path, formats: list[str], smoke: bool, engine: str = "vllm") -> in
                 continue
             try:
                 with platform():
-                    matrix.serves(load_format, out, ckpt, want)
+                    serves(load_format, out, ckpt, want)
             except Exception as e:  # every format and form is tried; each failure is one line
                 print(f"{load_format} {form}: FAILED: {type(e).__name__}: {' '.join(str(e).split())[:400]}")
                 status = max(status, 1)

@@ -105,6 +105,26 @@ def serves(load_format, out, ckpt, want) -> None:
     assert not any(".experts." in n and ".shared_experts." not in n for n in seen) and len(seen) == len(set(seen))
 
 
+def serves_through_load_model(load_format, out, ckpt, want, device: str = "cpu") -> None:
+    """:func:`serves`, from SGLang's ``get_model_loader`` to the end of the loader's own ``load_model``
+    (the harness's model standing in for ``_initialize_model``): the path of a loader with no
+    ``load_weights_and_postprocess`` of its own (``runai_streamer``), on ``device``."""
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader import loader
+
+    seen: list[str] = []
+    with h.patched(RANK, EP_SIZE, REDUNDANT):
+        config = model_config(out)
+        model = h.build_main_model(tree_config(ckpt, out), RANK, REDUNDANT)
+        with built(model), hooked_load_weights(h.DeepseekV4ForCausalLM, seen):
+            engine_loader = loader.get_model_loader(LoadConfig(load_format=load_format), config)
+            engine_loader.load_model(model_config=config, device_config=DeviceConfig(device, gpu_id=0))
+        assert_experts(model, want)
+    assert any(name.startswith("layers.0.attn.") for name in seen)
+    assert not any(".experts." in n and ".shared_experts." not in n for n in seen) and len(seen) == len(set(seen))
+
+
 def refuses(load_format, out, ckpt, want) -> None:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.model_executor.model_runner_components import load_model_utils
@@ -200,7 +220,7 @@ def needs_gpu(load_format, out, ckpt, want) -> None:
 
 def test_the_gpu_formats_run_serves_through_the_same_path_on_the_cpu(tmp_path, capsys):
     """``benchmarks/gpu_load_formats.py --engine sglang --smoke``: the GPU proof's own path (its
-    checkpoint and conversions, :func:`serves`) with ``safetensors`` on the CPU."""
+    checkpoint and conversions, :func:`serves_through_load_model`) with ``safetensors`` on the CPU."""
     import importlib.util
     from pathlib import Path
 
