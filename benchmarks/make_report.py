@@ -13,6 +13,7 @@ report_*.py modules write the sections. Rerun a benchmark with ``--save benchmar
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import report_boot
@@ -87,21 +88,43 @@ def plot(path: Path) -> None:
 
 def formats_section() -> str:
     """What ``gpu_load_formats.py`` printed on a GPU machine, per engine (``results/gpu-formats-*/ENGINE.log``):
-    each format and form's one line, or the error that stopped the run before any format."""
+    each format and form's one line, or the error that stopped the run before any format; SGLang's daemon
+    over CUDA IPC (``*-weight-cache.log``: its JSON line); the GPU (``machine.txt``)."""
     parts = []
     for log in sorted((REPO / "benchmarks" / "results").glob("gpu-formats-*/*.log")):
         text = log.read_text()
-        lines = [line for line in text.splitlines() if line.split(":")[0].count(" ") == 1
-                 and any(word in line for word in (": served,", ": FAILED:", ": NOT RUN:"))]
+        lines = (_daemon_lines(text) if log.name.endswith("-weight-cache.log") else
+                 [line for line in text.splitlines() if line.split(":")[0].count(" ") == 1
+                  and any(word in line for word in (": served,", ": FAILED:", ": NOT RUN:"))])
         if not lines:
             errors = [line for line in text.splitlines() if line and not line.startswith((" ", "Traceback"))]
             lines = [f"stopped before any format: {errors[-1] if errors else 'no output'}"]
-        parts.append(f"`{log.parent.name}/{log.name}`:\n\n" + "\n".join(f"- {line}" for line in lines))
+        parts.append(f"`{log.parent.name}/{log.name}`{_machine(log.parent)}:\n\n" + "\n".join(f"- {line}" for line in lines))
     if not parts:
         return ""
     return ("## Load formats that need a GPU (gpu_load_formats.py)\n\nEach format reads a conversion (per-rank "
             "form, store) into the engine's real modules on the GPU, its experts compared byte for byte with the "
             "engine's own loading of the source:\n\n" + "\n\n".join(parts) + "\n")
+
+
+def _daemon_lines(text: str) -> list[str]:
+    """``gpu_sglang_weight_cache.py``'s result line, in words."""
+    for line in text.splitlines():
+        if line.startswith("{") and '"byte_exact"' in line:
+            r = json.loads(line)
+            verdict = "byte-exact with SGLang's own loading" if r["byte_exact"] else f"DIFFERS: {r['differ']}"
+            return [f"SGLang's weight-cache daemon over CUDA IPC ({r['layers']} layers), mapped on "
+                    f"{', '.join(r['mapped_on'])} in {r['map_seconds']:.3f} s: {verdict}"]
+    return []
+
+
+def _machine(folder: Path) -> str:
+    """`` (GPU)`` from the run's ``machine.txt`` (nvidia-smi's CSV), where saved."""
+    path = folder / "machine.txt"
+    if not path.exists():
+        return ""
+    rows = [line.split(",") for line in path.read_text().splitlines()[1:2]]
+    return f" ({rows[0][0].strip()})" if rows else ""
 
 
 def page(startup_png: str, png: str) -> str:
