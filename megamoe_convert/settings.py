@@ -8,6 +8,8 @@ a command starts (:func:`check`), so a bad one is said before any work, whicheve
 
 - ``MEGAMOE_READ_THREADS``: reader lanes of a warm GPU load (``serve/staging.py``);
 - ``MEGAMOE_FAST_PIN``, ``MEGAMOE_CUDART``: the GPU load path's switches (``serve/staging.py``);
+- ``MEGAMOE_STAGED_REST``: ``0`` leaves a conversion's non-expert weights to the engine's own
+  safetensors iterator (``serve/tensor_stream.py``, ``engines/vllm/loader.py``);
 - ``MEGAMOE_LAYOUT_PROBE``: ``0`` installs without the layout probe (``engines/probe.py``);
 - ``MEGAMOE_TEST_FAULTS``: one fault the reliability tests inject (``faults.py``); never set in use.
 """
@@ -23,10 +25,11 @@ READ_THREADS = "MEGAMOE_READ_THREADS"
 FAST_PIN = "MEGAMOE_FAST_PIN"
 CUDART = "MEGAMOE_CUDART"
 LAYOUT_PROBE = "MEGAMOE_LAYOUT_PROBE"
+STAGED_REST = "MEGAMOE_STAGED_REST"
 TEST_FAULTS = "MEGAMOE_TEST_FAULTS"
 
 #: Every variable above, in the order :func:`check` reads them.
-NAMES = (READ_THREADS, FAST_PIN, CUDART, LAYOUT_PROBE, TEST_FAULTS)
+NAMES = (READ_THREADS, FAST_PIN, CUDART, LAYOUT_PROBE, STAGED_REST, TEST_FAULTS)
 
 #: The most reader lanes a warm load runs (a cold one runs twice as many).
 MAX_READ_THREADS = 256
@@ -87,6 +90,12 @@ def layout_probe() -> bool:
     return _switch(LAYOUT_PROBE)
 
 
+def staged_rest() -> bool:
+    """Read a local conversion's non-expert weights through the staging ring (``0``: through the
+    engine's own safetensors iterator)."""
+    return _switch(STAGED_REST)
+
+
 @dataclass(frozen=True)
 class Fault:
     """One injected fault: ``kind``, its count (``N``, or ``N`` of ``N:PATH``) and its name or path."""
@@ -123,4 +132,4 @@ def _fault(kind: str, argument: str) -> Fault | None:
 
 def check() -> None:
     """Read every setting, so that a bad one is refused now (the command line, as a command starts)."""
-    read_threads(), fast_pin(), cudart(), layout_probe(), injected_fault()
+    read_threads(), fast_pin(), cudart(), layout_probe(), staged_rest(), injected_fault()

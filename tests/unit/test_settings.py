@@ -20,6 +20,7 @@ BAD = [
     ("MEGAMOE_CUDART", "2", "expected 0 (off) or 1 (on)", "verify"),
     ("MEGAMOE_FAST_PIN", "yes", "expected 0 (off) or 1 (on)", "convert"),
     ("MEGAMOE_LAYOUT_PROBE", "off", "expected 0 (off) or 1 (on)", "inspect"),
+    ("MEGAMOE_STAGED_REST", "no", "expected 0 (off) or 1 (on)", "plan"),
     ("MEGAMOE_TEST_FAULTS", "free-bytes=lots", "expected one fault of kill-after-files=N", "convert"),
 ]
 
@@ -66,7 +67,7 @@ def test_unset_or_empty_is_the_default(monkeypatch):
     for name in settings.NAMES:
         monkeypatch.setenv(name, "")
     assert 4 <= settings.read_threads() <= 16
-    assert settings.fast_pin() and settings.cudart() and settings.layout_probe()
+    assert settings.fast_pin() and settings.cudart() and settings.layout_probe() and settings.staged_rest()
     assert settings.injected_fault() is None
     for name in settings.NAMES:
         monkeypatch.delenv(name)
@@ -76,7 +77,7 @@ def test_unset_or_empty_is_the_default(monkeypatch):
 @pytest.mark.parametrize("name,value", [
     ("MEGAMOE_READ_THREADS", "257"), ("MEGAMOE_READ_THREADS", "-1"), ("MEGAMOE_READ_THREADS", "²"),
     ("MEGAMOE_READ_THREADS", " 4"), ("MEGAMOE_FAST_PIN", "true"), ("MEGAMOE_CUDART", "01"),
-    ("MEGAMOE_LAYOUT_PROBE", "no"),
+    ("MEGAMOE_LAYOUT_PROBE", "no"), ("MEGAMOE_STAGED_REST", "2"),
 ])
 def test_each_setting_accepts_only_its_values(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
