@@ -17,8 +17,9 @@ from engine_envs import ENGINES, run_engine_tests
 #: refusal of them: +4. The layout probe through each engine's own code: +3 vLLM (0.32: +4, 0.33: +8), +6 SGLang.
 #: SGLang's elastic EP (EPLB recovery from a store, its own path, refusals; scale-up joiners; their private names): +14.
 #: The load-format matrix: every registered format on a per-rank conversion and a store, its classification and
-#: the GPU proof's CPU path: +34 vLLM, +51 SGLang.
-MIN_PASSED = {"vllm": 78, "sglang": 164, "vllm==0.33.0": 131}
+#: the GPU proof's CPU path: +34 vLLM, +51 SGLang. The non-expert weights through the staging ring (the same tensors
+#: as vLLM's own iterator, a hub repo left to it, the two vLLM names it reaches): +4 vLLM.
+MIN_PASSED = {"vllm": 82, "sglang": 164, "vllm==0.33.0": 135}
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import types
 
 import pytest
@@ -124,3 +125,57 @@ def test_load_format_counts_the_installed_experts_as_loaded(engine_ckpt, engine_
     with pytest.raises(ValueError, match="not initialized from checkpoint"):
         DefaultModelLoader.track_weights_loading(loader, model, set(rest))  # vLLM's own check, unaided
 
+
+
+def fed(model) -> dict[str, tuple[torch.dtype, tuple[int, ...], bytes]]:
+    """What the model's own ``load_weights`` is fed, by name: dtype, shape and bytes."""
+    got: dict[str, tuple[torch.dtype, tuple[int, ...], bytes]] = {}
+
+    def load_weights(weights):
+        for name, t in weights:
+            assert name not in got, name
+            got[name] = (t.dtype, tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return set()
+
+    model.load_weights = load_weights
+    return got
+
+
+def test_load_format_feeds_the_rest_through_the_staging_ring_as_vllms_own_iterator(engine_ckpt, engine_converted,
+                                                                                  monkeypatch):
+    """The conversion's non-expert shards, read in chunks through the staging ring, feed the model
+    every tensor vLLM's own safetensors iterator feeds it (``MEGAMOE_STAGED_REST=0``), byte for byte."""
+    from megamoe_convert.serve import tensor_stream
+
+    streamed = []
+    real = tensor_stream.stream_tensors
+    monkeypatch.setattr(tensor_stream, "stream_tensors", lambda files, *a, **k: streamed.append(files) or real(
+        files, *a, **k))
+    config = h.hf_config(engine_ckpt)
+    fed_by = {}
+    for staged in ("1", "0"):
+        monkeypatch.setenv("MEGAMOE_STAGED_REST", staged)
+        with h.patched(1, 4):
+            model = h.build_main_model(config, 1, 4, 4)
+            fed_by[staged] = fed(model)
+            load(megamoe_loader(), model, engine_converted)
+        assert len(streamed) == 1, staged  # the staged load streamed; vLLM's own path did not
+    (files,) = streamed
+    index = json.loads((engine_converted / "model.safetensors.index.json").read_text())
+    assert sorted(map(str, files)) == sorted(str(engine_converted / f) for f in set(index["weight_map"].values()))
+    assert fed_by["1"] and fed_by["1"] == fed_by["0"]
+    assert any(name.startswith("layers.0.attn.") for name in fed_by["1"])
+
+
+def test_load_format_leaves_a_hub_repos_rest_to_vllms_own_iterator(caplog):
+    """Only a local folder's shards go through the staging ring: a repo id is vLLM's to fetch and read."""
+    import logging
+
+    from vllm.model_executor.model_loader import DefaultModelLoader
+
+    from megamoe_convert.engines.vllm.loader import staged_files
+
+    loader = megamoe_loader()
+    with caplog.at_level(logging.DEBUG, logger="megamoe_convert.engines.vllm.loader"):
+        assert staged_files(loader, DefaultModelLoader.Source("owner/conversion", None)) is None
+    assert "owner/conversion's non-expert weights load through vLLM's own iterator (not a local folder)" in caplog.text

@@ -1,14 +1,21 @@
 """``--load-format megamoe`` for vLLM (0.30 and later: the model-loader API is the same).
 
 A ``DefaultModelLoader`` subclass: the rank's experts go in first, straight from its own
-shards (:func:`install`), then everything else loads through vLLM's own safetensors path from
-the converted directory, minus the routed-expert tensors (there are none in it, and the
-rank folders of a hub repo are never fetched).
+shards (:func:`install`), then everything else loads through the model's own ``load_weights``
+from the converted directory, minus the routed-expert tensors (there are none in it, and the
+rank folders of a hub repo are never fetched). The non-expert shards vLLM would read (its own
+choice of files) are read through the experts' staging ring in large chunks and handed to the
+model on the device it is built on (:mod:`megamoe_convert.serve.tensor_stream`), as vLLM's
+``fastsafetensors`` hands out device tensors: vLLM's weight loaders make of them what they make
+of its own iterator's. A hub repo, a source vLLM filters by weight name, or
+``MEGAMOE_STAGED_REST=0`` reads them through vLLM's own iterator.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -44,8 +51,23 @@ def make_loader_class(default_loader: Any) -> type:
 
             prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
+        #: Where the model's weights live: where the non-expert tensors are handed to it.
+        weights_device: torch.device | None = None
+
         def get_all_weights(self, model_config: Any, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+            self.weights_device = weights_device(model)
             return without_expert_tensors(super().get_all_weights(model_config, model), self.installed)
+
+        def _get_weights_iterator(self, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+            files = staged_files(self, source)
+            if files is None:
+                return super()._get_weights_iterator(source)
+            from megamoe_convert.serve.tensor_stream import stream_tensors
+
+            if getattr(self, "counter_before_loading_weights", 0.0) == 0.0:  # vLLM's "Loading weights took"
+                self.counter_before_loading_weights = time.perf_counter()
+            prefix = source.prefix
+            return ((prefix + name, t) for name, t in stream_tensors(files, self.weights_device or "cpu"))
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             # before the model's own load_weights (0.32 finalizes there)
@@ -65,6 +87,41 @@ def make_loader_class(default_loader: Any) -> type:
             super().track_weights_loading(model, loaded_weights, *args, **kwargs)
 
     return MegaMoEModelLoader
+
+
+def weights_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters (a CUDA one where any is there), the CPU otherwise."""
+    devices = {p.device for p in model.parameters()}
+    return next((d for d in devices if d.type == "cuda"), torch.device("cpu"))
+
+
+def staged_files(loader: Any, source: Any) -> list[str] | None:
+    """The safetensors files vLLM's own loader would read for ``source``, where they are to be read
+    through the staging ring instead: a local folder's, unless switched off or vLLM chooses them
+    by more than the folder (a subfolder, patterns, weight names, an encoder-only filter, a
+    torchao checkpoint); ``None`` (vLLM's own iterator reads them), said in a debug line."""
+    from megamoe_convert import settings
+    from megamoe_convert.engines.vllm import private_hooks
+
+    why = None
+    if not settings.staged_rest():
+        why = f"{settings.STAGED_REST}=0"
+    elif not os.path.isdir(str(source.model_or_path)):
+        why = "not a local folder"
+    elif getattr(source, "subfolder", None) or getattr(source, "allow_patterns_overrides", None) \
+            or getattr(loader, "_encoder_only_lm_prefixes", None) \
+            or getattr(loader.load_config, "safetensors_load_strategy", None) == "torchao":
+        why = "vLLM chooses its files or tensors by more than the folder"
+    files = None if why else private_hooks.weight_files(loader, source)
+    if why or files is None:
+        log.debug("megamoe: %s's non-expert weights load through vLLM's own iterator (%s)", source.model_or_path,
+                  why or "no safetensors")
+        return None
+    if (unused := getattr(source, "is_unused_weight", None)) is not None:  # as vLLM's whole-file readers drop shards
+        from vllm.model_executor.model_loader.weight_utils import filter_safetensors_files_by_weight_name
+
+        files = filter_safetensors_files_by_weight_name(files, unused)
+    return sorted(files)
 
 
 def installed_parameters(model: nn.Module) -> set[str]:

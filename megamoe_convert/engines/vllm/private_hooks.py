@@ -12,6 +12,9 @@ tests):
 - Where vLLM's registry finds an architecture's own class (``registry._VLLM_MODELS``) and which
   architectures its Transformers backend serves (``_TRANSFORMERS_BACKEND_MODELS``): the model
   classes register subclasses of those classes under the same names.
+- Which files vLLM's ``DefaultModelLoader`` reads for a weights source (``_prepare_weights``), and
+  its per-source iterator (``_get_weights_iterator``), which ``--load-format megamoe`` replaces for a
+  local conversion's non-expert shards (read through the staging ring instead of vLLM's iterator).
 - vLLM's weight cache: its key function (``protocol.hash_checkpoint``, extended so two
   conversions of one source never share a key), its ``IpcModelLoader``'s fetch and disk fallback
   (``_fetch_entries``, ``_fallback_load``, ``_fallback_load_config``), and the daemon's spawned
@@ -31,8 +34,13 @@ from typing import Any, Callable, Iterator
 #: The vLLM package holding the weight cache (its daemon, key and ``ipc_cache`` loader).
 WEIGHT_CACHE = "vllm.model_executor.model_loader.weight_cache"
 
+#: vLLM's module of ``DefaultModelLoader``.
+DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
+
 #: Every private name used here, as ``module:attribute.path`` (the test resolves each in every release).
 PRIVATE_NAMES = (
+    f"{DEFAULT_LOADER}:DefaultModelLoader._prepare_weights",
+    f"{DEFAULT_LOADER}:DefaultModelLoader._get_weights_iterator",
     "vllm.utils.deep_gemm:_import_deep_gemm",
     "vllm.model_executor.models.registry:_VLLM_MODELS",
     "vllm.model_executor.models.registry:_TRANSFORMERS_BACKEND_MODELS",
@@ -43,6 +51,15 @@ PRIVATE_NAMES = (
     f"{WEIGHT_CACHE}.ipc_loader:IpcModelLoader._fallback_load_config",
     f"{WEIGHT_CACHE}.daemon:_run_daemon",
 )
+
+
+def weight_files(loader: Any, source: Any) -> list[str] | None:
+    """The safetensors files vLLM's ``DefaultModelLoader`` ``loader`` reads for the weights
+    ``source`` (its own choice: the index's shards of the folder), ``None`` where they are no
+    safetensors; downloads nothing for a local folder."""
+    found = loader._prepare_weights(source.model_or_path, source.subfolder, source.revision,
+                                    source.fall_back_to_pt, source.allow_patterns_overrides)
+    return list(found[1]) if found[2] else None
 
 
 def deep_gemm() -> Any:
