@@ -152,7 +152,8 @@ def measure(info: dict[str, Any], form: str, cache: str, rnd: int, args: argpars
                ranks=reports)
     print(f"{info['name']:10s} {cache:4s} {form:8s} node {row['node_s']:7.2f} s  weights "
           f"{max(r['phases']['weights'] for r in reports):6.2f} s (experts "
-          f"{max(r['weights_experts_s'] for r in reports):6.2f})", flush=True)
+          f"{max(r['weights_experts_s'] for r in reports):6.2f}, the rest {max(r['weights_rest_s'] for r in reports):6.2f})",
+          flush=True)
     return row
 
 
@@ -261,11 +262,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def identical(rows: list[dict[str, Any]]) -> dict[str, bool]:
-    """Per shape and rank, whether both forms left the same kernel bytes."""
-    prints: dict[str, set[str]] = {}
+    """Per shape and rank, whether both forms left the same bytes: the experts' kernel tensors and
+    every other parameter."""
+    prints: dict[str, set[tuple[str, str]]] = {}
     for row in rows:
         for r in row.get("ranks", []):
-            prints.setdefault(f"{row['shape']} rank {r['rank']}", set()).add(r["fingerprint"])
+            prints.setdefault(f"{row['shape']} rank {r['rank']}", set()).add((r["fingerprint"], r["rest_fingerprint"]))
     return {key: len(v) == 1 for key, v in prints.items()}
 
 

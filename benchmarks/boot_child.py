@@ -187,7 +187,7 @@ def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, An
             f.truncate(len(header) + sum(t.spec().nbytes for t in tensors))
         weight_map.update({t.name: name for t in tensors})
 
-    fills = {"BF16": "ones", "F32": "ones", "F16": "ones"}  # finite floats; integer tables random
+    fills = {"BF16": "bf16", "F32": "bf16", "F16": "bf16"}  # finite floats, each tensor its own; integers random
     write("rest.safetensors", [SynthTensor(n, d, s, fills.get(d, "random")) for n, d, s in rest])
     per_rank = raw["n_routed_experts"] // ep_size
     names = families.detect(raw, "config.json").names(raw["num_hidden_layers"])
@@ -207,8 +207,10 @@ def write_source(out: Path, rank: int, ep_size: int, ranks: int) -> dict[str, An
 
 
 def tensor_bytes(t: Any, rng: Any) -> Any:
-    """``t``'s bytes, fast: ``ones`` as 1.0 (any float width: finite), ``scale`` as UE8M0 bytes in
-    synth's range, anything else SFC64 raw words."""
+    """``t``'s bytes, fast: ``ones`` as 1.0 (any float width: finite), ``bf16`` as random finite floats
+    of its width (random bits, the exponent's top bit cleared: magnitudes below 2, every tensor's
+    bytes its own, so a tensor loaded into another's place shows), ``scale`` as UE8M0 bytes in synth's
+    range, anything else SFC64 raw words."""
     import numpy as np
 
     from megamoe_convert.synth.tensors import SCALE_BYTE_RANGE
@@ -217,6 +219,9 @@ def tensor_bytes(t: Any, rng: Any) -> Any:
         return np.full(t.nbytes // 2, 0x3F80, dtype=np.uint16).tobytes()
     raw = np.random.Generator(np.random.SFC64(int(rng.integers(2**62)))).bit_generator.random_raw(-(-t.nbytes // 8))
     raw = raw.view(np.uint8)[:t.nbytes]
+    if t.fill == "bf16":
+        words = raw.view({"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}[t.dtype])
+        words &= ~np.array(1 << (8 * words.itemsize - 2), dtype=words.dtype)  # the exponent's top bit
     if t.fill == "scale":
         lo, hi = SCALE_BYTE_RANGE
         raw = (raw % (hi - lo) + lo).astype(np.uint8)
@@ -302,7 +307,9 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
               "tensors": split.tensors, **fixed, **probe.report(), **_ring_report(marks),
               "parameters": sum(p.numel() for p in net.parameters()),
               "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
+    report["rest_staged"] = "megamoe_convert.serve.tensor_stream" in sys.modules  # the rest through the ring
     report["fingerprint"] = _fingerprint(net)
+    report["rest_fingerprint"] = _rest_fingerprint(net)
     return report
 
 
@@ -310,9 +317,10 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: _P
           fixed: dict[str, float]) -> float:
     """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``),
     and in ``fixed`` what its first call imports (the install's modules: ``install_import_s``)."""
+    real = loader.get_all_weights
+    counted = mock.patch.object(loader, "get_all_weights", lambda mc, m: split.wrap(real(mc, m)))
     if form != "megamoe":
-        real = loader.get_all_weights
-        with mock.patch.object(loader, "get_all_weights", lambda mc, m: split.wrap(real(mc, m))):
+        with counted:
             loader.load_weights(net, config.model_config)
         return 0.0
     t0 = time.perf_counter()
@@ -329,7 +337,7 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: _P
         finally:
             took[0] = time.perf_counter() - t0
 
-    with mock.patch.object(megamoe_install, "install_layers", timed), probe.timing():
+    with mock.patch.object(megamoe_install, "install_layers", timed), probe.timing(), counted:
         loader.load_weights(net, config.model_config)
     return took[0]
 
@@ -433,6 +441,23 @@ def _fingerprint(net: Any) -> str:
 
     experts = [m for m in net.modules() if isinstance(m, h.mega_py.DeepGemmMegaMoEExperts)]
     return fingerprint([t for m in experts for t in h.kernel_view(m)])
+
+
+def _rest_fingerprint(net: Any) -> str:
+    """xxh3-128 of every parameter outside the MegaMoE experts, after post-processing: its name,
+    dtype, shape and bytes, in name order (what the model serves with besides the experts)."""
+    import torch
+    import vllm_harness as h
+    import xxhash
+
+    experts = {id(p) for m in net.modules() if isinstance(m, h.mega_py.DeepGemmMegaMoEExperts) for p in m.parameters()}
+    digest = xxhash.xxh3_128()
+    for name, param in sorted(net.named_parameters()):
+        if id(param) in experts:
+            continue
+        digest.update(f"{name} {param.dtype} {tuple(param.shape)}\n".encode())
+        digest.update(param.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def main(argv: dict[str, Any], start: float) -> None:
