@@ -200,6 +200,29 @@ def fixed_table(got: dict, shapes: list[str]) -> str:
                    f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", "the load waited for the probe"], rows))
 
 
+def rest_table(got: dict, shapes: list[str]) -> str:
+    """The non-expert weights' time (the weight phase less the routed experts, the slowest rank's,
+    medians over rounds) under each form, side by side, where the megamoe rows say how they read it
+    (runs of a ``bench_boot.py`` that did not are left as their shape tables give them)."""
+    rows = []
+    for shape in shapes:
+        for cache in ("cold", "warm"):
+            auto, ours = got.get((shape, "auto", cache)), got.get((shape, "megamoe", cache))
+            if not auto or not ours or not reported(ours, "rest_staged"):
+                continue
+            a, m = slowest(auto, "weights_rest_s"), slowest(ours, "weights_rest_s")
+            staged = all(r.get("rest_staged") for row in ours for r in row["ranks"])
+            rows.append([shape, cache, f"{a:.2f}", f"{a / slowest(auto, 'weights'):.0%}", f"{m:.2f}",
+                         "megamoe's staging ring" if staged else "vLLM's iterator", f"{a / m:.2f}x" if m else ""])
+    if not rows:
+        return ""
+    return ("The non-expert weights (attention, norms, embedding, head, shared experts: the weight phase less the "
+            "routed experts, the slowest rank's), read by vLLM's own safetensors iterator under `auto` and, under "
+            "`megamoe`, in large chunks through the experts' staging ring, fed to the same vLLM `load_weights`:\n\n" +
+            table(["shape", "cache", "`auto` s", "`auto`: share of its weight phase", "`megamoe` s",
+                   "`megamoe` read them through", "sooner"], rows))
+
+
 def last_error_line(text: str) -> str:
     """A failed row's error: the last line of its rank's output, as it ended."""
     return text.strip().splitlines()[-1].strip().replace("`", "'") if text.strip() else "no output"
@@ -231,10 +254,13 @@ def section_of(name: str, run: dict[str, Any]) -> str:
         failed = [f"`{r['form']}` {r['cache']}: {last_error_line(r['failed'])}" for r in run["rows"]
                   if r["shape"] == shape and "failed" in r]
         parts += [f"Did not finish: {'; '.join(failed)}."] if failed else []
-    parts += [text for text in (fixed_table(got, [i["name"] for i in run["setup"]]), slopes(run, got)) if text]
+    names = [i["name"] for i in run["setup"]]
+    parts += [text for text in (rest_table(got, names), fixed_table(got, names), slopes(run, got)) if text]
     if run.get("skipped"):
         parts.append("Not run (the run's time budget): " + "; ".join(run["skipped"]) + ".")
-    parts.append("Identical kernel bytes across forms: " + ", ".join(f"{k}: {v}" for k, v in run["identical"].items()))
+    every = any("rest_fingerprint" in r for row in run["rows"] for r in row.get("ranks", []))
+    parts.append(f"Identical {'bytes of every parameter' if every else 'kernel bytes'} across forms: " +
+                 ", ".join(f"{k}: {v}" for k, v in run["identical"].items()))
     return "\n\n".join(parts)
 
 

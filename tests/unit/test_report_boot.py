@@ -149,3 +149,22 @@ def test_a_field_an_older_run_did_not_report_is_not_timed(run):
                      strict=True))
     assert cells["first call's imports"] == "not timed" and cells["the load waited for the probe"] == "not timed"
     assert cells["layout probe"] != "not timed"
+
+
+def test_the_rests_time_under_each_form_side_by_side(run):
+    """Where the megamoe rows say how they read the non-expert weights, each shape's rest under
+    ``auto`` and ``megamoe`` stand in one row; a run that did not say has no such table."""
+    assert "The non-expert weights" not in report_boot.section_of("boot-test", run)
+    for row in run["rows"]:
+        for r in row["ranks"]:
+            r["weights_rest_s"] = {"auto": 4.0, "megamoe": 1.6}[row["form"]] - 0.5 * r["rank"]
+            r["rest_staged"] = row["form"] == "megamoe"
+            r["rest_fingerprint"] = "same"
+    lines = report_boot.section_of("boot-test", run).splitlines()
+    header = split_row(next(row for row in lines if row.startswith("| shape | cache | `auto` s")))
+    cells = dict(zip(header, split_row(next(row for row in lines if row.startswith("| slice-l44 | warm | 4.00"))),
+                     strict=True))
+    assert cells["`megamoe` s"] == "1.60" and cells["sooner"] == "2.50x"  # the slowest rank's, both forms
+    assert cells["`auto`: share of its weight phase"] == "800%"  # 4.0 s of the fixture's 0.5 s weight phase
+    assert cells["`megamoe` read them through"] == "megamoe's staging ring"
+    assert any(line.startswith("Identical bytes of every parameter across forms") for line in lines)
