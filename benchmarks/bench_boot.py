@@ -152,8 +152,8 @@ def measure(info: dict[str, Any], form: str, cache: str, rnd: int, args: argpars
                ranks=reports)
     print(f"{info['name']:10s} {cache:4s} {form:8s} node {row['node_s']:7.2f} s  weights "
           f"{max(r['phases']['weights'] for r in reports):6.2f} s (experts "
-          f"{max(r['weights_experts_s'] for r in reports):6.2f}, the rest {max(r['weights_rest_s'] for r in reports):6.2f})",
-          flush=True)
+          f"{max(r['weights_experts_s'] for r in reports):6.2f}, the rest "
+          f"{max(r['weights_rest_s'] for r in reports):6.2f})", flush=True)
     return row
 
 
