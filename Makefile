@@ -3,7 +3,9 @@
 #   make test       lint (ruff), type-check (mypy), then every test tier (what CI runs), and its time
 #   make test-fast  the unit tier alone (tests/unit, in-process): the loop while editing
 # Both run the tests on every core (pytest-xdist: one worker per core, at most PYTEST_WORKERS_MAX),
-# the slowest first (tests/conftest.py); PYTEST_WORKERS=0 runs them in one process.
+# the slowest first (tests/conftest.py), handed out one at a time (--maxschedchunk 1: xdist's default hands
+# each worker a long run of the queue up front, so one worker would get every slow test and end alone);
+# PYTEST_WORKERS=0 runs them in one process.
 VENV ?= .venv
 # Extra pip arguments for torch. Left empty, it is chosen here: where no NVIDIA driver answers
 # (no nvidia-smi) and pip, as configured, finds no torch==2.13.0 without an index (a local wheel
@@ -14,7 +16,8 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= auto
 PYTEST_WORKERS_MAX ?= 4
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses=$(PYTEST_WORKERS_MAX)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --maxprocesses=$(PYTEST_WORKERS_MAX) \
+	--maxschedchunk 1
 STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test test-fast bench report clean
