@@ -30,12 +30,18 @@ WORK=${WORK:-/tmp/node}
 export PYTHONPATH=/tmp/site:/tmp/v33 PYTHONUNBUFFERED=1 VLLM_TARGET_DEVICE=cpu  # vLLM's CPU platform: no vllm._C
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+compiled() {  # byte-compiled as pip installs a package, so no rank process compiles at its start
+    python3 -m compileall -q -j 0 "$@" > /dev/null 2>&1
+    echo "byte-compiled $*; PYTHONDONTWRITEBYTECODE=${PYTHONDONTWRITEBYTECODE:-unset}"
+}
+
 setup() {
     mkdir -p /tmp/v33 /tmp/site /tmp/tree "$RESULTS"
     tar xJf .device/vllm-0.33.0.tar.xz -C /tmp/v33 && tar xJf .device/site.tar.xz -C /tmp/site \
         && tar xf .device/tree.tar -C /tmp/tree || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .device/whl/*.whl > "$RESULTS/pip.log" 2>&1 || { tail -n 20 "$RESULTS/pip.log"; exit 1; }
+    compiled /tmp/v33 /tmp/site /tmp/tree
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
       df -h /tmp; free -g; lsblk -d -o NAME,SIZE,ROTA,MODEL 2>/dev/null; } | tee "$RESULTS/machine.log"
@@ -68,6 +74,7 @@ sglang_setup() {
     formats=$(ls .device/whl/{fastsafetensors,instanttensor,runai_model_streamer,humanize}-*.whl 2>/dev/null)
     [ -z "$formats" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/sgsite $formats >> "$SG_RESULTS/pip.log" 2>&1 || { tail -n 20 "$SG_RESULTS/pip.log"; exit 1; }
+    compiled /tmp/sglang /tmp/sgsite /tmp/sgtree
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c 'import torch, os; print(torch.__version__, torch.cuda.device_count(), "GPUs", os.cpu_count(), "cpus")'
       df -h /tmp; free -g; } | tee "$SG_RESULTS/machine.log"
