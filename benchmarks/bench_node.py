@@ -32,6 +32,9 @@ land in ``--save`` after each one.
 
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --work /tmp/node --save r.json
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_node.py --quick   # CPU smoke run
+
+``--quick`` times nothing: its processes are forked from one that imported the engine once
+(``node_zygote.py``), each still a process of its own per rank and form, released together.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
 
 from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
 from node_procs import Ranks, daemons, daemons_ready, drop_page_cache, stop, warm  # noqa: E402
+from node_zygote import forking  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # One shape: its forms and ceilings, interleaved
@@ -350,6 +354,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             child_main(args.child, args.rank, shape, args.fingerprint, START)
         return {}
+    if not args.quick:
+        return run(args)
+    with forking(args.engine, args.work):  # a smoke run: its processes forked from one engine import
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     args.gpus = torch.cuda.device_count()

@@ -24,6 +24,19 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+#: Where ``--quick`` forks its processes from (node_zygote.py); ``None``: each a fresh interpreter.
+ZYGOTE: Any = None
+
+
+def launch(cmd: list[str], env: dict[str, str], err: Any, stdin: bool) -> subprocess.Popen:
+    """``cmd`` (``python SCRIPT ARGS``) started: its stdout a pipe, its stderr ``err``, its stdin a pipe
+    (or the parent's); forked from :data:`ZYGOTE` where there is one."""
+    if ZYGOTE is not None:
+        return ZYGOTE.spawn(cmd, env, err, stdin)
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+                            stderr=err, text=True)
+
+
 def gpu_of(rank: int, gpus: int) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": str(rank % gpus)} if gpus else {}
 
@@ -49,8 +62,7 @@ class Ranks:
                        shape.to_json(), *(["--fingerprint"] if fingerprint else [])]
                 log = work / "logs" / f"{shape.name}-{kind}-r{rank}-{time.time_ns()}.err"
                 with open(log, "w") as err:
-                    proc = subprocess.Popen(cmd, env=child_env({"OMP_NUM_THREADS": str(threads), **gpu_of(rank, gpus)}),
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+                    proc = launch(cmd, child_env({"OMP_NUM_THREADS": str(threads), **gpu_of(rank, gpus)}), err, True)
                 proc.err_path = str(log)  # type: ignore[attr-defined]
                 self.procs.append(proc)
         except BaseException:
@@ -110,8 +122,7 @@ def daemons(shape: Shape, work: Path, gpus: int, n: int, restarts: list[str] | N
                        "--shape", shape.to_json()]
             log = work / "logs" / f"{shape.name}-daemon-{restart}-r{rank}.err"
             with open(log, "w") as err:
-                proc = subprocess.Popen(cmd, env=child_env(gpu_of(rank, gpus)), stdout=subprocess.PIPE,
-                                        stderr=err, text=True)
+                proc = launch(cmd, child_env(gpu_of(rank, gpus)), err, False)
             proc.err_path = str(log)  # type: ignore[attr-defined]
             procs.append(proc)
     except BaseException:

@@ -36,7 +36,8 @@ def test_every_script_has_a_test():
               "bench_store.py", "store_child.py",  # bench_store.py --quick: below
               "bench_daemon.py", "report_daemon.py",
               "report_store.py", "report_probe.py",
-              "bench_node.py", "node_forms.py", "node_procs.py", "device_node.sh", "report_node.py",
+              "bench_node.py", "node_forms.py", "node_procs.py", "node_zygote.py", "device_node.sh",
+              "report_node.py",
               "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
@@ -263,9 +264,10 @@ def test_device_node_sglang_formats_step_passes_flags_its_scripts_declare():
 
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
 def test_bench_node_quick_in_vllm_033(tmp_path):
-    """The node benchmark on the CPU: two rank processes per form, released together, loading through
-    vLLM 0.33's own loaders (with and without its EP filter), install() from the per-rank form and the
-    store, and an ipc_cache restart into vLLM's real modules, each form once, in one shape or the other;
+    """The node benchmark on the CPU: two rank processes per form (forked from one import of the engine:
+    node_zygote.py), released together, loading through vLLM 0.33's own loaders (with and without its EP
+    filter), install() from the per-rank form and the store, and an ipc_cache restart into vLLM's real
+    modules, each form once, in one shape or the other;
     every form that ran leaves the same kernel bytes, and a form that cannot run here says why."""
     sys.path.insert(0, str(REPO / "tests"))
     from engine_envs import ensure
