@@ -22,6 +22,9 @@ the kernel reads: all must be equal.
 
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_daemon.py --work /tmp/daemon --save r.json
     python3 benchmarks/bench_daemon.py --smoke        # tiny, on the CPU (a test runs it)
+
+``--smoke`` times nothing: its roles' processes are forked from one that imported vLLM once
+(``node_zygote.py``), each still a process of its own.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
     sys.path.insert(0, str(path))
 
+from node_procs import launch  # noqa: E402
+from node_zygote import forking  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Children
@@ -210,7 +215,7 @@ def spawn(role: str, model: Path, args: argparse.Namespace, socket_dir: str) -> 
     cmd = [sys.executable, __file__, "--role", role, "--model", str(model), "--rank", str(args.rank),
            "--ep-size", str(args.ep_size), "--socket-dir", socket_dir]
     err = open(args.work / f"{role}-{time.time_ns()}.err", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+    proc = launch(cmd, env, err, False)  # forked from one import of vLLM in --smoke (node_zygote.py)
     proc.err_path = err.name  # type: ignore[attr-defined]
     return proc
 
@@ -290,6 +295,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.preset, args.layers, args.experts, args.ep_size, args.repeats = "tiny", 2, 8, 4, 1
     args.src, args.out = args.work / "src", args.work / f"out-ep{args.ep_size}"
     args.work.mkdir(parents=True, exist_ok=True)
+    if not args.smoke:
+        return run(args)
+    with forking("vllm", args.work):  # a smoke run times nothing: one import of vLLM for every role
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Each role's runs, the daemons' from the conversion and from the source, and their kernel views."""
     result: dict[str, Any] = {"setup": setup(args), "rank": args.rank, "ep_size": args.ep_size, "cold": args.cold,
                               "runs": []}
     for _ in range(args.repeats):
