@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import json
 import logging
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
@@ -193,3 +195,28 @@ def load_installing(model: Any, load: Callable[[Weights], Any], weights: Weights
     if not any(c.detect(m) for m in model.modules() for c in contracts):
         return load(weights)
     return load_checked(model, load, weights, name, engine)
+
+
+def prepare_install(conversion: str, installing: str) -> threading.Thread:
+    """Make what a conversion's first install needs while the engine builds the model, on a thread of
+    its own: the install's modules (``installing`` and what it imports) and, for a local conversion,
+    the layout probe's input and this package's layout of it (:func:`probe.prepare`). Best effort:
+    whatever fails here the install makes again, and raises there."""
+    thread = threading.Thread(target=_prepare_install, args=(conversion, installing), name="megamoe-prepare",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+def _prepare_install(conversion: str, installing: str) -> None:
+    try:
+        importlib.import_module(installing)
+        from megamoe_convert.engines import probe
+        from megamoe_convert.output.manifest import read_manifest
+
+        if not probe.enabled() or not Path(conversion).is_dir():
+            return
+        dims = read_manifest(Path(conversion)).dims
+        probe.prepare(dims.format, dims.hidden_size, dims.moe_intermediate_size, dims.shared_intermediate_size or 0)
+    except Exception as e:  # the install itself reports what is wrong
+        log.debug("megamoe: preparing the install of %s ahead: %s", conversion, e)

@@ -17,10 +17,12 @@ out (``probe=False`` or ``MEGAMOE_LAYOUT_PROBE=0``), which is logged as unchecke
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import re
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata, util
@@ -83,8 +85,9 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
     key = (probe.engine, probe.contract, fmt.name, *dims)
     done = _passed.get(key)
     if done is None:
-        inp = synthetic_expert(fmt, *dims)
-        want = reference(inp)
+        made, want = expected(fmt, *dims)
+        inp = dataclasses.replace(made, routed={k: t.clone() for k, t in made.routed.items()},
+                                  shared={k: t.clone() for k, t in made.shared.items()})  # the engine's to change
         try:
             got = probe.run(inp, {name: tuple(t.shape) for name, t in want.items()})
         except Exception as e:  # the engine's own code: whatever it raises, the layout is unknown
@@ -111,6 +114,39 @@ def check_layout(probe: LayoutProbe, fmt: WeightFormat, hidden: int, inter: int,
                                f"but this engine's own loading code gives {value} for {probe.where}: it was "
                                "written with another layout; convert it again with this megamoe-convert")
     return done
+
+
+#: (format, probe dims) -> the probe's input and this package's layout of it, made or being made.
+_expected: dict[tuple[Any, ...], Future[tuple[ProbeInput, Tensors]]] = {}
+_expected_lock = threading.Lock()
+
+
+def expected(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> tuple[ProbeInput, Tensors]:
+    """The probe's input for these (probe) dims and this package's layout of it: made once per process,
+    ahead of the install where :func:`prepare` started it (the engine's model build overlaps it)."""
+    key = (fmt.name, hidden, inter, shared_inter)
+    with _expected_lock:
+        made = _expected.get(key)
+        if made is None:
+            made = _expected[key] = Future()
+            mine = True
+        else:
+            mine = False
+    if mine:
+        try:
+            inp = synthetic_expert(fmt, hidden, inter, shared_inter)
+            made.set_result((inp, reference(inp)))
+        except BaseException as e:  # not kept: the next call makes it again, and raises where it raises
+            with _expected_lock:
+                _expected.pop(key, None)
+            made.set_exception(e)
+    return made.result()
+
+
+def prepare(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> None:
+    """Make :func:`expected` for a layer's dims now, on the calling thread (a start's own, while the engine
+    builds the model), so the install's probe finds it made."""
+    expected(fmt, *probe_dims(hidden, inter, shared_inter))
 
 
 def in_background(probes: Callable[[], None]) -> Future[None]:
@@ -152,8 +188,10 @@ def skipped(where: str) -> None:
 
 
 def forget() -> None:
-    """Forget every passed probe (a later install probes again)."""
+    """Forget every passed probe and every made input (a later install makes and probes again)."""
     _passed.clear()
+    with _expected_lock:
+        _expected.clear()
 
 
 def _one_line(e: BaseException) -> str:

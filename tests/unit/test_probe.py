@@ -152,6 +152,59 @@ def test_an_engine_laying_out_like_the_conversion_passes_once_per_process():
     assert len(calls) == 2
 
 
+def test_a_prepared_input_is_the_one_the_probe_uses_and_the_engine_gets_its_own_copy(monkeypatch):
+    """:func:`probe.prepare` (a start's, while the engine builds the model) makes the input and its layout
+    once; the install's probe then makes neither, and an engine that writes into its input changes
+    nothing a later probe of the same input sees."""
+    probe.prepare(formats.MXFP4, 4096, 2048)
+    made = []
+    monkeypatch.setattr(probe, "synthetic_expert", lambda *a, **k: made.append(a) or identity.synthetic_expert(*a, **k))
+    monkeypatch.setattr(probe, "reference", lambda inp: made.append(inp) or identity.reference(inp))
+
+    def scribbling(inp, shapes):
+        out = identity.reference(inp)
+        for t in inp.routed.values():
+            t.view(torch.uint8).fill_(0)
+        return out
+
+    assert probe.check_layout(_engine(scribbling, "engine A"), formats.MXFP4, 4096, 2048) == \
+        identity.layout_fingerprints(formats.MXFP4, 4096, 2048)
+    assert probe.check_layout(_engine(_laid_out_as_converted, "engine B"), formats.MXFP4, 4096, 2048)
+    assert made == []
+    probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP8, 4096, 2048)  # not prepared: made here
+    assert len(made) == 2
+
+
+def test_a_failed_preparation_is_not_kept(monkeypatch):
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(probe, "synthetic_expert", failing)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="no memory"):
+            probe.prepare(formats.MXFP4, 512, 512)
+    assert len(calls) == 2
+
+
+def test_a_conversions_install_is_prepared_ahead_from_its_manifest(tiny_converted):
+    """What an engine's model class starts before it builds the model: the install's imports and the
+    probe's input for the conversion's dims, on a thread of its own."""
+    from megamoe_convert.engines.load_formats import prepare_install
+    from megamoe_convert.output.manifest import read_manifest
+
+    dims = read_manifest(tiny_converted).dims
+    prepare_install(str(tiny_converted), "megamoe_convert.engines.driver").join(timeout=120)
+    key = (dims.format.name, *identity.probe_dims(dims.hidden_size, dims.moe_intermediate_size,
+                                                  dims.shared_intermediate_size or 0))
+    assert key in probe._expected and probe._expected[key].done()
+    probe.forget()
+    prepare_install("owner/not-a-local-folder", "megamoe_convert.engines.driver").join(timeout=120)
+    assert probe._expected == {}
+
+
 def test_an_engine_permuting_the_bytes_is_refused_in_one_line_naming_engine_tensor_and_what_to_do():
     def run(inp, shapes):
         return _permuted(identity.reference(inp), "l1_sf")

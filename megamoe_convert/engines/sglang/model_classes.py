@@ -32,7 +32,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.load_formats import conversion_manifest, load_installing, served_reference
+from megamoe_convert.engines.load_formats import (
+    conversion_manifest,
+    load_installing,
+    prepare_install,
+    served_reference,
+)
 from megamoe_convert.engines.sglang import format_table
 from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
@@ -123,6 +128,8 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
                                f"megamoe-convert cannot install experts into (it serves {', '.join(sorted(served))}); "
                                "drop --model-impl transformers")
         prepare_gpu_staging()  # in the worker, right before the model is built: pin the read ring meanwhile
+        if section.get(PATH_KEY):  # and make the layout probe's input and expected bytes meanwhile
+            prepare_install(str(section[PATH_KEY]), install_layers.__module__)
     return model_cls, arch
 
 

@@ -35,7 +35,12 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from megamoe_convert.engines.load_formats import INSTALLED_ATTR, load_installing, served_reference
+from megamoe_convert.engines.load_formats import (
+    INSTALLED_ATTR,
+    load_installing,
+    prepare_install,
+    served_reference,
+)
 from megamoe_convert.engines.vllm import private_hooks
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -84,6 +89,7 @@ def make_model_class(base: Any, draft: bool) -> type:
                 from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (the plugin's cost)
 
                 prepare_gpu_staging()  # pin the read ring while vLLM builds the model
+                prepare_install(out, "megamoe_convert.engines.vllm.installing")  # its imports and probe input too
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             setattr(self, CONVERSION_ATTR, out)
             setattr(self, MODEL_ATTR, str(getattr(own, "model", base.__name__)))
