@@ -29,7 +29,7 @@ import torch
 from megamoe_convert.errors import LoadError
 from megamoe_convert.jsonio import one_line
 from megamoe_convert.serve import staging
-from megamoe_convert.source.safetensors_io import TensorEntry, read_header, read_into
+from megamoe_convert.source.safetensors_io import TORCH_DTYPES, TensorEntry, read_header, read_into
 
 #: Most bytes of one chunk (unless one tensor is larger): large enough to keep every reader lane of
 #: the staging ring busy, small enough that two of them are a small part of any device's memory.
@@ -37,15 +37,6 @@ CHUNK_BYTES = 256 << 20
 #: Each chunk buffer starts this far before a multiple of it in the file, so that a tensor aligned
 #: in the file to its element size is aligned in its chunk too (a view of another dtype needs it).
 ALIGN = 64
-
-#: Each safetensors dtype as torch names it (the ones a torch release lacks are left out).
-TORCH_DTYPES: dict[str, torch.dtype] = {key: dtype for key, name in (
-    ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"), ("F16", "float16"),
-    ("BF16", "bfloat16"), ("I32", "int32"), ("U32", "uint32"), ("F32", "float32"), ("I64", "int64"),
-    ("U64", "uint64"), ("F64", "float64"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"),
-) if isinstance(dtype := getattr(torch, name, None), torch.dtype)}
-
 
 @dataclass(frozen=True)
 class Chunk:

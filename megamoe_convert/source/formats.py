@@ -37,7 +37,7 @@ import torch
 
 from megamoe_convert import jsonio
 from megamoe_convert.errors import FormatError
-from megamoe_convert.source.safetensors_io import DTYPE_BITS, TensorSpec
+from megamoe_convert.source.safetensors_io import DTYPE_BITS, TORCH_DTYPES, TensorSpec
 
 #: Scale bytes packed into one int32 word along K (``_pack_scale``).
 SCALES_PER_WORD = 4
@@ -331,13 +331,8 @@ def manifest_fields(dims: dict[str, Any], fields: jsonio.Fields, max_dim: int) -
     return {"weight_format": name, "shared_intermediate_size": shared}
 
 
-#: torch dtype of each safetensors dtype a rank file holds.
-TORCH_DTYPES = {"I8": torch.int8, "I32": torch.int32, "F32": torch.float32, "F16": torch.float16,
-                "F8_E4M3": torch.float8_e4m3fn,
-                "BF16": torch.bfloat16}
-
-
 def torch_dtype(dtype: str) -> torch.dtype:
+    """torch's dtype of a safetensors dtype (``safetensors_io.TORCH_DTYPES``)."""
     return TORCH_DTYPES[dtype]
 
 
