@@ -72,7 +72,15 @@ def plan_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
 
 
 def _read_chunk(chunk: Chunk, fd: int, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """The chunk's bytes in a fresh buffer on ``device``, at offset ``begin % ALIGN`` of it."""
+    """The chunk's bytes in a fresh buffer on ``device``, at offset ``begin % ALIGN`` of it; a read
+    that fails is one line naming the chunk's file (its error names no file, or every one)."""
+    try:
+        return _read_chunk_into(chunk, fd, device, stream)
+    except OSError as e:
+        raise LoadError(one_line(f"{chunk.path}: cannot be read ({e.strerror or e})")) from None
+
+
+def _read_chunk_into(chunk: Chunk, fd: int, device: torch.device, stream: torch.cuda.Stream | None) -> torch.Tensor:
     pad, size = chunk.begin % ALIGN, chunk.end - chunk.begin
     if device.type != "cuda":
         buffer = torch.empty(pad + size, dtype=torch.uint8)

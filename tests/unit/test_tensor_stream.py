@@ -146,3 +146,19 @@ def test_a_tensor_unaligned_in_its_file_is_a_copy_with_its_bytes(tmp_path):
     got = dict(stream_tensors([path], chunk_bytes=1 << 20))
     assert torch.equal(got["odd"], odd) and torch.equal(got["f32"], f32)
     assert got["f32"].data_ptr() % 4 == 0
+
+
+def test_a_read_that_fails_mid_stream_is_one_line_naming_its_file_alone(shards, monkeypatch):
+    """An I/O error on the second file's data names that file, not the list of every file read."""
+    from megamoe_convert.source import safetensors_io
+
+    real_read = safetensors_io.read_into
+
+    def failing(fd, offset, out, source=None):
+        if str(source) == str(shards[1]):
+            raise OSError(5, "Input/output error")
+        return real_read(fd, offset, out, source)
+
+    monkeypatch.setattr(tensor_stream, "read_into", failing)
+    with pytest.raises(LoadError, match=f"^{shards[1]}: cannot be read \\(Input/output error\\)$"):
+        list(stream_tensors(shards))
