@@ -7,8 +7,8 @@ rank folders of a hub repo are never fetched). The non-expert shards vLLM would 
 choice of files) are read through the experts' staging ring in large chunks and handed to the
 model on the device it is built on (:mod:`megamoe_convert.serve.tensor_stream`), as vLLM's
 ``fastsafetensors`` hands out device tensors: vLLM's weight loaders make of them what they make
-of its own iterator's. A hub repo, a source vLLM filters by weight name, or
-``MEGAMOE_STAGED_REST=0`` reads them through vLLM's own iterator.
+of its own iterator's. A hub repo, a source whose files vLLM chooses by more than the folder
+(:func:`staged_files`), or ``MEGAMOE_STAGED_REST=0`` reads them through vLLM's own iterator.
 """
 
 from __future__ import annotations
@@ -98,8 +98,9 @@ def weights_device(model: nn.Module) -> torch.device:
 def staged_files(loader: Any, source: Any) -> list[str] | None:
     """The safetensors files vLLM's own loader would read for ``source``, where they are to be read
     through the staging ring instead: a local folder's, unless switched off or vLLM chooses them
-    by more than the folder (a subfolder, patterns, weight names, an encoder-only filter, a
-    torchao checkpoint); ``None`` (vLLM's own iterator reads them), said in a debug line."""
+    by more than the folder (a subfolder, allow-patterns, an encoder-only filter, a torchao
+    checkpoint); ``None`` (vLLM's own iterator reads them), said in a debug line. A source's
+    unused-weight filter drops whole files here as vLLM's own iterator's caller does."""
     from megamoe_convert import settings
     from megamoe_convert.engines.vllm import private_hooks
 
