@@ -58,12 +58,15 @@ class Zygote:
 
     def reap(self) -> None:
         while True:
-            try:
-                pid, status = os.waitpid(-1, 0)
+            try:  # a fork that ended, left unreaped: kill() may still signal it (a zombie) meanwhile
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
             except ChildProcessError:
                 threading.Event().wait(0.05)
                 continue
-            with self.lock:
+            if ended is None:
+                continue
+            with self.lock:  # reaped and forgotten at once: kill() never signals a reaped pid
+                pid, status = os.waitpid(ended.si_pid, 0)
                 fd = self.status.pop(pid, None)
             if fd is not None:
                 os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
