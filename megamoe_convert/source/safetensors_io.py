@@ -29,13 +29,19 @@ DTYPE_BITS: dict[str, int] = {
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
+def _torch_dtypes(names: dict[str, str]) -> dict[str, torch.dtype]:
+    """Each safetensors dtype's torch dtype, by torch's name for it, where the installed torch has it."""
+    found = {key: getattr(torch, name, None) for key, name in names.items()}
+    return {key: dtype for key, dtype in found.items() if isinstance(dtype, torch.dtype)}
+
+
 #: torch's dtype of each safetensors dtype (those the installed torch lacks are left out).
-TORCH_DTYPES: dict[str, torch.dtype] = {key: dtype for key, name in (
-    ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"), ("F16", "float16"),
-    ("BF16", "bfloat16"), ("I32", "int32"), ("U32", "uint32"), ("F32", "float32"), ("I64", "int64"),
-    ("U64", "uint64"), ("F64", "float64"), ("C64", "complex64"), ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu"),
-) if isinstance(dtype := getattr(torch, name, None), torch.dtype)}
+TORCH_DTYPES: dict[str, torch.dtype] = _torch_dtypes({
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64",
+    "U64": "uint64", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+})
 
 #: A header larger than this is not a model shard (guards against a corrupted length).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
