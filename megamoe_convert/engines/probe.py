@@ -125,22 +125,25 @@ def expected(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) 
     """The probe's input for these (probe) dims and this package's layout of it: made once per process,
     ahead of the install where :func:`prepare` started it (the engine's model build overlaps it)."""
     key = (fmt.name, hidden, inter, shared_inter)
-    with _expected_lock:
-        made = _expected.get(key)
-        if made is None:
-            made = _expected[key] = Future()
-            mine = True
-        else:
-            mine = False
-    if mine:
+    while True:
+        with _expected_lock:
+            made = _expected.get(key)
+            mine = made is None
+            if made is None:
+                made = _expected[key] = Future()
+        if mine:
+            try:
+                inp = synthetic_expert(fmt, hidden, inter, shared_inter)
+                made.set_result((inp, reference(inp)))
+            except BaseException as e:  # not kept: the next call makes it again, and raises where it raises
+                with _expected_lock:
+                    _expected.pop(key, None)
+                made.set_exception(e)
+            return made.result()
         try:
-            inp = synthetic_expert(fmt, hidden, inter, shared_inter)
-            made.set_result((inp, reference(inp)))
-        except BaseException as e:  # not kept: the next call makes it again, and raises where it raises
-            with _expected_lock:
-                _expected.pop(key, None)
-            made.set_exception(e)
-    return made.result()
+            return made.result()
+        except Exception:  # another thread's making failed (and is not kept): made again here
+            continue
 
 
 def prepare(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> None:

@@ -6,6 +6,7 @@ The engines' own code runs the probe in ``tests/engines``."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -187,6 +188,49 @@ def test_a_failed_preparation_is_not_kept(monkeypatch):
         with pytest.raises(RuntimeError, match="no memory"):
             probe.prepare(formats.MXFP4, 512, 512)
     assert len(calls) == 2
+
+
+def test_a_preparation_failing_while_the_probe_waits_is_made_again_by_the_probe(monkeypatch):
+    """What the start's thread fails at, the install's probe waiting on it makes itself (and raises
+    there if it fails there too), never the other thread's error."""
+    import threading
+
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def first_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(30)
+            raise MemoryError("the start's thread ran out")
+        return identity.synthetic_expert(*args, **kwargs)
+
+    monkeypatch.setattr(probe, "synthetic_expert", first_fails)
+    dims = identity.probe_dims(4096, 2048, 0)
+    failed: list[str] = []
+
+    def prepare() -> None:
+        try:
+            probe.prepare(formats.MXFP4, 4096, 2048)
+        except MemoryError as e:
+            failed.append(str(e))
+
+    preparing = threading.Thread(target=prepare)
+    preparing.start()
+    assert entered.wait(30)
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(probe.expected(formats.MXFP4, *dims)))
+    waiting.start()
+    pending = probe._expected[(formats.MXFP4.name, *dims)]
+    deadline = time.monotonic() + 30
+    while not pending._condition._waiters and time.monotonic() < deadline:  # the probe waits on it
+        time.sleep(0.01)
+    release.set()
+    preparing.join(30)
+    waiting.join(30)
+    assert len(calls) == 2 and len(got) == 1
+    assert failed == ["the start's thread ran out"]
+    assert identity.fingerprints(got[0][1]) == identity.layout_fingerprints(formats.MXFP4, 4096, 2048)
 
 
 def test_a_conversions_install_is_prepared_ahead_from_its_manifest(tiny_converted):
