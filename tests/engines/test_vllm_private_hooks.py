@@ -26,6 +26,18 @@ def test_every_transformers_private_name_resolves_in_this_release(dotted):
     resolve(dotted)
 
 
+def test_the_file_choices_the_staged_rest_defers_to_vllm_are_named_as_this_release_names_them():
+    """Where vLLM chooses a source's files or tensors by more than its folder, the non-expert weights
+    load through vLLM's own iterator (``loader.staged_files``); a renamed knob would stream what vLLM
+    filters, so each is read under this release's name."""
+    from vllm.config import LoadConfig
+    from vllm.model_executor.model_loader import DefaultModelLoader, default_loader
+
+    assert hasattr(LoadConfig(), private_hooks.LOAD_STRATEGY)
+    if hasattr(default_loader, "resolve_mm_encoder_only_lm_prefixes"):  # the encoder-only filter (0.31 on)
+        assert hasattr(DefaultModelLoader(LoadConfig()), private_hooks.ENCODER_ONLY_PREFIXES)
+
+
 def test_transformers_reads_every_config_json_through_the_replaced_reader(tmp_path):
     transformers_reads_through_the_replaced_reader(tmp_path)
 

@@ -110,8 +110,8 @@ def staged_files(loader: Any, source: Any) -> list[str] | None:
     elif not os.path.isdir(str(source.model_or_path)):
         why = "not a local folder"
     elif getattr(source, "subfolder", None) or getattr(source, "allow_patterns_overrides", None) \
-            or getattr(loader, "_encoder_only_lm_prefixes", None) \
-            or getattr(loader.load_config, "safetensors_load_strategy", None) == "torchao":
+            or getattr(loader, private_hooks.ENCODER_ONLY_PREFIXES, None) \
+            or getattr(loader.load_config, private_hooks.LOAD_STRATEGY, None) == "torchao":
         why = "vLLM chooses its files or tensors by more than the folder"
     files = None if why else private_hooks.weight_files(loader, source)
     if why or files is None:

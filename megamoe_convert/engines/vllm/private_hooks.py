@@ -52,6 +52,11 @@ PRIVATE_NAMES = (
     f"{WEIGHT_CACHE}.daemon:_run_daemon",
 )
 
+#: What vLLM chooses a source's files or tensors by beyond its folder, read where set: a
+#: ``DefaultModelLoader``'s encoder-only filter (vLLM 0.31 on) and its ``LoadConfig``'s load strategy.
+ENCODER_ONLY_PREFIXES = "_encoder_only_lm_prefixes"
+LOAD_STRATEGY = "safetensors_load_strategy"
+
 
 def weight_files(loader: Any, source: Any) -> list[str] | None:
     """The safetensors files vLLM's ``DefaultModelLoader`` ``loader`` reads for the weights
