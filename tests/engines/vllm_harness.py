@@ -101,7 +101,19 @@ def patched(ep_rank: int = 0, ep_size: int = 1) -> Iterator[None]:
             else:  # 0.30-0.31: the module asks CUDA for the device's capability itself
                 enter(mock.patch("torch.cuda.get_device_capability", lambda *a, **k: (10, 0)))
             enter(module_named("deep_gemm", _bundled_deep_gemm()))
+            _fresh_deep_gemm_import(stack)
         yield
+
+
+def _fresh_deep_gemm_import(stack: contextlib.ExitStack) -> None:
+    """vLLM caches its DeepGEMM import for the process (``functools.cache``): a call outside the block
+    (``None`` on the CPU) must not stand in for the block's module, nor the block's outlive it."""
+    from vllm.utils import deep_gemm
+
+    clear = getattr(deep_gemm._import_deep_gemm, "cache_clear", None)
+    if clear is not None:
+        clear()
+        stack.callback(clear)
 
 
 @contextlib.contextmanager
