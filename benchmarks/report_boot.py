@@ -220,7 +220,7 @@ def rest_table(got: dict, shapes: list[str]) -> str:
             "routed experts, the slowest rank's), read by vLLM's own safetensors iterator under `auto` and, under "
             "`megamoe`, in large chunks through the experts' staging ring, fed to the same vLLM `load_weights`:\n\n" +
             table(["shape", "cache", "`auto` s", "`auto`: share of its weight phase", "`megamoe` s",
-                   "`megamoe` read them through", "sooner"], rows))
+                   "`megamoe` read them through", "`auto` s / `megamoe` s"], rows))
 
 
 def last_error_line(text: str) -> str:
