@@ -29,6 +29,8 @@ DTYPE_BITS: dict[str, int] = {
     "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
     "I64": 64, "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
+
+
 def _torch_dtypes(names: dict[str, str]) -> dict[str, torch.dtype]:
     """Each safetensors dtype's torch dtype, by torch's name for it, where the installed torch has it."""
     found = {key: getattr(torch, name, None) for key, name in names.items()}
