@@ -193,19 +193,24 @@ def prepare_vllm(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack
 
 
 def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
-    """``install`` from the per-rank form or the store, the staging started as the loader starts it."""
+    """``install`` from the per-rank form or the store, with what vLLM's model class starts while it
+    builds the model: the pinned staging, and the install's imports and layout-probe input
+    (``prepare_install``, done before the rank is ready, as a model build of seconds lets it be)."""
     import torch
     import vllm_harness as h
 
+    from megamoe_convert.engines.load_formats import prepare_install as prepare_ahead
     from megamoe_convert.engines.vllm import install
 
+    out = shape.store if kind == "megamoe_store" else shape.per_rank
     if torch.cuda.is_available():
         from megamoe_convert.serve.staging import prepare_gpu_staging
 
         prepare_gpu_staging()
+    ahead = prepare_ahead(str(out), "megamoe_convert.engines.vllm.installing")
     stack.enter_context(h.patched(rank, shape.ep_size))
     model = _tree(shape, rank, _device())
-    out = shape.store if kind == "megamoe_store" else shape.per_rank
+    ahead.join()
     return Prepared(lambda: install(model, str(out), rank=rank), model)
 
 
