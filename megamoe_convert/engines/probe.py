@@ -41,6 +41,7 @@ from megamoe_convert.layout.identity import (
     fingerprints,
     probe_dims,
     reference,
+    routed_only,
     synthetic_expert,
 )
 from megamoe_convert.source import formats
@@ -148,8 +149,15 @@ def expected(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) 
 
 def prepare(fmt: WeightFormat, hidden: int, inter: int, shared_inter: int = 0) -> None:
     """Make :func:`expected` for a layer's dims now, on the calling thread (a start's own, while the engine
-    builds the model), so the install's probe finds it made."""
-    expected(fmt, *probe_dims(hidden, inter, shared_inter))
+    builds the model), so the install's probe finds it made: with a shared expert, and its routed part
+    alone (what an install whose modules fuse no shared expert probes)."""
+    dims = probe_dims(hidden, inter, shared_inter)
+    made = expected(fmt, *dims)
+    if dims[2]:
+        alone: Future[tuple[ProbeInput, Tensors]] = Future()
+        alone.set_result(routed_only(*made))
+        with _expected_lock:
+            _expected.setdefault((fmt.name, *dims[:2], 0), alone)
 
 
 def in_background(probes: Callable[[], None]) -> Future[None]:

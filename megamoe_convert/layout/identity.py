@@ -179,6 +179,15 @@ def synthetic_expert(fmt: WeightFormat, hidden: int, inter: int, shared_inter: i
     return ProbeInput(fmt, hidden, inter, shared_inter, routed, shared)
 
 
+def routed_only(inp: ProbeInput, laid_out: Tensors) -> tuple[ProbeInput, Tensors]:
+    """``inp`` (made with a shared expert) and its layout without the shared expert: the input and
+    layout :func:`synthetic_expert` and :func:`reference` give for the same dims with ``shared_inter``
+    0, since the routed bytes come first from the stream (an install whose modules fuse no shared
+    expert probes the routed part alone)."""
+    routed = {k: t for k, t in laid_out.items() if not k.startswith("shared_")}
+    return ProbeInput(inp.fmt, inp.hidden, inp.inter, 0, inp.routed, {}), routed
+
+
 # --------------------------------------------------------------------------------------
 # The project's layout of it, and the comparison
 # --------------------------------------------------------------------------------------

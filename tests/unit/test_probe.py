@@ -176,6 +176,31 @@ def test_a_prepared_input_is_the_one_the_probe_uses_and_the_engine_gets_its_own_
     assert len(made) == 2
 
 
+@pytest.mark.parametrize("name", [n for n, f in formats.FORMATS.items() if f.fuses_fp8_shared])
+def test_the_routed_part_alone_is_the_input_and_layout_made_without_a_shared_expert(name):
+    fmt = formats.FORMATS[name]
+    inp, laid_out = identity.routed_only(*probe.expected(fmt, 256, 128, 256))
+    alone = identity.synthetic_expert(fmt, 256, 128, 0)
+    assert inp.shared_inter == 0 and not inp.shared and inp.describe() == alone.describe()
+    assert inp.routed.keys() == alone.routed.keys()
+    for key, t in alone.routed.items():
+        assert torch.equal(inp.routed[key].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+    want = identity.reference(alone)
+    assert laid_out.keys() == want.keys() and all(torch.equal(laid_out[k], want[k]) for k in want)
+
+
+def test_a_prepared_input_with_a_shared_expert_serves_an_install_that_fuses_none(monkeypatch):
+    """A start prepares the conversion's dims (its shared expert too); modules that fuse no shared expert
+    probe the routed part alone, and the probe makes nothing for them either."""
+    probe.prepare(formats.MXFP4, 4096, 2048, 2048)
+    made = []
+    monkeypatch.setattr(probe, "synthetic_expert", lambda *a, **k: made.append(a) or identity.synthetic_expert(*a, **k))
+    monkeypatch.setattr(probe, "reference", lambda inp: made.append(inp) or identity.reference(inp))
+    assert probe.check_layout(_engine(_laid_out_as_converted), formats.MXFP4, 4096, 2048) == \
+        identity.layout_fingerprints(formats.MXFP4, 4096, 2048)
+    assert made == []
+
+
 def test_a_failed_preparation_is_not_kept(monkeypatch):
     calls = []
 
