@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
-import operator
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 from unittest import mock
+
+from probe_timer import ProbeTimer
 
 #: vLLM's stacked parameters: fused name -> the checkpoint's names, in shard order.
 STACKED = {"gate_up_proj": ("w1", "w3"), "attn.fused_wqa_wkv": ("attn.wq_a", "attn.wkv"),
@@ -282,7 +283,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
     marks["config"] = time.perf_counter()
     process_group(config, port)
     marks["process_group"] = time.perf_counter()
-    split, probe = Split(), _ProbeTimer()
+    split, probe = Split(), ProbeTimer()
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(config), patched(rank, ep_size) as model_py, _cuda_platform(device):
@@ -313,7 +314,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
     return report
 
 
-def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: _ProbeTimer,
+def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: ProbeTimer,
           fixed: dict[str, float]) -> float:
     """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``),
     and in ``fixed`` what its first call imports (the install's modules: ``install_import_s``)."""
@@ -350,63 +351,6 @@ def _ring_report(marks: dict[str, float]) -> dict[str, Any]:
     if ring is None:
         return {}
     return {"ring_pin_s": ring.pin_seconds, "ring_ready_after_build_s": ring.ready_at - marks["construct"]}
-
-
-#: The layout probe's own steps (``engines/probe.py``'s names), by the part of the report they go to;
-#: the rest of the probe's time is the engine's own loading code on the scratch twin.
-PROBE_STEPS = {"synthetic_expert": "input", "reference": "reference", "difference": "compare",
-               "fingerprints": "fingerprint"}
-
-
-def _timed(fn: Any, sink: dict[str, float], key: str, combine: Callable[[float, float], float] = operator.add) -> Any:
-    """``fn``, each call's seconds combined into ``sink[key]`` (summed; ``max``: the longest)."""
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            sink[key] = combine(sink.get(key, 0.0), time.perf_counter() - t0)
-    return timed
-
-
-class _ProbeTimer:
-    """The layout probe's own time (it runs beside the first reads): vLLM's loading code on one
-    synthetic expert per contract, timed where the install driver starts it, split by its steps;
-    and how long the load waited for its word (the reads' first writes, and the install's end, wait
-    on it): the part of the probe on the rank's critical path."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls = 0
-        self.waits: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def timing(self) -> Iterator[None]:
-        from megamoe_convert.engines import driver
-
-        probe, start = driver.layout_probe, driver.layout_probe.in_background
-
-        def started(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            future = start(*args, **kwargs)  # what the install's lanes and its end wait on:
-            future.result = _timed(future.result, self.waits, "longest", max)  # type: ignore[method-assign]
-            return future
-
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(mock.patch.object(driver, "probe_layouts",
-                                                  _timed(driver.probe_layouts, self.seconds, "probe")))
-            stack.enter_context(mock.patch.object(probe, "in_background", started))
-            for name, part in PROBE_STEPS.items():
-                stack.enter_context(mock.patch.object(probe, name, _timed(getattr(probe, name), self.seconds, part)))
-            yield
-
-    def report(self) -> dict[str, Any]:
-        if not self.calls:
-            return {}
-        parts = {part: round(self.seconds.get(part, 0.0), 4) for part in PROBE_STEPS.values()}
-        parts["engine"] = round(self.seconds.get("probe", 0.0) - sum(parts.values()), 4)
-        return {"probe_s": self.seconds.get("probe", 0.0), "probe_calls": self.calls,
-                "probe_wait_s": self.waits.get("longest", 0.0), "probe_parts_s": parts}
 
 
 @contextlib.contextmanager

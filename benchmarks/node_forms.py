@@ -275,6 +275,12 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
     with contextlib.ExitStack() as stack:
         prepare = PREPARE[FORMS[kind][0]] if kind in FORMS else prepare_ceiling
         prepared = prepare(kind, rank, shape, stack)
+        probe = None
+        if FORMS.get(kind, ("",))[0] == "install":  # the layout probe's time and the load's wait for it
+            from probe_timer import ProbeTimer
+
+            probe = ProbeTimer()
+            stack.enter_context(probe.timing())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         ready_unix = time.time()
@@ -288,7 +294,7 @@ def child_main(kind: str, rank: int, shape: Shape, fingerprint: bool, start: flo
         seconds, end_unix = time.perf_counter() - t0, time.time()
         report = {"rank": rank, "seconds": seconds, "start_unix": start_unix, "end_unix": end_unix,
                   "read_bytes": io_read_bytes() - read_before, "import_s": imported,
-                  "ready_s": t0 - start, "ready_unix": ready_unix}
+                  "ready_s": t0 - start, "ready_unix": ready_unix, **(probe.report() if probe else {})}
         if fingerprint and prepared.model is not None:
             from bench_daemon import kernel_fingerprint
 

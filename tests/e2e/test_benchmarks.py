@@ -40,6 +40,7 @@ def test_every_script_has_a_test():
               "report_node.py",
               "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
+              "probe_timer.py",  # through bench_boot and bench_node's rank processes, below
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
               "gpu_load_formats.py",  # --smoke: tests/engines/test_*_format_matrix.py
               "common.py",  # common.py: through every script that imports it
@@ -288,6 +289,11 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
             assert "needs a CUDA GPU" in rows[(ceiling, "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
+    # each megamoe rank probed once, its input made while the model was built (never during the load)
+    assert result["layout_probe"] is True
+    for r in node[("megamoe_per_rank", "warm")]["ranks"] + piece[("megamoe_store", "warm")]["ranks"]:
+        assert r["probe_calls"] == 1 and r["probe_s"] > 0, r
+        assert r["probe_parts_s"]["input"] == 0 and r["probe_parts_s"]["reference"] == 0, r
     # a measurement is released only once every process of its batch is built and idle, and a batch's
     # processes start only once the batch before it has ended: nothing imports beside a measurement
     for step in result["steps"]:
