@@ -57,6 +57,7 @@ for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
 from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
 from node_procs import Ranks, daemons, daemons_ready, drop_page_cache, stop, warm  # noqa: E402
 from node_zygote import forking  # noqa: E402
+from megamoe_convert.settings import layout_probe  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # One shape: its forms and ceilings, interleaved
@@ -372,7 +373,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.sockets = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # short: a Unix socket's path is bounded
     results: dict[str, Any] = {"benchmark": "node", "engine": args.engine, "machine": machine(args), "setup": [],
                                "steps": [], "preset": args.preset,
-                               "forms": args.forms, "ceilings": list(CEILINGS), "warm_reads": args.warm_reads}
+                               "forms": args.forms, "ceilings": list(CEILINGS), "warm_reads": args.warm_reads,
+                               "layout_probe": layout_probe()}  # MEGAMOE_LAYOUT_PROBE=0: a diagnostic run
 
     def save(_: Any = None) -> None:
         if args.save:

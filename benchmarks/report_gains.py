@@ -141,7 +141,7 @@ def gains() -> str:
              "|---|---|---|---:|---:|---:|---|---:|"]
     notes = []
     for name, result in runs:
-        if node_name(result) in done:
+        if node_name(result) in done or result.get("layout_probe") is False:  # a diagnostic: not how it serves
             continue
         done.add(node_name(result))
         got = gain_rows(result)

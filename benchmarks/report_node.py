@@ -20,6 +20,9 @@ NAMES = {"auto": "vLLM `auto`", "auto_ep_filter": "vLLM `auto` + EP weight filte
 OURS = ("megamoe_per_rank", "megamoe_store")
 COMMAND = ("`benchmarks/device_node.sh setup && benchmarks/device_node.sh job 900`, then "
            "`benchmarks/device_node.sh wait DEST`")
+UNPROBED = ("A diagnostic run, not how megamoe serves: its installs ran with the layout probe switched off "
+            "(`MEGAMOE_LAYOUT_PROBE=0`), to show what the probe costs a short load against the run of the same "
+            "shapes with it on.")
 UNBATCHED = ("This run's measurements were not batched: each ran while the next one's processes imported and "
              "built beside it, so its rows do not compare with a batched run's.")
 
@@ -288,6 +291,8 @@ on a GPU machine, {COMMAND}.
         m = result["machine"]
         parts.append(f"\n### {name}: {len(m['gpus'])} x {m['gpus'][0] if m['gpus'] else 'CPU'}, {m['cpus']} CPUs, "
                      f"{m['rank_processes']} rank processes, OpenMP threads {m['omp_threads']}, torch {m['torch']}\n")
+        if result.get("layout_probe") is False:
+            parts.append(f"\n{UNPROBED}\n")
         shapes = by_shape(result)
         left_out = [step["shape"] for step, _ in unprimed(result)]
         seen = set()
