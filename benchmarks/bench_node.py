@@ -57,6 +57,7 @@ for path in (REPO, REPO / "benchmarks", REPO / "tests" / "engines"):
 from node_forms import CEILINGS, FORMS, Shape, child_main  # noqa: E402
 from node_procs import Ranks, daemons, daemons_ready, drop_page_cache, stop, warm  # noqa: E402
 from node_zygote import forking  # noqa: E402
+
 from megamoe_convert.settings import layout_probe  # noqa: E402
 
 # --------------------------------------------------------------------------------------

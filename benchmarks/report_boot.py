@@ -96,12 +96,16 @@ def after_imports(row: dict[str, Any]) -> float:
     return max(r["process_s"] - r["phases"]["imports"] for r in row["ranks"])
 
 
-def slope(got: dict, form: str, cache: str) -> Slope | None:
-    """Least squares of the node shape's time after the imports on its MoE layers, from three layer
+#: The fewest layer counts a per-layer slope is fitted through.
+LEAST_COUNTS = 3
+
+
+def slope(got: dict, form: str, cache: str, least: int = LEAST_COUNTS) -> Slope | None:
+    """Least squares of the node shape's time after the imports on its MoE layers, from ``least`` layer
     counts at least; the imports' median beside it (see :class:`Slope`)."""
     cells_ = [(layers, rows) for (s, f, c), rows in got.items()
               if (layers := node_layers(s)) is not None and f == form and c == cache]
-    if len({x for x, _ in cells_}) < 3:
+    if len({x for x, _ in cells_}) < least:
         return None
     per, base = fit_line([(x, statistics.median(after_imports(row) for row in rows)) for x, rows in cells_])
     start = statistics.median(row["node_s"] - after_imports(row) for _, rows in cells_ for row in rows)
@@ -141,6 +145,53 @@ def slopes(run: dict[str, Any], got: dict) -> str:
                    f"slice of {WHOLE_MODEL_LAYERS} layers, s (measured)"], rows))
 
 
+def node_kind(run: dict[str, Any]) -> str:
+    """The node a run measured (``4 x H200, 64 CPUs``): runs on the same kind pool their node shapes."""
+    return f"{gpus_of(run)}, {run['machine']['cpus']} CPUs"
+
+
+def pooled(found: list[tuple[str, dict[str, Any]]], cache: str) -> dict[str, tuple[list[str], dict]]:
+    """Node kind -> (the runs with node-shape starts in ``cache``, every such cell of theirs, rows together)."""
+    out: dict[str, tuple[list[str], dict]] = {}
+    for name, run in found:
+        got = {key: rows for key, rows in cells(run).items() if node_layers(key[0]) is not None and key[2] == cache}
+        if got:
+            names, cells_ = out.setdefault(node_kind(run), ([], {}))
+            names.append(name)
+            for key, rows in got.items():
+                cells_.setdefault(key, []).extend(rows)
+    return out
+
+
+def whole_model(found: list[tuple[str, dict[str, Any]]]) -> str:
+    """One node holding every rank at the whole model's layers, estimated per node kind from the
+    node shape's per-layer slopes over every run on that kind (two layer counts at least; fewer than
+    :data:`LEAST_COUNTS` is said in the row)."""
+    rows = []
+    for cache in ("cold", "warm"):
+        for kind, (names, got) in pooled(found, cache).items():
+            fits = {form: slope(got, form, cache, least=2) for form in ("auto", "megamoe")}
+            if not all(fits.values()):
+                continue
+            auto, ours = fits["auto"], fits["megamoe"]
+            assert auto and ours
+            counts = sorted(set(auto.layers) & set(ours.layers))
+            few = f" (fewer than {LEAST_COUNTS})" if len(counts) < LEAST_COUNTS else ""
+            est = {form: fit.at(WHOLE_MODEL_LAYERS) for form, fit in (("auto", auto), ("megamoe", ours))}
+            rows.append([kind, cache, f"{', '.join(map(str, counts))}{few}", f"{ours.per:.3f} / {auto.per:.3f}",
+                         f"{est['megamoe']:.1f}", f"{est['auto']:.1f}",
+                         f"{est['auto'] - est['megamoe']:.1f} s ({(est['auto'] - est['megamoe']) / est['auto']:.0%})",
+                         ", ".join(f"`{n}`" for n in names)])
+    if not rows:
+        return ""
+    return (f"One node holding every rank at all {WHOLE_MODEL_LAYERS} MoE layers: **an estimate from measured "
+            f"per-layer slopes, not a measurement** (the node shape's slowest rank after its imports, a "
+            f"least-squares line per form through the layer counts measured on that node kind, at "
+            f"{WHOLE_MODEL_LAYERS} layers, plus the median spawn and imports of those starts):\n\n" +
+            table(["node", "cache", "MoE layers measured", "s per MoE layer, `megamoe` / `auto`",
+                   "`megamoe` s (estimate)", "`auto` s (estimate)", "sooner (estimate)", "runs"], rows))
+
+
 def rank_median(rows: list[dict[str, Any]], rank: int, key: str) -> float:
     """The median over rounds of one rank's ``key`` (a phase, or a report field; absent: 0)."""
     return statistics.median(next((r["phases"].get(key, r.get(key, 0.0)) for r in row["ranks"] if r["rank"] == rank),
@@ -152,23 +203,33 @@ def reported(rows: list[dict[str, Any]], key: str) -> bool:
     return any(key in r["phases"] or key in r for row in rows for r in row["ranks"])
 
 
-#: The plugin's own costs a megamoe rank reports, and the phases it lengthens against ``auto``'s.
+#: What the plugin adds to a rank's critical path: its own steps a megamoe rank reports, the load's wait
+#: for the layout probe, and the phase it lengthens against ``auto``'s.
 FIXED_FIELDS = (("plugin_import_s", "import"), ("plugin_register_s", "register"),
-                ("install_import_s", "first call's imports"), ("probe_s", "layout probe"))
-FIXED_DELTAS = (("loader", "loader made, over auto"), ("construct", "model build, over auto"))
+                ("install_import_s", "first call's imports"), ("probe_wait_s", "the load's wait for the probe"))
+FIXED_DELTAS = (("loader", "loader made, over auto"),)
+#: Beside them, outside the total: the probe's own time (on its thread, beside the first reads), and the
+#: model build against ``auto``'s, with the staging ring being pinned on a thread meanwhile.
+BESIDE = (("probe_s", "the probe's own time, beside the reads"), ("construct", "model build, over auto"),
+          ("ring_pin_s", "staging ring pinned beside the build"))
 
 
 def fixed_costs(got: dict, shape: str, cache: str) -> list[dict[str, float]]:
-    """Per rank of ``shape``: the plugin's own cost in a rank process (each of :data:`FIXED_FIELDS`
-    and :data:`FIXED_DELTAS`, medians over rounds, and their ``total``); empty without both forms."""
+    """Per rank of ``shape``: the plugin's own cost on a rank process's critical path (each of
+    :data:`FIXED_FIELDS` and :data:`FIXED_DELTAS`, medians over rounds, and their ``total``; a run that
+    did not time the load's wait counts the probe whole), and :data:`BESIDE`; empty without both forms."""
     ours, auto = got.get((shape, "megamoe", cache)), got.get((shape, "auto", cache))
     if not ours or not auto:
         return []
     out = []
     for rank in sorted({r["rank"] for row in ours for r in row["ranks"]}):
         cost = {key: rank_median(ours, rank, key) for key, _ in FIXED_FIELDS}
+        if not reported(ours, "probe_wait_s"):
+            cost["probe_wait_s"] = rank_median(ours, rank, "probe_s")
         cost.update({key: rank_median(ours, rank, key) - rank_median(auto, rank, key) for key, _ in FIXED_DELTAS})
-        out.append({"rank": rank, **cost, "total": sum(cost.values())})
+        beside = {"probe_s": rank_median(ours, rank, "probe_s"), "ring_pin_s": rank_median(ours, rank, "ring_pin_s"),
+                  "construct": rank_median(ours, rank, "construct") - rank_median(auto, rank, "construct")}
+        out.append({"rank": rank, **cost, "total": sum(cost.values()), **beside})
     return out
 
 
@@ -177,7 +238,8 @@ def _ms(rows: list[dict[str, Any]], key: str, seconds: float) -> str:
 
 
 def fixed_table(got: dict, shapes: list[str]) -> str:
-    """Each shape's worst rank process: what the plugin added to it, against the goal."""
+    """Each shape's worst rank process: what the plugin added to its critical path, against the goal,
+    and beside it what ran on the plugin's threads while the engine worked."""
     rows = []
     for shape in shapes:
         for cache in ("cold", "warm"):
@@ -186,18 +248,21 @@ def fixed_table(got: dict, shapes: list[str]) -> str:
                 continue
             worst = max(costs, key=lambda c: c["total"])
             ours = got[shape, "megamoe", cache]
-            waited = rank_median(ours, int(worst["rank"]), "probe_wait_s")
             rows.append([shape, cache, worst["rank"], *[_ms(ours, k, worst[k]) for k, _ in FIXED_FIELDS + FIXED_DELTAS],
                          f"{1e3 * worst['total']:.1f}", "yes" if worst["total"] < FIXED_COST_GOAL_S else "no",
-                         _ms(ours, "probe_wait_s", waited)])
+                         *[_ms(ours, k, worst[k]) for k, _ in BESIDE]])
     if not rows:
         return ""
-    return ("What the plugin adds to a rank process beyond the bytes it moves (`megamoe` against `auto`, ms, the "
-            "rank with the largest total; the probe runs beside the first reads, so its time is counted whole "
-            "though part of it overlaps them: the last column is how long the load waited for it; \"not timed\": "
-            "a run of a `bench_boot.py` that did not report it, where it lies in another column):\n\n" +
+    return ("What the plugin adds to a rank process's critical path beyond the bytes it moves (`megamoe` against "
+            "`auto`, ms, the rank with the largest total): its import, `register`, what the first call imports, how "
+            "long the load waited for the layout probe (the probe runs on its own thread beside the first reads; a "
+            "run that did not time the wait counts the probe whole) and the loader's making. Beside the total, not "
+            "in it: the probe's own time; the model build against `auto`'s, which the staging ring's pinning (on "
+            "its own thread, the buffers the bytes move through) lengthens; and that pinning's time. Both forms' "
+            "node times include all of it. \"not timed\": a run of a `bench_boot.py` that did not report it, where "
+            "it lies in another column:\n\n" +
             table(["shape", "cache", "rank", *[label for _, label in FIXED_FIELDS + FIXED_DELTAS], "total",
-                   f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", "the load waited for the probe"], rows))
+                   f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", *[label for _, label in BESIDE]], rows))
 
 
 def rest_table(got: dict, shapes: list[str]) -> str:

@@ -129,7 +129,8 @@ def whole_start() -> str:
                                      "sooner (of `auto`'s start)", "`auto`'s expert loading", "`auto`'s imports",
                                      "run"], rows)
             + "\n\nWhere the experts are a few percent of the start, the forms differ by less than the imports vary "
-              "from one start to the next (each run's section below gives every rank's phases).\n")
+              "from one start to the next (each run's section below gives every rank's phases).\n"
+            + (f"\n{estimate}\n" if (estimate := report_boot.whole_model(report_boot.runs())) else ""))
 
 
 def gains() -> str:
