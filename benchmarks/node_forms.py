@@ -194,11 +194,14 @@ def prepare_vllm(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack
 
 def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitStack) -> Prepared:
     """``install`` from the per-rank form or the store, with what vLLM's model class starts while it
-    builds the model: the pinned staging, and the install's imports and layout-probe input
-    (``prepare_install``, done before the rank is ready, as a model build of seconds lets it be)."""
+    builds the model: the pinned staging, the install's imports and layout-probe input, and the probe
+    on the first MoE block built (``prepare_install``; its imports done before the tree is built and the
+    probe before the rank is ready, as a real model build of seconds lets them be: the tree here holds
+    only the MoE layers)."""
     import torch
     import vllm_harness as h
 
+    from megamoe_convert.engines import early_probe
     from megamoe_convert.engines.load_formats import prepare_install as prepare_ahead
     from megamoe_convert.engines.vllm import install
 
@@ -207,10 +210,12 @@ def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
         from megamoe_convert.serve.staging import prepare_gpu_staging
 
         prepare_gpu_staging()
-    ahead = prepare_ahead(str(out), "megamoe_convert.engines.vllm.installing")
     stack.enter_context(h.patched(rank, shape.ep_size))
+    prepare_ahead(str(out), "megamoe_convert.engines.vllm.installing").join()
     model = _tree(shape, rank, _device())
-    ahead.join()
+    if (probing := early_probe.started()) is not None:
+        probing.result()
+    early_probe.stop()
     return Prepared(lambda: install(model, str(out), rank=rank), model)
 
 

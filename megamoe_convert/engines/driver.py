@@ -103,8 +103,9 @@ def install_layers(model: nn.Module, out: Path | str | ConvertedModel, rank: int
         converted = replace(converted, placements=_engine_placements(engine, planned, converted, rank))
     for module, contract, layer in planned:
         engine.check(module, contract, layer, converted, rank)
-    # The engine's own bytes, checked before any module changes: the probe runs beside the load's
-    # first reads, and no byte lands in a module until it has passed.
+    # The engine's own bytes, checked before any module changes: the probe (passed already where the
+    # model build ran it: early_probe) runs beside the load's first reads, and no byte lands in a
+    # module until it has passed.
     probing = layout_probe.in_background(lambda: probe_layouts(planned, converted, probe))
     try:
         loaded = _load(planned, converted, rank, verify, probing.result)
@@ -170,7 +171,7 @@ def classify(modules: Sequence[nn.Module], contracts: Sequence[Contract], prefix
     return found
 
 
-def probe_layouts(planned: Sequence[tuple[nn.Module, Contract, MoELayer]], converted: ConvertedModel,
+def probe_layouts(planned: Sequence[tuple[nn.Module, Contract, MoELayer | None]], converted: ConvertedModel,
                   probe: bool | None = None) -> None:
     """The install driver's step between the checks and the first byte: every planned module's contract
     probed (:func:`layout_probe.check_layout`: once per process per engine and input, so a model's layers

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from megamoe_convert.engines import early_probe
 from megamoe_convert.engines.contract import Contract
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
@@ -179,6 +180,7 @@ def install_once(model: Any, conversion: str, install: Callable[..., Installed])
     ``load_weights`` did, so that neither installs them twice."""
     installed = getattr(model, INSTALLED_ATTR, None)
     if installed is None:
+        early_probe.stop()  # the install probes what the model build has not
         installed = install(model, conversion, serving=True)
         setattr(model, INSTALLED_ATTR, installed)
     return installed
@@ -200,11 +202,13 @@ def load_installing(model: Any, load: Callable[[Weights], Any], weights: Weights
 def prepare_install(conversion: str, installing: str) -> threading.Thread:
     """Make what a conversion's first install needs while the engine builds the model, on a thread of
     its own: the install's modules (``installing`` and what it imports) and, for a local conversion,
-    the layout probe's input and this package's layout of it (:func:`probe.prepare`). Best effort:
-    whatever fails here the install makes again, and raises there."""
+    the layout probe's input and this package's layout of it (:func:`probe.prepare`), then the probe
+    itself on the first MoE block the engine builds (:mod:`.early_probe`). Best effort: whatever fails
+    here the install makes again, and raises there."""
     thread = threading.Thread(target=_prepare_install, args=(conversion, installing), name="megamoe-prepare",
                               daemon=True)
     thread.start()
+    early_probe.watch(conversion, installing)  # and the probe itself, on the first MoE block built
     return thread
 
 

@@ -289,11 +289,11 @@ def test_bench_node_quick_in_vllm_033(tmp_path):
             assert "needs a CUDA GPU" in rows[(ceiling, "warm")]["skipped"]
     assert node[("ipc_cache", "restart")]["node_wall_s"] > 0
     assert "needs a CUDA GPU" in node[("instanttensor", "warm")]["skipped"]
-    # each megamoe rank probed once, its input made while the model was built (never during the load)
+    # each megamoe rank's probe passed while its model was built: its install probed nothing more
     assert result["layout_probe"] is True
     for r in node[("megamoe_per_rank", "warm")]["ranks"] + piece[("megamoe_store", "warm")]["ranks"]:
-        assert r["probe_calls"] == 1 and r["probe_s"] > 0, r
-        assert r["probe_parts_s"]["input"] == 0 and r["probe_parts_s"]["reference"] == 0, r
+        steps = {k: v for k, v in r["probe_parts_s"].items() if k != "engine"}  # the comparison never ran
+        assert r["probe_calls"] == 1 and steps == dict.fromkeys(("input", "reference", "compare", "fingerprint"), 0), r
     # a measurement is released only once every process of its batch is built and idle, and a batch's
     # processes start only once the batch before it has ended: nothing imports beside a measurement
     for step in result["steps"]:

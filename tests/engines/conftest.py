@@ -146,9 +146,11 @@ def sglang_store(sglang_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture
 def probes_afresh() -> Iterator[None]:
-    """No layout probe passed before the test, nor after it: each test's install probes the engine again."""
-    from megamoe_convert.engines import probe
+    """No layout probe passed before the test, nor after it: each test's install probes the engine again
+    (and no watch for a model's first MoE block outlives the test)."""
+    from megamoe_convert.engines import early_probe, probe
 
     probe.forget()
     yield
+    early_probe.stop()
     probe.forget()

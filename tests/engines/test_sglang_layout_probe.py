@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from pathlib import Path
 from unittest import mock
 
@@ -16,7 +17,8 @@ import torch
 from layout_probe_common import assert_refused_unless_opted_out
 from sglang.srt.layers.moe import mega_moe
 
-from megamoe_convert.engines import probe
+from megamoe_convert.engines import early_probe, probe
+from megamoe_convert.engines.load_formats import prepare_install
 from megamoe_convert.engines.sglang import install
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout import identity
@@ -54,6 +56,30 @@ def test_install_probes_sglangs_own_build_once_per_process(sglang_ckpt, sglang_c
     assert len(passed) == 1 and passed[0].startswith(f"megamoe: layout probe passed: {RELEASE} (DeepGEMM ")
     prints = identity.layout_fingerprints(formats.MXFP4, config.hidden_size, config.moe_intermediate_size)
     assert prints["routed"] in passed[0]
+
+
+def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(sglang_ckpt, sglang_converted, monkeypatch):
+    """What the model-class hook starts before SGLang builds the model (``prepare_install``) probes the
+    first MoE block once it is complete, on the probe's thread; the install then runs SGLang's build no more."""
+    config = h.hf_config(sglang_ckpt)
+    runs: list[tuple[str, str]] = []
+    made = probe.LayoutProbe
+
+    def counted(engine, where, run, contract=""):
+        def counting(inp, shapes):
+            runs.append((where, threading.current_thread().name))
+            return run(inp, shapes)
+        return made(engine, where, counting, contract)
+
+    monkeypatch.setattr(probe, "LayoutProbe", counted)
+    with h.patched(1, EP_SIZE, REDUNDANT):
+        prepare_install(str(sglang_converted), "megamoe_convert.engines.sglang.install").join()
+        main = h.build_main_model(config, 1, REDUNDANT)
+        early_probe.started().result()  # the probe the build started, on the probe's thread
+        assert [where for where, _ in runs] == ["model.layers.0.mlp.experts"]
+        assert runs[0][1].startswith("megamoe-layout-probe")
+        assert install(main, sglang_converted, rank=1) == config.num_hidden_layers
+    assert len(runs) == 1
 
 
 def _interleaved_by_16(l1_weights, mma_type):

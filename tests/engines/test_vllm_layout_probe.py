@@ -5,7 +5,10 @@ run the probe (DeepGEMM missing) is refused unless the caller opts out, and the 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import threading
 from unittest import mock
 
 import pytest
@@ -13,8 +16,10 @@ import torch
 import vllm_harness as h
 from layout_probe_common import assert_refused_unless_opted_out
 
-from megamoe_convert.engines import probe
+from megamoe_convert.engines import early_probe, probe
+from megamoe_convert.engines.load_formats import install_once, prepare_install
 from megamoe_convert.engines.vllm import finalize, install, kernel_layout
+from megamoe_convert.engines.vllm.installing import install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.layout import identity
 from megamoe_convert.source import formats
@@ -68,6 +73,54 @@ def test_install_probes_vllms_own_loading_code_once_per_process(engine_ckpt, eng
         install(mtp, engine_converted, rank=1)
     passed = [r.getMessage() for r in caplog.records if "layout probe passed" in r.getMessage()]
     assert len(passed) == 1 and passed[0].startswith(f"megamoe: layout probe passed: {RELEASE} (DeepGEMM ")
+
+
+def _engine_runs(monkeypatch) -> list[tuple[str, str]]:
+    """Every run of vLLM's own loading code by a layout probe: (its module, the thread it ran on)."""
+    runs: list[tuple[str, str]] = []
+    made = probe.LayoutProbe
+
+    def counted(engine, where, run, contract=""):
+        def counting(inp, shapes):
+            runs.append((where, threading.current_thread().name))
+            return run(inp, shapes)
+        return made(engine, where, counting, contract)
+
+    monkeypatch.setattr(probe, "LayoutProbe", counted)
+    return runs
+
+
+@pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.since_032)])
+def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(engine_ckpt, engine_converted, monkeypatch,
+                                                                      shared):
+    """What the model classes start before vLLM builds the model (``prepare_install``) probes the first
+    MoE block once it is complete (0.32's with its shared MLP, which the probe fuses), on the probe's
+    thread; the install then finds it passed and runs vLLM's code no more."""
+    config = h.hf_config(engine_ckpt)
+    runs = _engine_runs(monkeypatch)
+    with h.patched(1, EP_SIZE), h.fp8_linears() if shared else contextlib.nullcontext():
+        prepare_install(str(engine_converted), "megamoe_convert.engines.vllm.installing").join()
+        build = h.build_main_model_with_shared if shared else h.build_main_model
+        model = build(config, 1, EP_SIZE, REDUNDANT)
+        early_probe.started().result()  # the probe the build started, on the probe's thread
+        assert [where for where, _ in runs] == ["model.layers.0.ffn.experts"]
+        assert runs[0][1].startswith("megamoe-layout-probe")
+        installed = install_layers(model, engine_converted, rank=1)
+    assert len(runs) == 1 and installed.layers == tuple(f"layers.{i}" for i in range(config.num_hidden_layers))
+    assert bool(installed.shared) == shared  # the probe fused the shared expert the install pre-bakes
+
+
+def test_an_install_ends_the_watch_and_probes_a_model_built_before_it(engine_ckpt, engine_converted, monkeypatch):
+    """A watch whose model never finished a MoE block (or whose blocks were built before the install's
+    module was imported) ends at the model's install, which probes as it always does."""
+    config = h.hf_config(engine_ckpt)
+    runs = _engine_runs(monkeypatch)
+    with h.patched(1, EP_SIZE):
+        model = h.build_main_model(config, 1, EP_SIZE, REDUNDANT)
+        early_probe.watch(str(engine_converted), "megamoe_convert.engines.vllm.installing")
+        assert early_probe._handle is not None
+        install_once(model, str(engine_converted), functools.partial(install_layers, rank=1))
+    assert early_probe._handle is None and len(runs) == 1 and runs[0][1].startswith("megamoe-layout-probe")
 
 
 @pytest.mark.only_kernel_layout
