@@ -62,5 +62,9 @@ class ProbeTimer:
             return {}
         parts = {part: round(self.seconds.get(part, 0.0), 4) for part in PROBE_STEPS.values()}
         parts["engine"] = round(self.seconds.get("probe", 0.0) - sum(parts.values()), 4)
+        from megamoe_convert.engines import early_probe
+
+        early = early_probe.started()  # the probe the model build started (the install's then found it passed)
         return {"probe_s": self.seconds.get("probe", 0.0), "probe_calls": self.calls,
-                "probe_wait_s": self.waits.get("longest", 0.0), "probe_parts_s": parts}
+                "probe_wait_s": self.waits.get("longest", 0.0), "probe_parts_s": parts,
+                "probe_while_building": early is not None and early.done() and early.exception() is None}

@@ -250,19 +250,28 @@ def fixed_table(got: dict, shapes: list[str]) -> str:
             ours = got[shape, "megamoe", cache]
             rows.append([shape, cache, worst["rank"], *[_ms(ours, k, worst[k]) for k, _ in FIXED_FIELDS + FIXED_DELTAS],
                          f"{1e3 * worst['total']:.1f}", "yes" if worst["total"] < FIXED_COST_GOAL_S else "no",
-                         *[_ms(ours, k, worst[k]) for k, _ in BESIDE]])
+                         *[_ms(ours, k, worst[k]) for k, _ in BESIDE], _while_building(ours)])
     if not rows:
         return ""
     return ("What the plugin adds to a rank process's critical path beyond the bytes it moves (`megamoe` against "
             "`auto`, ms, the rank with the largest total): its import, `register`, what the first call imports, how "
-            "long the load waited for the layout probe (the probe runs on its own thread beside the first reads; a "
-            "run that did not time the wait counts the probe whole) and the loader's making. Beside the total, not "
+            "long the load waited for the layout probe (the probe runs on its own thread: beside the first reads, "
+            "or while the model builds where the last column says so; a run that did not time the wait counts "
+            "the probe whole) and the loader's making. Beside the total, not "
             "in it: the probe's own time; the model build against `auto`'s, which the staging ring's pinning (on "
             "its own thread, the buffers the bytes move through) lengthens; and that pinning's time. Both forms' "
             "node times include all of it. \"not timed\": a run of a `bench_boot.py` that did not report it, where "
             "it lies in another column:\n\n" +
             table(["shape", "cache", "rank", *[label for _, label in FIXED_FIELDS + FIXED_DELTAS], "total",
-                   f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", *[label for _, label in BESIDE]], rows))
+                   f"under {FIXED_COST_GOAL_S * 1e3:.0f} ms", *[label for _, label in BESIDE],
+                   "the probe ran while the model built"], rows))
+
+
+def _while_building(rows: list[dict[str, Any]]) -> str:
+    """Whether every rank's probe ran while its model was built (``not reported``: an older run)."""
+    if not reported(rows, "probe_while_building"):
+        return "not reported"
+    return "yes" if all(r.get("probe_while_building") for row in rows for r in row["ranks"]) else "no"
 
 
 def rest_table(got: dict, shapes: list[str]) -> str:

@@ -455,6 +455,7 @@ def test_bench_boot_smoke_in_vllm_033(tmp_path):
     auto, ours = rows["auto"]["ranks"][0], rows["megamoe"]["ranks"][0]
     assert auto["tensors"]["experts"] > 0 and auto["tensors"]["rest"] > 0  # vLLM read both kinds
     assert ours["plugin_import_s"] > 0 and ours["probe_calls"] >= 1  # the tool's fixed costs, timed
+    assert ours["probe_while_building"] is True  # vLLM's model build ran the probe: the install found it passed
     assert ours["rest_staged"] and not auto["rest_staged"] and ours["tensors"]["rest"] == auto["tensors"]["rest"]
     assert result["identical"] == {"node-l1 rank 0": True}  # every parameter's bytes, the experts' and the rest's
     sys.path.insert(0, str(BENCH))
