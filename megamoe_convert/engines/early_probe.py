@@ -46,10 +46,9 @@ def watch(conversion: str, installing: str) -> None:
     experts: list[nn.Module] = []
     done = threading.Event()
 
-    def registered(parent: nn.Module, name: str, child: Any) -> None:
-        # Never removes itself: torch is iterating over its hooks (stop() runs at the install).
+    def look(child: Any) -> None:
         engine = sys.modules.get(installing)
-        if done.is_set() or engine is None or not hasattr(engine, "ENGINE") or not isinstance(child, nn.Module):
+        if engine is None or not hasattr(engine, "ENGINE") or not isinstance(child, nn.Module):
             return  # (the install's module still importing: ENGINE is defined last)
         if experts:
             if any(m is experts[0] for m in child.modules()):  # a block holding it, complete
@@ -57,6 +56,17 @@ def watch(conversion: str, installing: str) -> None:
                 _start(child, conversion, engine.ENGINE)
         elif any(c.detect(child) for c in engine.CONTRACTS):
             experts.append(child)
+
+    def registered(parent: nn.Module, name: str, child: Any) -> None:
+        # Never removes itself (torch is iterating over its hooks: stop() runs at the install), and
+        # never raises into the engine's model build: whatever fails here, the install probes.
+        if done.is_set():
+            return
+        try:
+            look(child)
+        except Exception as e:
+            done.set()
+            log.debug("megamoe: watching the model build for its first MoE block: %s", e)
 
     with _lock:
         if _handle is not None:

@@ -89,3 +89,15 @@ def test_a_block_built_before_the_install_module_is_imported_is_passed_over(engi
     model = _build(2)
     early_probe.started().result()
     assert engine == [model.layers[0]]
+
+
+def test_a_watch_that_fails_never_breaks_the_model_build(engine, tmp_path, monkeypatch):
+    """An error in the watch (here a contract whose check raises) leaves the engine's build as it was,
+    ends the watch, and leaves the probe to the install."""
+    def raising(module):
+        raise AttributeError("a module unlike any the contract knows")
+
+    monkeypatch.setattr(sys.modules["fake_installing"], "CONTRACTS", (types.SimpleNamespace(detect=raising),))
+    early_probe.watch(str(tmp_path), "fake_installing")
+    model = _build()
+    assert len(model.layers) == 3 and engine == [] and early_probe.started() is None
