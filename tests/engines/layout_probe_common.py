@@ -1,13 +1,16 @@
 """What both engines' layout-probe tests share: where the engine's own loading code cannot run, the
-probe refuses, and the caller's explicit opt-out is served and logged."""
+probe refuses, and the caller's explicit opt-out is served and logged; and a count of the engine's
+own code's runs by the probe."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 import pytest
 
+from megamoe_convert.engines import probe
 from megamoe_convert.errors import InstallError
 
 
@@ -27,3 +30,18 @@ def assert_refused_unless_opted_out(state: Callable[[], dict], same: Callable[[d
     with caplog.at_level(logging.WARNING):
         assert opted_out() == layers
     assert any("layout probe skipped" in r.getMessage() and "unchecked" in r.getMessage() for r in caplog.records)
+
+
+def engine_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Every run of the engine's own loading code by a layout probe: (its module, the thread it ran on)."""
+    runs: list[tuple[str, str]] = []
+    made = probe.LayoutProbe
+
+    def counted(engine, where, run, contract=""):
+        def counting(inp, shapes):
+            runs.append((where, threading.current_thread().name))
+            return run(inp, shapes)
+        return made(engine, where, counting, contract)
+
+    monkeypatch.setattr(probe, "LayoutProbe", counted)
+    return runs

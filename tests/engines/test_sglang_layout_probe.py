@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import sglang_harness as h
 import torch
-from layout_probe_common import assert_refused_unless_opted_out
+from layout_probe_common import assert_refused_unless_opted_out, engine_runs
 from sglang.srt.layers.moe import mega_moe
 
 from megamoe_convert.engines import early_probe, probe
@@ -62,16 +61,7 @@ def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(sglang_ckp
     """What the model-class hook starts before SGLang builds the model (``prepare_install``) probes the
     first MoE block once it is complete, on the probe's thread; the install then runs SGLang's build no more."""
     config = h.hf_config(sglang_ckpt)
-    runs: list[tuple[str, str]] = []
-    made = probe.LayoutProbe
-
-    def counted(engine, where, run, contract=""):
-        def counting(inp, shapes):
-            runs.append((where, threading.current_thread().name))
-            return run(inp, shapes)
-        return made(engine, where, counting, contract)
-
-    monkeypatch.setattr(probe, "LayoutProbe", counted)
+    runs = engine_runs(monkeypatch)
     with h.patched(1, EP_SIZE, REDUNDANT):
         prepare_install(str(sglang_converted), "megamoe_convert.engines.sglang.install").join()
         main = h.build_main_model(config, 1, REDUNDANT)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 from unittest import mock
 
 import pytest
 import torch
 import vllm_harness as h
-from layout_probe_common import assert_refused_unless_opted_out
+from layout_probe_common import assert_refused_unless_opted_out, engine_runs
 
 from megamoe_convert.engines import early_probe, probe
 from megamoe_convert.engines.load_formats import install_once, prepare_install
@@ -75,21 +74,6 @@ def test_install_probes_vllms_own_loading_code_once_per_process(engine_ckpt, eng
     assert len(passed) == 1 and passed[0].startswith(f"megamoe: layout probe passed: {RELEASE} (DeepGEMM ")
 
 
-def _engine_runs(monkeypatch) -> list[tuple[str, str]]:
-    """Every run of vLLM's own loading code by a layout probe: (its module, the thread it ran on)."""
-    runs: list[tuple[str, str]] = []
-    made = probe.LayoutProbe
-
-    def counted(engine, where, run, contract=""):
-        def counting(inp, shapes):
-            runs.append((where, threading.current_thread().name))
-            return run(inp, shapes)
-        return made(engine, where, counting, contract)
-
-    monkeypatch.setattr(probe, "LayoutProbe", counted)
-    return runs
-
-
 @pytest.mark.parametrize("shared", [False, pytest.param(True, marks=pytest.mark.since_032)])
 def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(engine_ckpt, engine_converted, monkeypatch,
                                                                       shared):
@@ -97,7 +81,7 @@ def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(engine_ckp
     MoE block once it is complete (0.32's with its shared MLP, which the probe fuses), on the probe's
     thread; the install then finds it passed and runs vLLM's code no more."""
     config = h.hf_config(engine_ckpt)
-    runs = _engine_runs(monkeypatch)
+    runs = engine_runs(monkeypatch)
     with h.patched(1, EP_SIZE), h.fp8_linears() if shared else contextlib.nullcontext():
         prepare_install(str(engine_converted), "megamoe_convert.engines.vllm.installing").join()
         build = h.build_main_model_with_shared if shared else h.build_main_model
@@ -114,7 +98,7 @@ def test_an_install_ends_the_watch_and_probes_a_model_built_before_it(engine_ckp
     """A watch whose model never finished a MoE block (or whose blocks were built before the install's
     module was imported) ends at the model's install, which probes as it always does."""
     config = h.hf_config(engine_ckpt)
-    runs = _engine_runs(monkeypatch)
+    runs = engine_runs(monkeypatch)
     with h.patched(1, EP_SIZE):
         model = h.build_main_model(config, 1, EP_SIZE, REDUNDANT)
         early_probe.watch(str(engine_converted), "megamoe_convert.engines.vllm.installing")
