@@ -1,5 +1,6 @@
 """docs/benchmarks.md's section for ``bench_boot.py``: a whole node's start, process start to a
-loaded model, ``--load-format megamoe`` against vLLM 0.33's ``auto``, phase by phase."""
+loaded model, ``--load-format megamoe`` against the engine's own ``auto`` (vLLM 0.33's, or SGLang
+0.5.23's for ``--engine sglang`` runs), phase by phase."""
 
 from __future__ import annotations
 
@@ -13,6 +14,33 @@ PHASES = (("imports", "Python + vLLM imports"), ("plugin", "megamoe plugin impor
           ("cuda", "CUDA context"), ("config", "engine config"), ("process_group", "process groups"),
           ("loader", "loader made"), ("construct", "model built on the GPU"), ("weights", "every weight"),
           ("post", "process_weights_after_loading"))
+
+
+class Engine(NamedTuple):
+    """How the report names a run's engine, its model, and the whole model the slopes are carried to."""
+
+    name: str
+    label: str
+    model: str
+    dims: str
+    layers: int
+    post: str
+
+
+def engine_of(run: dict[str, Any]) -> Engine:
+    """The run's engine (``"engine": "sglang==0.5.23"``; a run that saved none ran vLLM 0.33)."""
+    name, _, version = run.get("engine", "vllm==0.33.0").partition("==")
+    if name == "sglang":
+        return Engine("SGLang", f"SGLang {version}", "Qwen3MoeForCausalLM", "Qwen3-235B-A22B's FP8 dims", 94,
+                      "postprocess_weights")
+    return Engine("vLLM", f"vLLM {version.removesuffix('.0')}", "DeepseekV4ForCausalLM", "Flash dims",
+                  WHOLE_MODEL_LAYERS, "process_weights_after_loading")
+
+
+def phases(engine: Engine) -> tuple[tuple[str, str], ...]:
+    """:data:`PHASES`, their labels naming ``engine``."""
+    names = {"imports": f"Python + {engine.name} imports", "post": engine.post}
+    return tuple((key, names.get(key, label)) for key, label in PHASES)
 
 
 def runs() -> list[tuple[str, dict[str, Any]]]:
@@ -39,9 +67,9 @@ def node_s(rows: list[dict[str, Any]]) -> float:
     return statistics.median(row["node_s"] for row in rows)
 
 
-def shape_table(got: dict, shape: str) -> str:
+def shape_table(got: dict, shape: str, engine: Engine) -> str:
     """One shape: each form and cache's node time, its slowest rank's phases, the weight phase's split."""
-    header = ["form", "cache", "rounds", "node s", *[label for _, label in PHASES], "experts s", "the rest s",
+    header = ["form", "cache", "rounds", "node s", *[label for _, label in phases(engine)], "experts s", "the rest s",
               "the rest's share of the weights"]
     rows = []
     for (s, form, cache), got_rows in sorted(got.items()):
@@ -50,7 +78,7 @@ def shape_table(got: dict, shape: str) -> str:
         weights = slowest(got_rows, "weights")
         rest = slowest(got_rows, "weights_rest_s")
         rows.append([f"`{form}`", cache, len(got_rows), f"{node_s(got_rows):.2f}",
-                     *[f"{slowest(got_rows, key):.3f}" for key, _ in PHASES],
+                     *[f"{slowest(got_rows, key):.3f}" for key, _ in phases(engine)],
                      f"{slowest(got_rows, 'weights_experts_s'):.2f}", f"{rest:.2f}",
                      f"{rest / weights:.0%}" if weights else ""])
     return table(header, rows)
@@ -114,14 +142,15 @@ def slope(got: dict, form: str, cache: str, least: int = LEAST_COUNTS) -> Slope 
 
 def slice_rows(run: dict[str, Any], got: dict, form: str, cache: str) -> list[dict[str, Any]]:
     """The measured slice rows of the whole model's layers (one node of EP 4N) for a form and cache."""
-    whole = {i["name"] for i in run["setup"] if i["name"].startswith("slice") and i["layers"] == WHOLE_MODEL_LAYERS}
+    layers = engine_of(run).layers
+    whole = {i["name"] for i in run["setup"] if i["name"].startswith("slice") and i["layers"] == layers}
     return [row for (s, f, c), rows in got.items() if s in whole and f == form and c == cache for row in rows]
 
 
 def slopes(run: dict[str, Any], got: dict) -> str:
     """The per-layer slope of each form's node time, and the whole model's node time estimated from it
     (and, where the slice of the whole model ran, that measurement beside it)."""
-    rows = []
+    rows, whole_layers = [], engine_of(run).layers
     for cache in ("cold", "warm"):
         for form in ("auto", "megamoe"):
             fit = slope(got, form, cache)
@@ -129,20 +158,20 @@ def slopes(run: dict[str, Any], got: dict) -> str:
                 continue
             measured = slice_rows(run, got, form, cache)
             rows.append([f"`{form}`", cache, ", ".join(map(str, fit.layers)), f"{fit.per:.3f}", f"{fit.base:.2f}",
-                         f"{fit.start:.2f}", f"{fit.at(WHOLE_MODEL_LAYERS):.1f}",
+                         f"{fit.start:.2f}", f"{fit.at(whole_layers):.1f}",
                          f"{statistics.median(r['node_s'] for r in measured):.1f}" if measured else "not run"])
     if not rows:
         return ""
     return (f"The node shape's start against its MoE layers, per form: a least-squares line of the slowest rank's "
             f"time after its imports (its slope the seconds each MoE layer adds, its intercept what no layer "
             f"costs: config, the model's other parts), and the spawn and imports apart (their median: no layer "
-            f"count changes them). The {WHOLE_MODEL_LAYERS}-layer column, spawn and imports + intercept + "
-            f"{WHOLE_MODEL_LAYERS} x slope, is an estimate from measured per-layer slopes, not a measurement; the "
+            f"count changes them). The {whole_layers}-layer column, spawn and imports + intercept + "
+            f"{whole_layers} x slope, is an estimate from measured per-layer slopes, not a measurement; the "
             f"slice column is measured (one node of EP 4N: the whole model's layers, a quarter of the experts a "
             f"rank of the node shape holds).\n\n" +
             table(["form", "cache", "layers measured", "s per MoE layer", "s at 0 layers after imports",
-                   "spawn and imports, s", f"{WHOLE_MODEL_LAYERS} layers, s (estimate from measured per-layer slopes)",
-                   f"slice of {WHOLE_MODEL_LAYERS} layers, s (measured)"], rows))
+                   "spawn and imports, s", f"{whole_layers} layers, s (estimate from measured per-layer slopes)",
+                   f"slice of {whole_layers} layers, s (measured)"], rows))
 
 
 def node_kind(run: dict[str, Any]) -> str:
@@ -164,10 +193,17 @@ def pooled(found: list[tuple[str, dict[str, Any]]], cache: str) -> dict[str, tup
 
 
 def whole_model(found: list[tuple[str, dict[str, Any]]]) -> str:
+    """:func:`engine_whole_model` for each engine's runs (vLLM's first)."""
+    engines = sorted({engine_of(run) for _, run in found}, key=lambda e: e.name != "vLLM")
+    texts = [engine_whole_model([(n, r) for n, r in found if engine_of(r) == e], e) for e in engines]
+    return "\n\n".join(text for text in texts if text)
+
+
+def engine_whole_model(found: list[tuple[str, dict[str, Any]]], engine: Engine) -> str:
     """One node holding every rank at the whole model's layers, estimated per node kind from the
     node shape's per-layer slopes over every run on that kind (two layer counts at least; fewer than
     :data:`LEAST_COUNTS` is said in the row)."""
-    rows = []
+    rows, layers = [], engine.layers
     for cache in ("cold", "warm"):
         for kind, (names, got) in pooled(found, cache).items():
             fits = {form: slope(got, form, cache, least=2) for form in ("auto", "megamoe")}
@@ -177,17 +213,18 @@ def whole_model(found: list[tuple[str, dict[str, Any]]]) -> str:
             assert auto and ours
             counts = sorted(set(auto.layers) & set(ours.layers))
             few = f" (fewer than {LEAST_COUNTS})" if len(counts) < LEAST_COUNTS else ""
-            est = {form: fit.at(WHOLE_MODEL_LAYERS) for form, fit in (("auto", auto), ("megamoe", ours))}
+            est = {form: fit.at(layers) for form, fit in (("auto", auto), ("megamoe", ours))}
             rows.append([kind, cache, f"{', '.join(map(str, counts))}{few}", f"{ours.per:.3f} / {auto.per:.3f}",
                          f"{est['megamoe']:.1f}", f"{est['auto']:.1f}",
                          f"{est['auto'] - est['megamoe']:.1f} s ({(est['auto'] - est['megamoe']) / est['auto']:.0%})",
                          ", ".join(f"`{n}`" for n in names)])
     if not rows:
         return ""
-    return (f"One node holding every rank at all {WHOLE_MODEL_LAYERS} MoE layers: **an estimate from measured "
+    lead = "" if engine.name == "vLLM" else f"{engine.label}'s `{engine.model}`: "
+    return (f"{lead}One node holding every rank at all {layers} MoE layers: **an estimate from measured "
             f"per-layer slopes, not a measurement** (the node shape's slowest rank after its imports, a "
             f"least-squares line per form through the layer counts measured on that node kind, at "
-            f"{WHOLE_MODEL_LAYERS} layers, plus the median spawn and imports of those starts):\n\n" +
+            f"{layers} layers, plus the median spawn and imports of those starts):\n\n" +
             table(["node", "cache", "MoE layers measured", "s per MoE layer, `megamoe` / `auto`",
                    "`megamoe` s (estimate)", "`auto` s (estimate)", "sooner (estimate)", "runs"], rows))
 
@@ -274,7 +311,7 @@ def _while_building(rows: list[dict[str, Any]]) -> str:
     return "yes" if all(r.get("probe_while_building") for row in rows for r in row["ranks"]) else "no"
 
 
-def rest_table(got: dict, shapes: list[str]) -> str:
+def rest_table(got: dict, shapes: list[str], engine: Engine) -> str:
     """The non-expert weights' time (the weight phase less the routed experts, the slowest rank's,
     medians over rounds) under each form, side by side, where the megamoe rows say how they read it
     (runs of a ``bench_boot.py`` that did not are left as their shape tables give them)."""
@@ -287,12 +324,15 @@ def rest_table(got: dict, shapes: list[str]) -> str:
             a, m = slowest(auto, "weights_rest_s"), slowest(ours, "weights_rest_s")
             staged = all(r.get("rest_staged") for row in ours for r in row["ranks"])
             rows.append([shape, cache, f"{a:.2f}", f"{a / slowest(auto, 'weights'):.0%}", f"{m:.2f}",
-                         "megamoe's staging ring" if staged else "vLLM's iterator", f"{a / m:.2f}x" if m else ""])
+                         "megamoe's staging ring" if staged else f"{engine.name}'s iterator",
+                         f"{a / m:.2f}x" if m else ""])
     if not rows:
         return ""
-    return ("The non-expert weights (attention, norms, embedding, head, shared experts: the weight phase less the "
-            "routed experts, the slowest rank's), read by vLLM's own safetensors iterator under `auto` and, under "
-            "`megamoe`, in large chunks through the experts' staging ring, fed to the same vLLM `load_weights`:\n\n" +
+    how = ("in large chunks through the experts' staging ring" if engine.name == "vLLM" else
+           "after the experts' install, by the same iterator")
+    return (f"The non-expert weights (attention, norms, embedding, head, shared experts: the weight phase less the "
+            f"routed experts, the slowest rank's), read by {engine.name}'s own safetensors iterator under `auto` and, "
+            f"under `megamoe`, {how}, fed to the same {engine.name} `load_weights`:\n\n" +
             table(["shape", "cache", "`auto` s", "`auto`: share of its weight phase", "`megamoe` s",
                    "`megamoe` read them through", "`auto` s / `megamoe` s"], rows))
 
@@ -317,19 +357,19 @@ def shape_label(run: dict[str, Any], info: dict[str, Any]) -> str:
 
 
 def section_of(name: str, run: dict[str, Any]) -> str:
-    m = run["machine"]
+    m, engine = run["machine"], engine_of(run)
     got = cells(run)
     parts = [f"### {name}: {gpus_of(run)}, {m['cpus']} CPUs, {m['rank_processes']} rank processes, torch {m['torch']}"]
     for info in run["setup"]:
         shape = info["name"]
         parts.append(f"#### {shape_label(run, info)}, {info['layers']} MoE layers; source {info['source_bytes'] / 1e9:.1f} GB "
                      f"(non-expert {info['rest_bytes'] / 1e9:.2f} GB), conversion {info['converted_bytes'] / 1e9:.1f} GB")
-        parts.append(shape_table(got, shape))
+        parts.append(shape_table(got, shape, engine))
         failed = [f"`{r['form']}` {r['cache']}: {last_error_line(r['failed'])}" for r in run["rows"]
                   if r["shape"] == shape and "failed" in r]
         parts += [f"Did not finish: {'; '.join(failed)}."] if failed else []
     names = [i["name"] for i in run["setup"]]
-    parts += [text for text in (rest_table(got, names), fixed_table(got, names), slopes(run, got)) if text]
+    parts += [text for text in (rest_table(got, names, engine), fixed_table(got, names), slopes(run, got)) if text]
     if run.get("skipped"):
         parts.append("Not run (the run's time budget): " + "; ".join(run["skipped"]) + ".")
     every = any("rest_fingerprint" in r for row in run["rows"] for r in row.get("ranks", []))
@@ -354,4 +394,21 @@ def section() -> str:
              "BF16 (the checkpoint has no `quantization_config`: vLLM 0.33's FP8 configs need packages the GPU "
              "machine lacks), about twice the bytes of a real FP8 checkpoint's linears. Not timed (they need an "
              "SM100 GPU): the MegaMoE kernels' JIT and buffers, KV-cache sizing, CUDA graphs.")
-    return intro + "\n\n" + "\n\n".join(section_of(name, run) for name, run in found) + "\n"
+    vllm = [(name, run) for name, run in found if engine_of(run).name == "vLLM"]
+    sglang = [(name, run) for name, run in found if engine_of(run).name != "vLLM"]
+    text = intro + "\n\n" + "\n\n".join(section_of(name, run) for name, run in vllm) if vllm else \
+        "## A whole node's start: process start to a loaded model (bench_boot.py)"
+    if sglang:
+        text += "\n\n" + SGLANG_INTRO + "\n\n" + "\n\n".join(section_of(name, run) for name, run in sglang)
+    return text + "\n"
+
+
+#: What an ``--engine sglang`` run measured.
+SGLANG_INTRO = ("`bench_boot.py --engine sglang`: the same with SGLang 0.5.23. Each rank process imports SGLang, "
+                "(under `megamoe`) loads the plugin as SGLang loads plugins, makes SGLang's `ModelConfig`, its "
+                "topology for `--moe-a2a-backend megamoe` with TP = EP, and `get_model_loader`'s loader, whose "
+                "own `load_model` builds SGLang's real `Qwen3MoeForCausalLM` on its GPU (FP8 128x128 blocks, "
+                "Qwen3-235B-A22B's dims at the layers named, a small vocabulary), loads every weight and "
+                "post-processes (`build_sm90_mega_moe_experts_weights` for the experts). The source holds every "
+                "expert of every layer (SGLang's `auto` reads them all). Not timed: the MegaMoE kernels' JIT "
+                "and buffers, KV-cache sizing, CUDA graphs.")

@@ -97,10 +97,21 @@ def other_forms(name: str, result: dict[str, Any]) -> str:
 
 def whole_start() -> str:
     """Each boot run's shapes at their most MoE layers: how many seconds sooner the node holds a loaded
-    model with ``megamoe`` than with vLLM's ``auto``, the share of ``auto``'s start that is, and the share
-    that is ``auto``'s expert loading and its imports (which stay)."""
+    model with ``megamoe`` than with the engine's ``auto``, the share of ``auto``'s start that is, and the
+    share that is ``auto``'s expert loading and its imports (which stay); a table per engine."""
+    found = report_boot.runs()
+    engines = sorted({report_boot.engine_of(run) for _, run in found}, key=lambda e: e.name != "vLLM")
+    texts = [text for e in engines if (text := engine_start([(n, r) for n, r in found
+                                                             if report_boot.engine_of(r) == e], e))]
+    if not texts:
+        return ""
+    return "\n".join(texts) + (f"\n{estimate}\n" if (estimate := report_boot.whole_model(found)) else "")
+
+
+def engine_start(found: list[tuple[str, dict[str, Any]]], engine: report_boot.Engine) -> str:
+    """:func:`whole_start`'s table of one engine's runs."""
     rows = []
-    for name, run in report_boot.runs():
+    for name, run in found:
         got = report_boot.cells(run)
         setup = {i["name"]: i for i in run["setup"]}
         shapes = {s for s, _, _ in got}
@@ -122,15 +133,14 @@ def whole_start() -> str:
                              f"`{name}`"])
     if not rows:
         return ""
-    return ("Process start to a loaded model, every rank process of the node at once, one per GPU, through vLLM "
-            "0.33's real `DeepseekV4ForCausalLM` (Flash dims at the layers named), `--load-format megamoe` "
-            "against vLLM 0.33's own `auto` in the same run (`bench_boot.py`; the slowest rank, medians over the "
-            "rounds):\n\n" + table(["node", "shape", "cache", "`megamoe` s", "vLLM 0.33 `auto` s",
-                                     "sooner (of `auto`'s start)", "`auto`'s expert loading", "`auto`'s imports",
-                                     "run"], rows)
+    return ("Process start to a loaded model, every rank process of the node at once, one per GPU, through "
+            f"{engine.label}'s real `{engine.model}` ({engine.dims} at the layers named), `--load-format megamoe` "
+            f"against {engine.label}'s own `auto` in the same run (`bench_boot.py`; the slowest rank, medians over "
+            "the rounds):\n\n" + table(["node", "shape", "cache", "`megamoe` s", f"{engine.label} `auto` s",
+                                       "sooner (of `auto`'s start)", "`auto`'s expert loading", "`auto`'s imports",
+                                       "run"], rows)
             + "\n\nWhere the experts are a few percent of the start, the forms differ by less than the imports vary "
-              "from one start to the next (each run's section below gives every rank's phases).\n"
-            + (f"\n{estimate}\n" if (estimate := report_boot.whole_model(report_boot.runs())) else ""))
+              "from one start to the next (each run's section below gives every rank's phases).\n")
 
 
 def gains() -> str:
