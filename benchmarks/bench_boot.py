@@ -18,13 +18,21 @@ every non-expert tensor) at ``--slice-layers``, and ``node`` (EP N, every rank) 
 ``--node-layers`` (the per-layer slope). Rows land in ``--save`` after each one; ``--budget-s`` starts
 nothing new after that many seconds.
 
+``--engine sglang``: the same with SGLang 0.5.23 (``boot_child_sglang.py``): its real model class of the
+preset's family (Qwen3-MoE's ``Qwen3MoeForCausalLM``, FP8 128x128 blocks) built and loaded by SGLang's
+own ``get_model_loader(...).load_model``, ``--load-format auto`` against ``--load-format megamoe``
+(the plugin loaded as SGLang loads plugins); the source is the preset synthesised whole (every expert
+of every layer: SGLang's ``auto`` reads them all), converted with ``megamoe convert --engine sglang``.
+
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_boot.py --work /tmp/boot --save r.json
     PYTHONPATH=/path/to/vllm-0.33 python3 benchmarks/bench_boot.py --smoke   # CPU, seconds
+    PYTHONPATH=/path/to/sglang-0.5.23 python3 benchmarks/bench_boot.py --engine sglang --smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -44,6 +52,8 @@ SMOKE_CONFIG = {"hidden_size": 512, "moe_intermediate_size": 256, "n_routed_expe
                 "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 256, "o_lora_rank": 256, "o_groups": 2,
                 "index_n_heads": 4, "index_head_dim": 64, "index_topk": 64, "vocab_size": 1024,
                 "num_hash_layers": 1}
+#: engine -> (its default preset, the smoke run's preset, the slice's default MoE layers)
+PRESETS = {"vllm": ("flash", "flash", 44), "sglang": ("qwen3-moe", "qwen3-moe-tiny", 24)}
 
 
 # --------------------------------------------------------------------------------------
@@ -63,11 +73,11 @@ def shape_config(args: argparse.Namespace, layers: int) -> dict[str, Any]:
 
 
 def child(role: str, model: Path, rank: int, ep_size: int, ranks: int, gpu: int | None, threads: int,
-          log: Path, port: int = 0) -> subprocess.Popen:
+          log: Path, port: int = 0, engine: str = "vllm") -> subprocess.Popen:
     from node_procs import child_env
 
     argv = {"role": role, "model": str(model), "rank": rank, "ep_size": ep_size, "ranks": ranks, "port": port,
-            "spawned": time.time()}
+            "engine": engine, "spawned": time.time()}
     gpus = {"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}
     env = child_env({"OMP_NUM_THREADS": str(threads), **gpus})
     with open(log, "w") as err:
@@ -94,6 +104,8 @@ def setup(name: str, layers: int, ep_size: int, args: argparse.Namespace) -> dic
 
     base = args.work / name
     src, out = base / "src", base / f"ep{ep_size}"
+    if args.engine == "sglang":
+        return setup_sglang(name, layers, ep_size, args)
     config = shape_config(args, layers)
     marker = base / "setup.json"
     if marker.exists() and json.loads(marker.read_text())["config"] == config:
@@ -112,6 +124,47 @@ def setup(name: str, layers: int, ep_size: int, args: argparse.Namespace) -> dic
             "convert_s": time.perf_counter() - t0, "source_bytes": _bytes(src), "converted_bytes": _bytes(out)}
     marker.write_text(json.dumps(info))
     return info
+
+
+def setup_sglang(name: str, layers: int, ep_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``work/NAME/src`` (the preset synthesised at ``layers`` MoE layers, every expert, completed with
+    the non-expert tensors SGLang's model loads that synth does not write: ``boot_child_sglang``'s
+    ``source`` role) and ``work/NAME/ep{EP}`` (``megamoe convert --engine sglang --ep-size EP --ranks
+    0-(N-1)``)."""
+    from common import ensure_checkpoint, repo_env
+    from node_forms_sglang import checkpoint_config
+
+    from megamoe_convert.synth.presets import load_preset
+
+    base = args.work / name
+    src, out = base / "src", base / f"ep{ep_size}"
+    config = checkpoint_config(args.preset, load_preset(args.preset)["model_type"], layers, args.experts)
+    marker = base / "setup.json"
+    if marker.exists() and json.loads(marker.read_text())["config"] == config:
+        return {**json.loads(marker.read_text()), "reused": True}
+    shutil.rmtree(base, ignore_errors=True)
+    t0 = time.perf_counter()
+    ensure_checkpoint(src, config)
+    log = args.work / "logs" / f"{name}-source.err"
+    made = report_of(child("source", src, 0, ep_size, args.n, None, 1, log, engine="sglang"), log, 1800)
+    synth_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    cmd = [sys.executable, "-m", "megamoe_convert.cli", "convert", str(src), str(out), "--no-fsync", "--engine",
+           "sglang", "--ep-size", str(ep_size), "--ranks", f"0-{args.n - 1}"]
+    subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, env=repo_env())
+    info = {"name": name, "layers": layers, "ep_size": ep_size, "config": config, **made, "synth_s": synth_s,
+            "convert_s": time.perf_counter() - t0, "source_bytes": _bytes(src), "converted_bytes": _bytes(out),
+            **_rest_of(src)}
+    marker.write_text(json.dumps(info))
+    return info
+
+
+def _rest_of(src: Path) -> dict[str, int]:
+    """The source's non-expert tensors and their bytes (off the safetensors headers)."""
+    from megamoe_convert.source.safetensors_io import read_header
+
+    tensors = [t for f in sorted(src.glob("*.safetensors")) for name, t in read_header(f).tensors.items()
+               if ".mlp.experts." not in name]
+    return {"rest_tensors": len(tensors), "rest_bytes": sum(t.nbytes for t in tensors)}
 
 
 def _bytes(folder: Path) -> int:
@@ -140,7 +193,7 @@ def measure(info: dict[str, Any], form: str, cache: str, rnd: int, args: argpars
     port = 29500 + 97 * (args.calls % 50)
     args.calls += 1
     procs = [child(form, model, rank, info["ep_size"], args.n, rank if args.gpus else None, args.threads, log,
-                   port + rank) for rank, log in enumerate(logs)]
+                   port + rank, args.engine) for rank, log in enumerate(logs)]
     try:
         reports = [report_of(p, log, args.timeout) for p, log in zip(procs, logs, strict=True)]
     except RuntimeError as e:
@@ -201,10 +254,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=Path("/tmp/megamoe-boot"))
     p.add_argument("--save", type=Path)
     p.add_argument("--n", type=int, default=0, help="rank processes (default: one per GPU)")
-    p.add_argument("--preset", default="flash")
-    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--engine", choices=sorted(PRESETS), default="vllm",
+                   help="vllm: vLLM 0.33's DeepSeek-V4; sglang: SGLang 0.5.23's Qwen3-MoE (FP8, Hopper's MegaMoE)")
+    p.add_argument("--preset", help="the synth preset of its dims (default: the engine's)")
+    p.add_argument("--experts", type=int, help="routed experts (default: vllm 256, sglang the preset's)")
     p.add_argument("--shapes", default="slice,node", help="slice: ranks 0..N-1 of EP 4N; node: EP N")
-    p.add_argument("--slice-layers", type=int, default=44)
+    p.add_argument("--slice-layers", type=int, help="the slice's MoE layers (default: vllm 44, sglang 24)")
     p.add_argument("--node-layers", default="1,2,4", help="the node shape's MoE layer counts (the slope)")
     p.add_argument("--forms", default="auto,megamoe")
     p.add_argument("--caches", default="cold,warm")
@@ -216,9 +271,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU, two ranks, a small model of DeepSeek-V4's "
                                                        "classes: seconds (tests/e2e/test_benchmarks.py)")
     args = p.parse_args(argv)
+    preset, smoke_preset, slice_layers = PRESETS[args.engine]
+    args.preset = args.preset or (smoke_preset if args.smoke else preset)
+    args.slice_layers = args.slice_layers or slice_layers
     if args.smoke:
         args.n, args.slice_layers, args.node_layers, args.caches, args.node_caches = 1, 2, "1", "warm", ""
         args.experts = 8
+    if args.experts is None:
+        args.experts = 256 if args.engine == "vllm" else __import__("node_forms_sglang").expert_count(args.preset)
     args.node_layers = [int(x) for x in args.node_layers.split(",") if x]
     args.shapes, args.forms, args.caches = args.shapes.split(","), args.forms.split(","), args.caches.split(",")
     args.node_caches = args.node_caches.split(",") if args.node_caches else args.caches
@@ -231,9 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.child:
-        from boot_child import main as child_main
-
-        child_main(json.loads(args.child), START)
+        argv = json.loads(args.child)
+        rank = importlib.import_module("boot_child_sglang" if argv.get("engine") == "sglang" else "boot_child")
+        rank.main(argv, START)
         return {}
     import torch
 
@@ -243,8 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.deadline = time.time() + args.budget_s if args.budget_s else float("inf")
     args.calls = 0
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"benchmark": "boot", "machine": machine(args), "setup": [], "rows": [],
-                               "skipped": [], "smoke": args.smoke}
+    results: dict[str, Any] = {"benchmark": "boot", "engine": engine_version(args.engine), "machine": machine(args),
+                               "setup": [], "rows": [], "skipped": [], "smoke": args.smoke}
 
     def save() -> None:
         if args.save:
@@ -259,6 +319,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(json.dumps({"benchmark": "boot", "rows": len(results["rows"]), "identical": results["identical"],
                       "skipped": results["skipped"]}))
     return results
+
+
+def engine_version(engine: str) -> str:
+    """``engine==version`` of the engine the ranks import (read off its package, not imported whole)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{engine}=={version(engine)}"
+    except PackageNotFoundError:  # an unpacked tree beside its dependencies: its own version module
+        pass
+    try:
+        return f"{engine}=={importlib.import_module(f'{engine}.version').__version__}"
+    except ImportError:
+        return engine
 
 
 def identical(rows: list[dict[str, Any]]) -> dict[str, bool]:

@@ -237,7 +237,8 @@ class Split:
     """The weight phase's time split between the routed experts and everything else: each tensor's
     read (the iterator's ``next``) and its load (the model's work until it asks again) go to its kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: str = ".ffn.experts.") -> None:
+        self.experts = experts  # what a routed expert's checkpoint name holds
         self.seconds = {"experts": 0.0, "rest": 0.0}
         self.tensors = {"experts": 0, "rest": 0}
 
@@ -249,7 +250,7 @@ class Split:
                 name, tensor = next(it)
             except StopIteration:
                 return
-            kind = "experts" if ".ffn.experts." in name else "rest"
+            kind = "experts" if self.experts in name else "rest"
             self.tensors[kind] += 1
             yield name, tensor
             self.seconds[kind] += time.perf_counter() - t0
@@ -390,11 +391,18 @@ def _fingerprint(net: Any) -> str:
 def _rest_fingerprint(net: Any) -> str:
     """xxh3-128 of every parameter outside the MegaMoE experts, after post-processing: its name,
     dtype, shape and bytes, in name order (what the model serves with besides the experts)."""
-    import torch
     import vllm_harness as h
+
+    experts = [m for m in net.modules() if isinstance(m, h.mega_py.DeepGemmMegaMoEExperts)]
+    return parameters_fingerprint(net, experts)
+
+
+def parameters_fingerprint(net: Any, skipped: list[Any]) -> str:
+    """xxh3-128 of every parameter outside the ``skipped`` modules: name, dtype, shape and bytes, in name order."""
+    import torch
     import xxhash
 
-    experts = {id(p) for m in net.modules() if isinstance(m, h.mega_py.DeepGemmMegaMoEExperts) for p in m.parameters()}
+    experts = {id(p) for m in skipped for p in m.parameters()}
     digest = xxhash.xxh3_128()
     for name, param in sorted(net.named_parameters()):
         if id(param) in experts:

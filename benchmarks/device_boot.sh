@@ -10,6 +10,13 @@
 #   benchmarks/device_boot.sh setup                 # unpack, install, what the machine is
 #   benchmarks/device_boot.sh job SECONDS [FLAGS]   # bench_boot.py [FLAGS] in the background, nothing new after SECONDS
 #   benchmarks/device_boot.sh wait DEST [S]         # wait (at most S seconds) for the job, copy its results to DEST
+#
+# SGLang 0.5.23 (bench_boot.py --engine sglang) from .device/sglang/, built by
+#   python benchmarks/device_carry.py --engines sglang==0.5.23 --out .device/sglang
+# and unpacked as device_node.sh unpacks it (/tmp/sglang, /tmp/sgsite, /tmp/sgtree):
+#   benchmarks/device_boot.sh sglang-setup
+#   benchmarks/device_boot.sh sglang-job SECONDS [FLAGS]   # Qwen3-235B-A22B's FP8 dims: slice (24 MoE layers), node
+#   benchmarks/device_boot.sh sglang-wait DEST [S]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=/tmp/boot-results
@@ -33,9 +40,24 @@ wait_for() {
     tail -n 40 "$RESULTS/boot.log"
 }
 
+SG_RESULTS=/tmp/boot-sglang-results
+SG_PATH=/tmp/sgsite:/tmp/sglang
+
+sglang_job() {  # the same shapes with SGLang's Qwen3MoeForCausalLM; nothing new after SECONDS
+    mkdir -p "$SG_RESULTS" && rm -f "$SG_RESULTS/done"
+    setsid nohup bash -c "PYTHONPATH=$SG_PATH python3 /tmp/sgtree/benchmarks/bench_boot.py --engine sglang \
+        --work $WORK-sglang --budget-s $1 --clean --node-caches warm ${*:2} --save $SG_RESULTS/boot.json \
+        > $SG_RESULTS/boot.log 2>&1; touch $SG_RESULTS/done" > /dev/null 2>&1 < /dev/null &
+}
+
 case "${1:-}" in
     setup) RESULTS=$RESULTS bash benchmarks/device_node.sh setup ;;  # the same folders as the node benchmark
     job) shift; job "${1:-480}" "${@:2}" ;;
     wait) wait_for "$2" "${3:-560}" ;;
-    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]" >&2; exit 2 ;;
+    sglang-setup) bash benchmarks/device_node.sh sglang-setup && mkdir -p "$SG_RESULTS" \
+        && cp /tmp/node-sglang-results/machine.log "$SG_RESULTS"/ ;;  # the same folders as the node benchmark's
+    sglang-job) shift; sglang_job "${1:-480}" "${@:2}" ;;
+    sglang-wait) RESULTS=$SG_RESULTS WORK=$WORK-sglang wait_for "$2" "${3:-560}" ;;
+    *) echo "usage: $0 setup|job SECONDS [FLAGS]|wait DEST [SECONDS]|sglang-setup|sglang-job SECONDS [FLAGS]|sglang-wait DEST [SECONDS]" >&2
+       exit 2 ;;
 esac

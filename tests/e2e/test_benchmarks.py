@@ -40,6 +40,7 @@ def test_every_script_has_a_test():
               "report_node.py",
               "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
+              "boot_child_sglang.py",  # bench_boot --engine sglang --smoke: below
               "probe_timer.py",  # through bench_boot and bench_node's rank processes, below
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
               "gpu_load_formats.py",  # --smoke: tests/engines/test_*_format_matrix.py
@@ -430,6 +431,62 @@ def test_device_boot_script_parses_and_runs_real_flags():
 
     args = bench_boot.parse_args(flags)  # exits (SystemExit) on an unknown flag
     assert args.budget_s == 60 and args.clean and args.node_caches == ["warm"] and args.rounds == 2
+
+
+def test_device_boot_sglang_job_runs_real_flags():
+    """``device_boot.sh sglang-job`` runs bench_boot.py --engine sglang with flags its parser declares."""
+    flags = device_script_flags("device_boot.sh", "bench_boot.py --engine sglang", "--slice-layers 12")
+    import bench_boot
+
+    args = bench_boot.parse_args(["--engine", "sglang", *flags])  # exits (SystemExit) on an unknown flag
+    assert args.engine == "sglang" and args.preset == "qwen3-moe" and args.experts == 128
+    assert args.budget_s == 60 and args.clean and args.node_caches == ["warm"] and args.slice_layers == 12
+    assert str(args.save) == "$SG_RESULTS/boot.json"  # the job's own results folder, not the vLLM job's
+
+
+@pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
+def test_bench_boot_smoke_in_sglang_0523(tmp_path):
+    """A whole start on the CPU: SGLang 0.5.23's real Qwen3MoeForCausalLM built and loaded by SGLang's own
+    get_model_loader(...).load_model, --load-format auto against --load-format megamoe (the plugin loaded as
+    SGLang loads it), both shapes, every phase timed, every parameter's bytes the same both ways."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from engine_envs import ensure
+
+    path = os.pathsep.join([*map(str, ensure("sglang==0.5.23")), str(REPO), str(BENCH)])
+    run("bench_boot.py", "--engine", "sglang", "--smoke", "--work", tmp_path, "--save", tmp_path / "b.json",
+        timeout=1200, env={"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, "MEGAMOE_ENGINE": "sglang==0.5.23"})
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["engine"] == "sglang==0.5.23"
+    rows = {(row["shape"], row["form"]): row for row in result["rows"]}
+    assert sorted(rows) == [(s, f) for s in ("node-l1", "slice-l2") for f in ("auto", "megamoe")], result["rows"]
+    for row in rows.values():
+        assert "ranks" in row, row.get("failed", row)
+        (rank,) = row["ranks"]
+        assert rank["model_class"] == "Qwen3MoeForCausalLM" and rank["kernel_tuples"], rank  # SGLang's SM90 build
+        assert row["node_s"] >= rank["process_s"] > 0, row
+        assert abs(rank["process_s"] - sum(rank["phases"].values())) < 0.01, row  # the phases cover it
+        assert all(rank["phases"][p] > 0 for p in ("imports", "construct", "weights", "post")), row
+        assert rank["weights_experts_s"] > 0 and rank["weights_rest_s"] > 0, row
+    for shape in ("node-l1", "slice-l2"):
+        auto, ours = rows[shape, "auto"]["ranks"][0], rows[shape, "megamoe"]["ranks"][0]
+        assert auto["tensors"]["experts"] > 0 and ours["tensors"]["experts"] == 0  # the experts installed, not read
+        assert ours["tensors"]["rest"] == auto["tensors"]["rest"] > 0
+        assert ours["plugin_import_s"] > 0 and ours["plugin_register_s"] > 0 and ours["probe_calls"] >= 1
+        assert ours["phases"]["plugin"] >= ours["plugin_import_s"] and auto["phases"]["plugin"] < 0.01
+    # SGLang's auto reads every expert tensor of the source, whatever the rank holds: two layers, twice one
+    experts = {shape: rows[shape, "auto"]["ranks"][0]["tensors"]["experts"] for shape in ("slice-l2", "node-l1")}
+    assert experts["slice-l2"] == 2 * experts["node-l1"]
+    assert result["identical"] == {"slice-l2 rank 0": True, "node-l1 rank 0": True}
+    sys.path.insert(0, str(BENCH))
+    import report_boot
+    import report_gains
+
+    text = report_boot.section_of("boot-smoke", result)
+    assert "Python + SGLang imports" in text and "postprocess_weights" in text and "vLLM" not in text
+    assert "node-l1 rank 0: True" in text and "slice-l2 rank 0: True" in text
+    found = [("boot-smoke", result)]
+    start = report_gains.engine_start(found, report_boot.engine_of(result))
+    assert "SGLang 0.5.23 `auto` s" in start and "`Qwen3MoeForCausalLM`" in start and "vLLM" not in start
 
 
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)

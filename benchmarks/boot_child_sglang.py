@@ -1,0 +1,277 @@
+"""The rank process of ``bench_boot.py --engine sglang``: one rank's start with SGLang 0.5.23, from the
+interpreter to a loaded model, every phase timed.
+
+The model is SGLang's own class of the checkpoint's family (Qwen3-MoE's ``Qwen3MoeForCausalLM``):
+every decoder layer's real attention, MoE block with its ``FusedMoE`` experts (FP8 128x128 blocks),
+norms, embedding and head, built by SGLang's ``_initialize_model`` inside its own
+``DefaultModelLoader.load_model``. The loader is SGLang's ``get_model_loader(LoadConfig(load_format=F))``:
+``auto`` (SGLang alone, no plugin loaded) or ``megamoe`` (megamoe-convert's plugin loaded as SGLang's
+processes load plugins, its loader class routed by it). Post-processing is SGLang's own: each quant
+method's ``process_weights_after_loading``, ``build_sm90_mega_moe_experts_weights`` for the experts.
+
+As ``node_forms_sglang.py`` runs SGLang on a GPU: its modules imported as on a machine without CUDA
+(no compiled kernel package), the tensors on the GPU; the SM90 platform check patched
+(``tests/engines/sglang_fp8_harness.py``), the topology SGLang's own for ``--moe-a2a-backend megamoe``
+with TP = EP (``ServerArgs`` published for the rank, ``initialize_moe_config``, the initial
+expert-location table). Stood in for: the pipeline and tensor-parallel groups (the ranks are no process
+group: objects with their sizes and ranks, which the constructors read), and the rotary embedding's
+kernel choice (the CPU platform's native one: the compiled one is absent).
+
+Phases: ``imports`` (Python, torch, SGLang's modules and the family's model module), ``plugin``
+(``megamoe``: the plugin's import, then SGLang's ``load_plugins``, which runs its ``register`` and
+applies its hooks), ``cuda`` (the context), ``config`` (SGLang's ``ModelConfig``, through the hooked
+``get_config`` under ``megamoe``), ``process_group`` (the topology above), ``loader``
+(``get_model_loader``; megamoe's starts pinning its staging ring here), then ``load_model``'s parts,
+split by wrapping SGLang's own functions: ``construct`` (to the end of ``_initialize_model``; the
+quant config ``load_model`` makes before it is in this phase), ``weights`` (to the end of
+``DefaultModelLoader.load_weights_only``: the iterator, the model's ``load_weights``), ``post`` (to
+the end of ``load_model``: ``postprocess_weights`` and ``model.eval()``). Not split: the quant
+config from the model build (one line before it, inside ``load_model``), and, under ``megamoe``, the
+experts' install from the first non-expert reads (both run inside the iterator's first ``next``: the
+install's own time is reported as ``weights_experts_s``).
+
+The ``source`` role completes the synthesised source: every non-expert tensor SGLang's model (built on
+``meta`` at TP 1) loads that the synth preset did not write, so no parameter is left unloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Iterator
+from unittest import mock
+
+from boot_child import SAFETENSORS_DTYPES, Split, _phases, _ring_report, _sync, parameters_fingerprint, tensor_bytes
+from probe_timer import ProbeTimer
+
+#: The family's model module (its class is what SGLang's registry resolves for the architecture).
+MODEL_MODULES = {"qwen3_moe": "sglang.srt.models.qwen3_moe", "deepseek_v3": "sglang.srt.models.deepseek_v2"}
+#: What a routed expert's checkpoint name holds.
+EXPERTS = ".mlp.experts."
+#: SGLang's stacked parameters: fused name -> the checkpoint's names, in shard order.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: FP8 block scales: one per 128 x 128 block.
+BLOCK = 128
+#: The plugin's ``register``, as its ``sglang.srt.plugins`` entry point names it.
+ENTRY_POINT = "megamoe_convert.engines.sglang.plugin:register"
+
+
+def family_of(model: str) -> str:
+    """The source's model type (a conversion's ``config.json`` keeps it in its ``megamoe`` section)."""
+    raw = json.loads((Path(model) / "config.json").read_text())
+    return str(raw.get("megamoe", {}).get("model_type") or raw["model_type"])
+
+
+def entry_point_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.value == ENTRY_POINT for ep in entry_points(group="sglang.srt.plugins"))
+
+
+def load_plugins(fixed: dict[str, float]) -> None:
+    """The plugin as SGLang's processes load it: its import, then SGLang's ``load_plugins`` (its
+    ``register``, the hooks applied); where the entry point is not installed (a tree unpacked
+    beside SGLang), ``register`` and the hooks' application are called as ``load_plugins`` would."""
+    installed = entry_point_installed()
+    t0 = time.perf_counter()
+    from megamoe_convert.engines.sglang import plugin
+    fixed["plugin_import_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    from sglang.srt.plugins import load_plugins as sglang_load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    sglang_load_plugins()
+    if not installed:
+        plugin.register()
+        HookRegistry.apply_hooks()
+    fixed["plugin_register_s"] = time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def topology(f: types.ModuleType, rank: int, ep_size: int, hf_config: Any, family: str) -> Iterator[None]:
+    """SGLang's topology for the rank (the harness's ``patched``: SM90, TP = EP), its initial
+    expert-location table, the groups' stand-ins, and the rotary embedding's native kernel."""
+    import torch
+    from sglang.srt.layers.rotary_embedding import base as rotary
+    from sglang.srt.runtime_context import get_parallel
+
+    with f.patched(rank, ep_size, 0), mock.patch.object(rotary, "_is_cpu", True):
+        with torch.device("cpu"):  # the table off the model's device, as the engine builds it
+            f.set_expert_location(family, hf_config, rank)
+        pp = types.SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1, rank_in_group=0)
+        tp = types.SimpleNamespace(world_size=ep_size, rank_in_group=rank, cpu_group=None)
+        get_parallel().override_permanently(pp_group=pp, tp_group=tp)
+        yield
+
+
+@contextlib.contextmanager
+def load_model_marks(marks: dict[str, float], device: Any) -> Iterator[None]:
+    """``DefaultModelLoader.load_model``'s parts marked where SGLang's own functions end: the model
+    built (``_initialize_model``), the weights loaded (``load_weights_only``)."""
+    from sglang.srt.model_loader import loader as loader_py
+
+    def marking(fn: Any, mark: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            _sync(device)
+            marks[mark] = time.perf_counter()
+            return out
+        return run
+
+    default = loader_py.DefaultModelLoader
+    with mock.patch.object(loader_py, "_initialize_model", marking(loader_py._initialize_model, "construct")), \
+            mock.patch.object(default, "load_weights_only",
+                              staticmethod(marking(default.load_weights_only, "weights"))):
+        yield
+
+
+@contextlib.contextmanager
+def timed_install(took: list[float]) -> Iterator[None]:
+    """The plugin's ``install_layers``, timed into ``took`` where its callers name it: the hooked
+    ``load_weights`` (which installs first) and the loader's first weight (which then finds it done)."""
+    from megamoe_convert.engines.sglang import loader, model_classes
+
+    real = loader.install_layers
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            took[0] += time.perf_counter() - t0
+
+    with mock.patch.object(loader, "install_layers", timed), mock.patch.object(model_classes, "install_layers", timed):
+        yield
+
+
+# --------------------------------------------------------------------------------------
+# The source: what synth wrote, completed from the model SGLang builds
+# --------------------------------------------------------------------------------------
+
+def checkpoint_names(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(checkpoint name, safetensors dtype, shape) of every non-expert tensor SGLang's model loads (built
+    at TP 1): its parameters outside the routed experts, stacked ones split into their shards."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, param in model.named_parameters():
+        if EXPERTS in name:
+            continue
+        dtype, shape = SAFETENSORS_DTYPES[str(param.dtype).removeprefix("torch.")], tuple(param.shape)
+        owner, _, _ = name.rpartition(".")
+        fused = owner.rpartition(".")[2]
+        if fused not in STACKED:
+            out.append((name, dtype, shape))
+            continue
+        scale = name.endswith("_scale_inv")
+        for part, size in zip(STACKED[fused], modules[owner].output_sizes, strict=True):
+            rows = -(-size // BLOCK) if scale else size
+            out.append((name.replace(f".{fused}.", f".{part}."), dtype, (rows, *shape[1:])))
+    return out
+
+
+def complete_source(src: Path) -> dict[str, Any]:
+    """Every non-expert tensor SGLang's model loads that ``src`` lacks (the synth preset writes the
+    attention's ``q_proj`` and ``o_proj`` only), written into one more file of its index."""
+    import numpy as np
+    import torch
+    from node_forms_sglang import import_sglang
+
+    from megamoe_convert.output.writer import write_json_atomic, write_safetensors
+    from megamoe_convert.synth.tensors import SynthTensor
+
+    f = import_sglang()
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader import loader as loader_py
+
+    model_config, load_config = ModelConfig(model_path=str(src)), LoadConfig()
+    with topology(f, 0, 1, model_config.hf_config, family_of(str(src))):
+        quant = loader_py._get_quantization_config(model_config, load_config)
+        with loader_py.set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+            names = checkpoint_names(loader_py._initialize_model(model_config, load_config, quant))
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    missing = [SynthTensor(n, d, s, "random" if d.startswith("F8") else "bf16")
+               for n, d, s in names if n not in index["weight_map"]]
+    if missing:
+        rng = np.random.default_rng(1)
+        write_safetensors(src / "rest-sglang.safetensors", src, [t.spec() for t in missing],
+                          (tensor_bytes(t, rng) for t in missing), metadata={"format": "pt"}, fsync=False)
+        index["weight_map"].update({t.name: "rest-sglang.safetensors" for t in missing})
+        write_json_atomic(index_path, json.dumps(index), fsync=False)
+    return {"added_tensors": len(missing)}
+
+
+def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spawned: float) -> dict:
+    """One rank's start (``form``: ``auto`` or ``megamoe``); the report of its phases."""
+    marks: dict[str, float] = {"python": start}
+    import torch
+    from node_forms_sglang import device_config, import_sglang, kernel_report
+
+    f = import_sglang()
+    family = family_of(model)
+    importlib.import_module(MODEL_MODULES[family])
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    marks["imports"] = time.perf_counter()
+    fixed: dict[str, float] = {}
+    if form == "megamoe":
+        load_plugins(fixed)
+    marks["plugin"] = time.perf_counter()
+    device = torch.device("cuda", 0) if torch.cuda.device_count() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.empty(1, device=device)
+    marks["cuda"] = time.perf_counter()
+    model_config = ModelConfig(model_path=model)
+    marks["config"] = time.perf_counter()
+    split, probe, took = Split(EXPERTS), ProbeTimer(), [0.0]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(topology(f, rank, ep_size, model_config.hf_config, family))
+        marks["process_group"] = time.perf_counter()
+        loader = get_model_loader(LoadConfig(load_format=form))
+        marks["loader"] = time.perf_counter()
+        real = loader._get_all_weights
+        stack.enter_context(mock.patch.object(loader, "_get_all_weights", lambda mc, m: split.wrap(real(mc, m))))
+        stack.enter_context(load_model_marks(marks, device))
+        if form == "megamoe":
+            t0 = time.perf_counter()
+            importlib.import_module("megamoe_convert.engines.sglang.install")  # what the first weight's install imports
+            fixed["install_import_s"] = time.perf_counter() - t0
+            stack.enter_context(timed_install(took))
+            stack.enter_context(probe.timing())
+        net = loader.load_model(model_config=model_config, device_config=device_config())
+        _sync(device)
+        marks["post"] = time.perf_counter()
+        kernel = kernel_report(net)
+    phases = _phases(marks)
+    experts = took[0] if form == "megamoe" else split.seconds["experts"]
+    report = {"form": form, "rank": rank, "phases": phases, "process_s": marks["post"] - start,
+              "spawned_unix": spawned, "end_unix": time.time(), "model_class": type(net).__name__,
+              "weights_experts_s": experts, "weights_rest_s": phases["weights"] - experts,
+              "tensors": split.tensors, **fixed, **probe.report(), **_ring_report(marks),
+              "parameters": sum(p.numel() for p in net.parameters()), "kernel_tuples": kernel["kernel_tuples"],
+              "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
+    report["rest_staged"] = "megamoe_convert.serve.tensor_stream" in sys.modules  # the rest through the ring
+    report["fingerprint"] = kernel["fingerprint"]
+    report["rest_fingerprint"] = parameters_fingerprint(net, [m for m in net.modules() if hasattr(m, "moe_ep_rank")])
+    return report
+
+
+def main(argv: dict[str, Any], start: float) -> None:
+    """One rank (``bench_boot.py --child``): its report, one JSON line on the original stdout."""
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # SGLang's logger and every print: to the log, never into the report
+    if argv["role"] == "source":
+        report = complete_source(Path(argv["model"]))
+    else:
+        report = rank_main(argv["role"], argv["rank"], argv["ep_size"], argv["model"], start, argv["spawned"])
+    protocol.write(json.dumps(report) + "\n")
