@@ -133,11 +133,12 @@ def load_model_marks(marks: dict[str, float], device: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def timed_install(took: list[float]) -> Iterator[None]:
-    """The plugin's ``install_layers``, timed into ``took`` where its callers name it: the hooked
-    ``load_weights`` (which installs first) and the loader's first weight (which then finds it done)."""
-    from megamoe_convert.engines.sglang import loader, model_classes
+    """The plugin's ``install_layers``, timed into ``took`` where its callers find it (they import it
+    at their first call): the hooked ``load_weights`` (which installs first) and the loader's first
+    weight (which then finds it done)."""
+    from megamoe_convert.engines.sglang import installing
 
-    real = loader.install_layers
+    real = installing.install_layers
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -146,7 +147,7 @@ def timed_install(took: list[float]) -> Iterator[None]:
         finally:
             took[0] += time.perf_counter() - t0
 
-    with mock.patch.object(loader, "install_layers", timed), mock.patch.object(model_classes, "install_layers", timed):
+    with mock.patch.object(installing, "install_layers", timed):
         yield
 
 
@@ -244,7 +245,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
         stack.enter_context(load_model_marks(marks, device))
         if form == "megamoe":
             t0 = time.perf_counter()
-            importlib.import_module("megamoe_convert.engines.sglang.install")  # what the first weight's install imports
+            importlib.import_module("megamoe_convert.engines.sglang.installing")  # the install's imports
             fixed["install_import_s"] = time.perf_counter() - t0
             stack.enter_context(timed_install(took))
             stack.enter_context(probe.timing())

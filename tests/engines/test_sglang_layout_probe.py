@@ -63,7 +63,7 @@ def test_the_probe_runs_on_the_first_moe_block_while_the_model_builds(sglang_ckp
     config = h.hf_config(sglang_ckpt)
     runs = engine_runs(monkeypatch)
     with h.patched(1, EP_SIZE, REDUNDANT):
-        prepare_install(str(sglang_converted), "megamoe_convert.engines.sglang.install").join()
+        prepare_install(str(sglang_converted), "megamoe_convert.engines.sglang.installing").join()
         main = h.build_main_model(config, 1, REDUNDANT)
         early_probe.started().result()  # the probe the build started, on the probe's thread
         assert [where for where, _ in runs] == ["model.layers.0.mlp.experts"]

@@ -4,7 +4,7 @@ every load format's way to them.
 - :mod:`.mega_moe`: the MegaMoE build contract (``fp8.py`` / ``build_mega_moe_experts_weights``);
 - :mod:`.sm90_fp8`: Hopper's FP8 MegaMoE build contract (``build_sm90_mega_moe_experts_weights``);
 - :mod:`.experts`: module names, placement and logical experts of SGLang's experts modules;
-- :mod:`.install`: :func:`install` / :func:`install_layers` through the contract;
+- :mod:`.installing`: :func:`install` / :func:`install_layers` through the contract;
 - :mod:`.loader`: ``--load-format megamoe``;
 - :mod:`.model_classes`: every other load format serves a conversion's experts or refuses;
 - :mod:`.presharded`: ``--load-format presharded`` over a conversion (its dump recorded, its reload probed);
@@ -15,6 +15,16 @@ every load format's way to them.
 
 from __future__ import annotations
 
-from megamoe_convert.engines.sglang.install import CONTRACTS, install, install_layers
+import importlib
+from typing import Any
 
-__all__ = ["CONTRACTS", "install", "install_layers"]
+#: Imported on first use: SGLang runs the plugin (:mod:`.plugin`) in every process, before any load,
+#: and the install driver's modules cost it nothing until a conversion is loaded.
+_PUBLIC = {name: "megamoe_convert.engines.sglang.installing" for name in ("CONTRACTS", "install", "install_layers")}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'megamoe_convert.engines.sglang' has no attribute {name!r}")

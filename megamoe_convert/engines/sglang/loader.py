@@ -25,8 +25,6 @@ from megamoe_convert.engines.load_formats import (
     without_expert_tensors,
 )
 from megamoe_convert.engines.sglang import private_hooks
-from megamoe_convert.engines.sglang.install import install_layers
-from megamoe_convert.serve.staging import prepare_gpu_staging
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +32,8 @@ log = logging.getLogger(__name__)
 def loader_config(load_config: Any) -> Any:
     """The default loader's config underneath (plain safetensors, rank folders ignored); the read
     ring is pinned meanwhile, while the engine builds the model."""
+    from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (every process loads the plugin)
+
     prepare_gpu_staging()
     return as_safetensors_config(load_config)
 
@@ -43,6 +43,8 @@ def experts_first(model_config: Any, model: nn.Module,
     """At the first weight asked for, before any is loaded: the rank's experts (unless the model's
     own ``load_weights`` hook installed the conversion already: :mod:`.model_classes`); then SGLang's
     weights minus the experts."""
+    from megamoe_convert.engines.sglang.installing import install_layers  # at first use
+
     installed = install_once(model, model_config.model_path, install_layers)
     yield from without_expert_tensors(own(), installed)
 

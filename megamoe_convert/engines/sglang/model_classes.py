@@ -39,12 +39,8 @@ from megamoe_convert.engines.load_formats import (
     served_reference,
 )
 from megamoe_convert.engines.sglang import format_table
-from megamoe_convert.engines.sglang.install import CONTRACTS, install_layers
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
-from megamoe_convert.output.manifest import ANY_ENGINE
-from megamoe_convert.serve.staging import prepare_gpu_staging
-from megamoe_convert.source import engines_table, families
 
 #: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; the
 #: ``HookRegistry`` re-points those bindings).
@@ -60,6 +56,8 @@ LOAD_WEIGHTS = ("sglang.srt.models.deepseek_v4.DeepseekV4ForCausalLM.load_weight
                 "sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM.load_weights")
 #: The section's key recording the directory (or hub repo id) the config was read from.
 PATH_KEY = "path"
+#: The install's module (imported on a thread of its own while SGLang builds a conversion's model).
+INSTALLING = "megamoe_convert.engines.sglang.installing"
 
 
 def manifest_refusal(path: str, revision: str | None = None) -> str | None:
@@ -70,6 +68,9 @@ def manifest_refusal(path: str, revision: str | None = None) -> str | None:
     data = conversion_manifest(path, revision)
     if data is None:
         return None
+    from megamoe_convert.output.manifest import ANY_ENGINE  # a conversion's: at first use
+    from megamoe_convert.source import engines_table, families
+
     family = next((f for f in families.FAMILIES if f.name == data.get("family")), None)
     if family is not None and (why := engines_table.family_refusal(family, "sglang")) is not None:
         return f"a conversion of {family.title}, which SGLang does not serve ({why})"
@@ -109,6 +110,8 @@ def conversion_of(model: nn.Module) -> str | None:
 def load_weights_around(load_weights: Callable[..., Any], model: nn.Module,
                         weights: Iterable[tuple[str, torch.Tensor]], *args: Any, **kwargs: Any) -> Any:
     """``AROUND`` hook of the models' ``load_weights``: a conversion's experts first, then the rest."""
+    from megamoe_convert.engines.sglang.installing import CONTRACTS, install_layers  # a MegaMoE model's first load
+
     name = getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
     return load_installing(model, lambda w: load_weights(model, w, *args, **kwargs), weights, conversion_of(model),
                            install_layers, CONTRACTS, str(name), "SGLang")
@@ -127,9 +130,11 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
             raise InstallError(f"{section.get(PATH_KEY, 'the converted directory')}: SGLang would build {arch}, which "
                                f"megamoe-convert cannot install experts into (it serves {', '.join(sorted(served))}); "
                                "drop --model-impl transformers")
+        from megamoe_convert.serve.staging import prepare_gpu_staging  # a conversion's: at first use
+
         prepare_gpu_staging()  # in the worker, right before the model is built: pin the read ring meanwhile
-        if section.get(PATH_KEY):  # and make the layout probe's input and expected bytes meanwhile
-            prepare_install(str(section[PATH_KEY]), install_layers.__module__)
+        if section.get(PATH_KEY):  # and make the install's imports, the probe's input, and the probe meanwhile
+            prepare_install(str(section[PATH_KEY]), INSTALLING)
     return model_cls, arch
 
 

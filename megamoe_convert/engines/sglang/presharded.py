@@ -28,7 +28,7 @@ from torch import nn
 from megamoe_convert.engines import driver
 from megamoe_convert.engines.load_formats import conversion_manifest
 from megamoe_convert.engines.sglang import private_hooks
-from megamoe_convert.engines.sglang.install import ENGINE
+from megamoe_convert.engines.sglang.installing import ENGINE
 from megamoe_convert.engines.sglang.model_classes import PATH_KEY
 from megamoe_convert.errors import InstallError
 from megamoe_convert.hub.resolve import open_converted
@@ -117,11 +117,3 @@ def reload_around(original: Callable[..., Any], loader: Any, model_config: Any, 
         model = original(loader, model_config, device_config, presharded_dir, *args, **kwargs)
     log.info("megamoe: %s reloaded from SGLang's presharded dump %s (layout probed)", path, presharded_dir)
     return model
-
-
-def register() -> None:
-    """Register both hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(private_hooks.PRESHARDED_FIRST_TIME, first_time_around, HookType.AROUND)
-    HookRegistry.register(private_hooks.PRESHARDED_RELOAD, reload_around, HookType.AROUND)

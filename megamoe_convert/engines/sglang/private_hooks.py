@@ -50,6 +50,8 @@ IPC_MAP = f"{IPC_LOADER_MODULE}.IpcModelLoader._load_zero_copy_mode"
 DAEMON_MODULE = "sglang.srt.weight_cache.daemon"
 DAEMON_LOAD = f"{DAEMON_MODULE}.WeightCacheDaemon.load"
 DAEMON_ANSWER = f"{DAEMON_MODULE}.WeightCacheDaemon._handle_connection"
+#: EPLB's recovery of experts lost with failed ranks (``recovery.py`` writes them from the store).
+UPDATE_WITH_RECOVERY = "sglang.srt.eplb.eplb_manager.update_expert_location_with_recovery"
 #: The loader module whose ``_initialize_model`` builds the model a presharded reload fills.
 LOADER_MODULE = "sglang.srt.model_loader.loader"
 

@@ -51,9 +51,6 @@ from megamoe_convert.source.layers import MoELayer
 
 log = logging.getLogger(__name__)
 
-#: SGLang's recovery entry point: its EPLB manager calls it by name for every chunk of layers.
-UPDATE_WITH_RECOVERY = "sglang.srt.eplb.eplb_manager.update_expert_location_with_recovery"
-
 #: By layer id, the logical experts a rank needs that SGLang's updater cannot bring.
 Lost = dict[int, list[int]]
 
@@ -285,10 +282,3 @@ def recovery_around(update_with_recovery: Callable[..., Any], *args: Any, **kwar
         updater = kwargs["expert_location_updater"]
         kwargs["expert_location_updater"] = ConversionRecovery(updater, kwargs["model"], modules)
     return update_with_recovery(*args, **kwargs)
-
-
-def register() -> None:
-    """Register the hook with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(UPDATE_WITH_RECOVERY, recovery_around, HookType.AROUND)

@@ -32,7 +32,7 @@ from torch import nn
 
 from megamoe_convert.engines.contract import Contract, EngineModule
 from megamoe_convert.engines.sglang import mega_moe, private_hooks, sm90_fp8
-from megamoe_convert.engines.sglang.install import CONTRACTS, ENGINE
+from megamoe_convert.engines.sglang.installing import CONTRACTS, ENGINE
 from megamoe_convert.engines.sglang.presharded import conversion_path, conversion_seal, probe_model
 from megamoe_convert.errors import InstallError
 from megamoe_convert.hub.resolve import open_converted
@@ -145,16 +145,3 @@ def _current_seal(path: Any) -> str | None:
         return conversion_seal(str(path))
     except InstallError:
         return None
-
-
-def register() -> None:
-    """Register the hooks with SGLang's ``HookRegistry`` (no-op in an SGLang without the weight cache)."""
-    from importlib.util import find_spec
-
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    if find_spec(private_hooks.IPC_LOADER_MODULE) is None:
-        return
-    HookRegistry.register(private_hooks.IPC_MAP, map_around, HookType.AROUND)
-    HookRegistry.register(private_hooks.DAEMON_LOAD, daemon_load_around, HookType.AROUND)
-    HookRegistry.register(private_hooks.DAEMON_ANSWER, daemon_answer_around, HookType.AROUND)
