@@ -315,6 +315,27 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
     return report
 
 
+@contextlib.contextmanager
+def timed_install(installing: str, fixed: dict[str, float], took: list[float]) -> Iterator[None]:
+    """The engine's install module imported now, timed into ``fixed`` (``install_import_s``: what the
+    install's first call imports), and its ``install_layers`` timed into ``took`` where its callers
+    find it (they import it at their first call)."""
+    t0 = time.perf_counter()
+    module = importlib.import_module(installing)
+    fixed["install_import_s"] = time.perf_counter() - t0
+    real = module.install_layers
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            took[0] += time.perf_counter() - t0
+
+    with mock.patch.object(module, "install_layers", timed):
+        yield
+
+
 def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: ProbeTimer,
           fixed: dict[str, float]) -> float:
     """The loader's ``load_weights``; the seconds megamoe's install took (``--load-format megamoe``),
@@ -325,21 +346,8 @@ def _load(loader: Any, net: Any, config: Any, split: Split, form: str, probe: Pr
         with counted:
             loader.load_weights(net, config.model_config)
         return 0.0
-    t0 = time.perf_counter()
-    megamoe_install = importlib.import_module("megamoe_convert.engines.vllm.installing")  # the loader's first call
-    fixed["install_import_s"] = time.perf_counter() - t0
-
     took = [0.0]
-    real_install = megamoe_install.install_layers
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real_install(*args, **kwargs)
-        finally:
-            took[0] = time.perf_counter() - t0
-
-    with mock.patch.object(megamoe_install, "install_layers", timed), probe.timing(), counted:
+    with timed_install("megamoe_convert.engines.vllm.installing", fixed, took), probe.timing(), counted:
         loader.load_weights(net, config.model_config)
     return took[0]
 

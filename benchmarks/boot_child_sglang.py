@@ -47,7 +47,16 @@ from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
 
-from boot_child import SAFETENSORS_DTYPES, Split, _phases, _ring_report, _sync, parameters_fingerprint, tensor_bytes
+from boot_child import (
+    SAFETENSORS_DTYPES,
+    Split,
+    _phases,
+    _ring_report,
+    _sync,
+    parameters_fingerprint,
+    tensor_bytes,
+    timed_install,
+)
 from probe_timer import ProbeTimer
 
 #: The family's model module (its class is what SGLang's registry resolves for the architecture).
@@ -128,26 +137,6 @@ def load_model_marks(marks: dict[str, float], device: Any) -> Iterator[None]:
     with mock.patch.object(loader_py, "_initialize_model", marking(loader_py._initialize_model, "construct")), \
             mock.patch.object(default, "load_weights_only",
                               staticmethod(marking(default.load_weights_only, "weights"))):
-        yield
-
-
-@contextlib.contextmanager
-def timed_install(took: list[float]) -> Iterator[None]:
-    """The plugin's ``install_layers``, timed into ``took`` where its callers find it (they import it
-    at their first call): the hooked ``load_weights`` (which installs first) and the loader's first
-    weight (which then finds it done)."""
-    from megamoe_convert.engines.sglang import installing
-
-    real = installing.install_layers
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            took[0] += time.perf_counter() - t0
-
-    with mock.patch.object(installing, "install_layers", timed):
         yield
 
 
@@ -244,10 +233,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
         stack.enter_context(mock.patch.object(loader, "_get_all_weights", lambda mc, m: split.wrap(real(mc, m))))
         stack.enter_context(load_model_marks(marks, device))
         if form == "megamoe":
-            t0 = time.perf_counter()
-            importlib.import_module("megamoe_convert.engines.sglang.installing")  # the install's imports
-            fixed["install_import_s"] = time.perf_counter() - t0
-            stack.enter_context(timed_install(took))
+            stack.enter_context(timed_install("megamoe_convert.engines.sglang.installing", fixed, took))
             stack.enter_context(probe.timing())
         net = loader.load_model(model_config=model_config, device_config=device_config())
         _sync(device)
