@@ -13,3 +13,21 @@ too.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+#: What each engine package gives from its install module: its contracts and the install functions.
+INSTALL_NAMES = ("CONTRACTS", "install", "install_layers")
+
+
+def at_first_use(package: str, installing: str) -> Callable[[str], Any]:
+    """An engine package's ``__getattr__``: :data:`INSTALL_NAMES` from its module ``installing``, imported
+    when one is first asked for (the engine runs the package's plugin in every process, before any
+    load, and the install driver's modules cost it nothing until a conversion is loaded)."""
+    def __getattr__(name: str) -> Any:
+        if name in INSTALL_NAMES:
+            return getattr(importlib.import_module(installing), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

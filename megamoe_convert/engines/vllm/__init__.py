@@ -14,16 +14,7 @@ format's way to them.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megamoe_convert.engines import INSTALL_NAMES, at_first_use
 
-#: Imported on first use: vLLM runs the plugin (:mod:`.plugin`) in every process, before any load,
-#: and the install driver's modules cost it nothing until a conversion is loaded.
-_PUBLIC = {name: "megamoe_convert.engines.vllm.installing" for name in ("CONTRACTS", "install", "install_layers")}
-__all__ = list(_PUBLIC)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'megamoe_convert.engines.vllm' has no attribute {name!r}")
+__all__ = list(INSTALL_NAMES)
+__getattr__ = at_first_use(__name__, "megamoe_convert.engines.vllm.installing")
