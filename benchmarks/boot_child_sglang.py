@@ -165,6 +165,18 @@ def checkpoint_names(model: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
+def refuse_other_shapes(src: Path, weight_map: dict[str, str], names: list[tuple[str, str, tuple[int, ...]]]) -> None:
+    """A tensor the source holds at another shape than the model's: SGLang narrows it per rank, so it
+    fails on some ranks and loads short bytes on others; the measurement stops here instead."""
+    from megamoe_convert.source.safetensors_io import read_header
+
+    held = {name: entry.shape for f in sorted(set(weight_map.values()))
+            for name, entry in read_header(src / f).tensors.items()}
+    for name, _, shape in names:
+        if name in held and held[name] != shape:
+            raise SystemExit(f"{src}: {name}: shape {list(held[name])}, SGLang's model loads {list(shape)}")
+
+
 def complete_source(src: Path) -> dict[str, Any]:
     """Every non-expert tensor SGLang's model loads that ``src`` lacks (the synth preset writes the
     attention's ``q_proj`` and ``o_proj`` only), written into one more file of its index."""
@@ -187,6 +199,7 @@ def complete_source(src: Path) -> dict[str, Any]:
             names = checkpoint_names(loader_py._initialize_model(model_config, load_config, quant))
     index_path = src / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
+    refuse_other_shapes(src, index["weight_map"], names)
     missing = [SynthTensor(n, d, s, "random" if d.startswith("F8") else "bf16")
                for n, d, s in names if n not in index["weight_map"]]
     if missing:

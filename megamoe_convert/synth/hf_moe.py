@@ -36,13 +36,22 @@ def _mlp(prefix: str, hidden: int, inter: int) -> Iterator[SynthTensor]:
     yield from _fp8_linear(f"{prefix}.down_proj", hidden, inter)
 
 
+def _query_width(text: dict[str, Any]) -> int:
+    """The query projection's rows: heads x ``head_dim`` where the config names one (Qwen3-MoE and
+    GLM-4.5's 64 or 96 heads of 128 outgrow the hidden size, and an engine's model shards those rows
+    over its tensor-parallel ranks), else the hidden size (DeepSeek-V3's MLA, written as one stand-in)."""
+    if "head_dim" not in text:
+        return text["hidden_size"]
+    return text["num_attention_heads"] * text["head_dim"]
+
+
 def _layer(family: families.ModelFamily, index: int, text: dict[str, Any], moe: bool) -> Iterator[SynthTensor]:
     """One decoder layer's tensors but the routed experts."""
     h, p = text["hidden_size"], f"model.layers.{index}"
     yield SynthTensor(f"{p}.input_layernorm.weight", "BF16", (h,), "ones")
     yield SynthTensor(f"{p}.post_attention_layernorm.weight", "BF16", (h,), "ones")
-    yield from _fp8_linear(f"{p}.self_attn.q_proj", h, h)
-    yield from _fp8_linear(f"{p}.self_attn.o_proj", h, h)
+    yield from _fp8_linear(f"{p}.self_attn.q_proj", _query_width(text), h)
+    yield from _fp8_linear(f"{p}.self_attn.o_proj", h, _query_width(text))
     if not moe:
         yield from _mlp(f"{p}.mlp", h, text["intermediate_size"])
         return

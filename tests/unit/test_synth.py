@@ -12,7 +12,8 @@ from safetensors import safe_open
 from megamoe_convert.source.checkpoint import Checkpoint
 from megamoe_convert.source.model_dims import check_dims
 from megamoe_convert.synth.presets import load_preset
-from megamoe_convert.synth.write import synthesize
+from megamoe_convert.source.formats import FP8_BLOCK
+from megamoe_convert.synth.write import checkpoint_tensors, synthesize
 
 
 def read_all(path):
@@ -97,3 +98,17 @@ def test_synth_refuses_a_non_empty_directory_and_overwrite_replaces_it_whole(tmp
     assert len(index["weight_map"]) and len(list(out.glob("*.safetensors"))) < len([n for n in before if
                                                                                       n.endswith(".safetensors")])
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # nothing hidden left beside it
+
+
+@pytest.mark.parametrize("preset", ["qwen3-moe", "glm-4.5"])
+def test_attention_projections_have_the_heads_an_engine_shards(preset):
+    """An engine's model narrows ``q_proj`` into heads x head_dim rows over its tensor-parallel ranks:
+    a checkpoint cut to the hidden size would fail (or, on low ranks, silently load short) there."""
+    config = load_preset(preset)
+    tensors = {t.name: t.shape for t in checkpoint_tensors(config, FP8_BLOCK)
+               if t.name.startswith("model.layers.0.self_attn.")}
+    h, width = config["hidden_size"], config["num_attention_heads"] * config["head_dim"]
+    assert width > h
+    assert tensors["model.layers.0.self_attn.q_proj.weight"] == (width, h)
+    assert tensors["model.layers.0.self_attn.o_proj.weight"] == (h, width)
+    assert tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"] == (width // 128, h // 128)
