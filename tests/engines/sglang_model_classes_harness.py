@@ -12,7 +12,7 @@ from unittest import mock
 import sglang_harness as h
 import torch
 
-from megamoe_convert.engines.sglang import model_classes
+from megamoe_convert.engines.sglang import hooks, model_classes
 from megamoe_convert.output import marker
 
 
@@ -41,19 +41,16 @@ def tree_config(ckpt, out):
 
 @contextmanager
 def hooked_load_weights(cls, seen: list[str]) -> Iterator[None]:
-    """``cls.load_weights`` as the plugin leaves it (the hook around SGLang's function, through
-    SGLang's own ``_wrap_fn``), with SGLang's function recording what it is fed: the tree holds only
-    the MoE layers, so non-expert tensors have nowhere to go."""
-    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
-
+    """``cls.load_weights`` as the plugin leaves it (the hook around SGLang's function, wrapped as the
+    plugin wraps it), with SGLang's function recording what it is fed: the tree holds only the MoE
+    layers, so non-expert tensors have nowhere to go."""
     plugins()
     assert getattr(cls.__dict__["load_weights"], "__wrapped__", None) is not None  # hooked by load_plugins
 
     def load_weights(self, weights, *args, **kwargs):
         seen.extend(name for name, _ in weights)
 
-    with mock.patch.object(cls, "load_weights", _wrap_fn(load_weights, model_classes.load_weights_around,
-                                                         HookType.AROUND)):
+    with mock.patch.object(cls, "load_weights", hooks.wrap_around(load_weights, model_classes.load_weights_around)):
         yield
 
 

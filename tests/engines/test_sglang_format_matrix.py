@@ -27,6 +27,7 @@ from test_sglang_model_classes import EP_SIZE, REDUNDANT, assert_experts, refere
 
 from megamoe_convert.engines.format_matrix import Loads, table_problems
 from megamoe_convert.engines.load_formats import INSTALLED_ATTR
+from megamoe_convert.engines.sglang import hooks, model_classes
 from megamoe_convert.engines.sglang.format_table import FORMATS
 from megamoe_convert.errors import InstallError
 
@@ -160,7 +161,8 @@ def engine_load_model(load_format, path, ckpt):
         model = h.build_main_model(tree_config(ckpt, path), RANK, REDUNDANT)
         reads = mock.Mock(side_effect=AssertionError("load_weights was fed weights"))
         raised = None
-        with built(model), mock.patch.object(type(model), "load_weights", reads):
+        fed = hooks.wrap_around(reads, model_classes.load_weights_around)  # hooked, as the plugin leaves it
+        with built(model), mock.patch.object(type(model), "load_weights", fed):
             try:
                 engine_loader = loader.get_model_loader(LoadConfig(load_format=load_format), config)
                 engine_loader.load_model(model_config=config, device_config=DeviceConfig("cpu"))

@@ -2,7 +2,7 @@
 loading of the source leaves them, or a refusal before serving; never the construction zeros.
 
 - with megamoe-convert installed (its ``sglang.srt.plugins`` entry point, loaded by SGLang's own
-  ``load_plugins``, hooks applied by SGLang's ``HookRegistry``): SGLang's real ``get_config`` and
+  ``load_plugins``, hooks applied as SGLang's ``HookRegistry`` applies them): SGLang's real ``get_config`` and
   ``get_model_architecture``, and SGLang's own loaders for ``auto`` (what ``launch_server
   --model-path OUT`` uses), ``safetensors`` and ``megamoe``, each calling the model's ``load_weights``;
 - without it (``bare_env``): SGLang's real ``ModelConfig`` + ``get_model_architecture`` refuse the

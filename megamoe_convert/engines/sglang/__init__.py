@@ -10,6 +10,7 @@ every load format's way to them.
 - :mod:`.presharded`: ``--load-format presharded`` over a conversion (its dump recorded, its reload probed);
 - :mod:`.weight_cache`, :mod:`.preload`: the weight-cache daemons (``megamoe preload``) and their mapping;
 - :mod:`.private_hooks`: the SGLang names used that are not its public extension API;
+- :mod:`.hooks`: the hooks applied as SGLang's ``HookRegistry`` applies them, without its walk per target;
 - :mod:`.plugin`: ``register()``, the ``sglang.srt.plugins`` entry point, every registration in order.
 """
 

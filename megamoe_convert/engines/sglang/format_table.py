@@ -90,8 +90,5 @@ def loader_around(get_model_loader: Callable[..., Any], load_config: Any, model_
     return get_model_loader(load_config, model_config, *args, **kwargs)
 
 
-def register() -> None:
-    """Register :func:`loader_around` with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(GET_MODEL_LOADER, loader_around, HookType.AROUND)
+#: The hook (target, ``AROUND`` hook) the plugin applies (``hooks.around``).
+HOOKS = ((GET_MODEL_LOADER, loader_around),)

@@ -55,10 +55,11 @@ def loader_class() -> type:
     return private_hooks.default_loader_class("MegaMoEModelLoader", loader_config, experts_first)
 
 
-def register() -> None:
-    """Add ``--load-format megamoe`` to SGLang's choices, loading with :func:`loader_class`."""
+def register() -> tuple[str, Callable[..., None]]:
+    """Add ``--load-format megamoe`` to SGLang's choices; the hook (target, ``AROUND`` hook) that loads
+    it with :func:`loader_class`."""
     from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES, add_load_format_choices
 
     if LOAD_FORMAT not in LOAD_FORMAT_CHOICES:
         add_load_format_choices([LOAD_FORMAT])
-    private_hooks.route_load_format(LOAD_FORMAT, loader_class)
+    return private_hooks.route_load_format(LOAD_FORMAT, loader_class)

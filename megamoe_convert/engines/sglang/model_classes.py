@@ -5,7 +5,7 @@ A converted directory's ``config.json`` names a marker model type and marker arc
 transformers' ``AutoConfig``, whatever ``--model-impl``), and the architecture when it resolves the
 model class. With megamoe-convert installed, the ``sglang.srt.plugins`` entry point
 (:mod:`.plugin`) makes transformers read the original model type (``engines/hf_config.py``) and
-:func:`register` adds hooks through SGLang's own ``HookRegistry``:
+the plugin wraps (:data:`HOOKS`, applied as SGLang's ``HookRegistry`` would: :mod:`.hooks`):
 
 - around SGLang's ``get_config``: the original architectures are put back (SGLang then builds
   and configures the model exactly as for the source); the ``megamoe`` section stays on the
@@ -38,12 +38,12 @@ from megamoe_convert.engines.load_formats import (
     prepare_install,
     served_reference,
 )
-from megamoe_convert.engines.sglang import format_table
+from megamoe_convert.engines.sglang import format_table, hooks
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 
-#: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; the
-#: ``HookRegistry`` re-points those bindings).
+#: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; ``hooks.around``
+#: re-points those bindings).
 GET_CONFIG = "sglang.srt.utils.hf_transformers.config.get_config"
 #: SGLang's model-class resolution (``--model-impl``): only the classes below serve a conversion.
 GET_MODEL_ARCHITECTURE = "sglang.srt.model_loader.utils.get_model_architecture"
@@ -126,10 +126,14 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
     section = getattr(getattr(model_config, "hf_config", None), marker.SECTION, None)
     if isinstance(section, dict) and section.get("converted_by") == marker.TOOL:
         served = {target.rsplit(".", 2)[-2] for target in LOAD_WEIGHTS}
+        where = section.get(PATH_KEY, "the converted directory")
         if not any(cls.__name__ in served for cls in model_cls.__mro__):
-            raise InstallError(f"{section.get(PATH_KEY, 'the converted directory')}: SGLang would build {arch}, which "
-                               f"megamoe-convert cannot install experts into (it serves {', '.join(sorted(served))}); "
-                               "drop --model-impl transformers")
+            raise InstallError(f"{where}: SGLang would build {arch}, which megamoe-convert cannot install experts "
+                               f"into (it serves {', '.join(sorted(served))}); drop --model-impl transformers")
+        if not hooks.hooked(getattr(model_cls, "load_weights", None), load_weights_around):
+            raise InstallError(f"{where}: {model_cls.__name__}.load_weights of this SGLang is not the one "
+                               "megamoe-convert hooks, so it would load no expert of the conversion; serve the source "
+                               "checkpoint, or an SGLang release megamoe-convert supports")
         from megamoe_convert.serve.staging import prepare_gpu_staging  # a conversion's: at first use
 
         prepare_gpu_staging()  # in the worker, right before the model is built: pin the read ring meanwhile
@@ -138,12 +142,7 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
     return model_cls, arch
 
 
-def register() -> None:
-    """Register the hooks with SGLang's ``HookRegistry`` (applied by ``load_plugins``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(GET_CONFIG, config_around, HookType.AROUND)
-    HookRegistry.register(GET_MODEL_ARCHITECTURE, architecture_around, HookType.AROUND)
-    format_table.register()  # a load format that does not serve a conversion is refused first
-    for target in LOAD_WEIGHTS:
-        HookRegistry.register(target, load_weights_around, HookType.AROUND)
+#: The hooks (target, ``AROUND`` hook) the plugin applies (``hooks.around``); a load format that does
+#: not serve a conversion is refused first (``format_table``).
+HOOKS = ((GET_CONFIG, config_around), (GET_MODEL_ARCHITECTURE, architecture_around), *format_table.HOOKS,
+         *((target, load_weights_around) for target in LOAD_WEIGHTS))

@@ -1,19 +1,21 @@
 """The ``sglang.srt.plugins`` entry point: everything megamoe-convert registers in an SGLang process.
 
-SGLang's ``load_plugins()`` runs it in every SGLang process before server args are built, then
-applies the hooks registered here. Most of those processes never load a conversion: the hooks that
-only a conversion's load, dump or recovery runs are registered by name, and their modules (which
-import the install driver) are imported at their first call (:data:`AT_FIRST_CALL`).
+SGLang's ``load_plugins()`` runs it in every SGLang process before server args are built; it wraps
+SGLang's functions as SGLang's ``HookRegistry`` would, at a fraction of its cost (:mod:`.hooks`). Most
+of those processes never load a conversion: the hooks that only a conversion's load, dump or recovery
+runs are named here, and their modules (which import the install driver) are imported at their first
+call (:data:`AT_FIRST_CALL`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from typing import Any, Callable
 
 from megamoe_convert.engines import hf_config
-from megamoe_convert.engines.sglang import loader, model_classes, private_hooks
+from megamoe_convert.engines.sglang import hooks, loader, model_classes, private_hooks
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ WEIGHT_CACHE = (
 )
 
 
+@functools.cache  # one hook per name: a second register finds it applied
 def at_first_call(module: str, name: str) -> Callable[..., Any]:
     """``megamoe_convert.engines.sglang.<module>.<name>``, its module imported when it is first called."""
     def hook(*args: Any, **kwargs: Any) -> Any:
@@ -45,15 +48,15 @@ def at_first_call(module: str, name: str) -> Callable[..., Any]:
 def register() -> None:
     """Every registration, in order; no-op without SGLang."""
     try:
-        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        import sglang.srt  # noqa: F401
     except ImportError:
         log.debug("megamoe: sglang not importable; nothing registered")
         return
-    loader.register()  # --load-format megamoe
-    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
-    model_classes.register()  # every other load format installs a conversion's experts, or refuses
     from importlib.util import find_spec
 
+    route = loader.register()  # --load-format megamoe
+    hf_config.register()  # transformers reads a conversion's config.json with its original model_type
     weight_cache = WEIGHT_CACHE if find_spec(private_hooks.IPC_LOADER_MODULE) is not None else ()
-    for target, module, name in AT_FIRST_CALL + weight_cache:
-        HookRegistry.register(target, at_first_call(module, name), HookType.AROUND)
+    # every other load format installs a conversion's experts, or refuses; the rest's modules at first call
+    hooks.around([route, *model_classes.HOOKS,
+                  *((target, at_first_call(module, name)) for target, module, name in AT_FIRST_CALL + weight_cache)])

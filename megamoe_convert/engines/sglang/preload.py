@@ -51,12 +51,10 @@ def prepare_daemon() -> None:
     """In a daemon (and the launcher): SGLang's plugins, as its own processes load them, and
     megamoe-convert's registration even where its entry point is not installed."""
     from sglang.srt.plugins import load_plugins
-    from sglang.srt.plugins.hook_registry import HookRegistry
 
     load_plugins()
     if not _entry_point_installed():  # load_plugins knew nothing of megamoe-convert: register it here
         plugin.register()
-        HookRegistry.apply_hooks()
 
 
 def _entry_point_installed() -> bool:

@@ -1,8 +1,9 @@
 """Every SGLang name megamoe-convert uses that is not SGLang's public extension API, in one place.
 
-SGLang's plugin API does most of the work: ``sglang.srt.plugins`` entry points, ``HookRegistry``
-hooks around its public functions (``get_config``, ``get_model_architecture``, the models'
-``load_weights``: :mod:`.model_classes`) and ``add_load_format_choices`` (:mod:`.loader`). What it cannot
+SGLang's plugin API does most of the work: ``sglang.srt.plugins`` entry points, ``AROUND`` hooks
+around its public functions (``get_config``, ``get_model_architecture``, the models'
+``load_weights``: :mod:`.model_classes`, applied as its ``HookRegistry`` applies them: :mod:`.hooks`)
+and ``add_load_format_choices`` (:mod:`.loader`). What it cannot
 do is make a new ``--load-format`` load: SGLang has no loader registry, so only these can, each
 checked against the supported release by ``tests/engines/test_sglang_private_hooks.py`` (and
 exercised by the load-format tests):
@@ -93,17 +94,16 @@ def default_loader_class(name: str, load_config: Callable[[Any], Any], weights: 
                                               "__doc__": f"``--load-format``'s {name}."})
 
 
-def route_load_format(name: str, loader_class: Callable[[], type]) -> None:
-    """``--load-format NAME`` loads with ``loader_class()`` (``AROUND`` hook of ``_verify_load_format``)."""
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
+def route_load_format(name: str, loader_class: Callable[[], type]) -> tuple[str, Callable[..., None]]:
+    """``--load-format NAME`` loads with ``loader_class()``: the ``AROUND`` hook of ``_verify_load_format``
+    and its target."""
     def as_loader_class(verify: Callable[[Any], None], config: Any) -> None:
         if isinstance(config.load_format, str) and config.load_format.lower() == name:
             config.load_format = loader_class()
             return
         verify(config)
 
-    HookRegistry.register(VERIFY_LOAD_FORMAT, as_loader_class, HookType.AROUND)
+    return VERIFY_LOAD_FORMAT, as_loader_class
 
 
 @contextmanager
