@@ -2,8 +2,8 @@
 they need.
 
 ``HookRegistry.apply_hooks`` re-points, for each target, every stale ``from X import name`` binding by
-walking every attribute of every module in ``sys.modules``: with torch and SGLang imported (some 5,000
-modules), about 30 ms a target, in every SGLang process that loads plugins. A method has no such
+walking every attribute of every module in ``sys.modules`` (thousands, once torch and SGLang are
+imported), once per target, in every SGLang process that loads plugins. A method has no such
 binding (it is reached through its class), so it is patched on its class alone; a module's function
 is re-pointed in SGLang's own modules (the only ones that import SGLang's functions by name), in one
 walk for all of them. The wrapper is the one ``HookRegistry`` builds (``functools.wraps``,
