@@ -291,7 +291,8 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
         loader = get_model_loader(config.load_config)  # megamoe's starts its staging here
         loader.enable_weights_track = False  # as for a quantized (FP8) checkpoint: no strict tracking
         marks["loader"] = time.perf_counter()
-        net = build(model_class(model_py, form), config, device)
+        with probe.while_building() if form == "megamoe" else contextlib.nullcontext():
+            net = build(model_class(model_py, form), config, device)
         _sync(device)
         marks["construct"] = time.perf_counter()
         experts_s = _load(loader, net, config, split, form, probe, fixed)

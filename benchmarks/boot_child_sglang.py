@@ -44,7 +44,7 @@ import sys
 import time
 import types
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from unittest import mock
 
 from boot_child import (
@@ -120,9 +120,9 @@ def topology(f: types.ModuleType, rank: int, ep_size: int, hf_config: Any, famil
 
 
 @contextlib.contextmanager
-def load_model_marks(marks: dict[str, float], device: Any) -> Iterator[None]:
+def load_model_marks(marks: dict[str, float], device: Any, built: Callable[[], Any] = lambda: None) -> Iterator[None]:
     """``DefaultModelLoader.load_model``'s parts marked where SGLang's own functions end: the model
-    built (``_initialize_model``), the weights loaded (``load_weights_only``)."""
+    built (``_initialize_model``; then ``built()``), the weights loaded (``load_weights_only``)."""
     from sglang.srt.model_loader import loader as loader_py
 
     def marking(fn: Any, mark: str) -> Any:
@@ -130,6 +130,8 @@ def load_model_marks(marks: dict[str, float], device: Any) -> Iterator[None]:
             out = fn(*args, **kwargs)
             _sync(device)
             marks[mark] = time.perf_counter()
+            if mark == "construct":
+                built()
             return out
         return run
 
@@ -244,10 +246,13 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
         marks["loader"] = time.perf_counter()
         real = loader._get_all_weights
         stack.enter_context(mock.patch.object(loader, "_get_all_weights", lambda mc, m: split.wrap(real(mc, m))))
-        stack.enter_context(load_model_marks(marks, device))
-        if form == "megamoe":
-            stack.enter_context(timed_install("megamoe_convert.engines.sglang.installing", fixed, took))
+        if form == "megamoe":  # the install's first call imports its module once the model is built
+            install = timed_install("megamoe_convert.engines.sglang.installing", fixed, took)
+            stack.enter_context(probe.while_building())
+            stack.enter_context(load_model_marks(marks, device, lambda: stack.enter_context(install)))
             stack.enter_context(probe.timing())
+        else:
+            stack.enter_context(load_model_marks(marks, device))
         net = loader.load_model(model_config=model_config, device_config=device_config())
         _sync(device)
         marks["post"] = time.perf_counter()

@@ -57,6 +57,15 @@ class ProbeTimer:
                 stack.enter_context(mock.patch.object(probe, name, _timed(getattr(probe, name), self.seconds, part)))
             yield
 
+    @contextlib.contextmanager
+    def while_building(self) -> Iterator[None]:
+        """The probe the model build starts (``early_probe``), its own time on its thread timed
+        (``probe_early_s``): enter before the model is built."""
+        from megamoe_convert.engines import early_probe
+
+        with mock.patch.object(early_probe, "_probe", _timed(early_probe._probe, self.seconds, "early")):
+            yield
+
     def report(self) -> dict[str, Any]:
         if not self.calls:
             return {}
@@ -66,5 +75,6 @@ class ProbeTimer:
 
         early = early_probe.started()  # the probe the model build started (the install's then found it passed)
         return {"probe_s": self.seconds.get("probe", 0.0), "probe_calls": self.calls,
+                **({"probe_early_s": self.seconds["early"]} if "early" in self.seconds else {}),
                 "probe_wait_s": self.waits.get("longest", 0.0), "probe_parts_s": parts,
                 "probe_while_building": early is not None and early.done() and early.exception() is None}

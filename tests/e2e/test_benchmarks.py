@@ -473,6 +473,7 @@ def test_bench_boot_smoke_in_sglang_0523(tmp_path):
         assert ours["tensors"]["rest"] == auto["tensors"]["rest"] > 0
         assert ours["plugin_import_s"] > 0 and ours["plugin_register_s"] > 0 and ours["probe_calls"] >= 1
         assert ours["phases"]["plugin"] >= ours["plugin_import_s"] and auto["phases"]["plugin"] < 0.01
+        assert ours["probe_while_building"] is True and ours["probe_early_s"] > 0  # SGLang's build ran the probe
     # SGLang's auto reads every expert tensor of the source, whatever the rank holds: two layers, twice one
     experts = {shape: rows[shape, "auto"]["ranks"][0]["tensors"]["experts"] for shape in ("slice-l2", "node-l1")}
     assert experts["slice-l2"] == 2 * experts["node-l1"]
@@ -513,6 +514,7 @@ def test_bench_boot_smoke_in_vllm_033(tmp_path):
     assert auto["tensors"]["experts"] > 0 and auto["tensors"]["rest"] > 0  # vLLM read both kinds
     assert ours["plugin_import_s"] > 0 and ours["probe_calls"] >= 1  # the tool's fixed costs, timed
     assert ours["probe_while_building"] is True  # vLLM's model build ran the probe: the install found it passed
+    assert ours["probe_early_s"] > 0  # and its own time on its thread is reported
     assert ours["rest_staged"] and not auto["rest_staged"] and ours["tensors"]["rest"] == auto["tensors"]["rest"]
     assert result["identical"] == {"node-l1 rank 0": True}  # every parameter's bytes, the experts' and the rest's
     sys.path.insert(0, str(BENCH))
