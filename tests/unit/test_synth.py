@@ -10,9 +10,9 @@ from conftest import run_cli
 from safetensors import safe_open
 
 from megamoe_convert.source.checkpoint import Checkpoint
+from megamoe_convert.source.formats import FP8_BLOCK
 from megamoe_convert.source.model_dims import check_dims
 from megamoe_convert.synth.presets import load_preset
-from megamoe_convert.source.formats import FP8_BLOCK
 from megamoe_convert.synth.write import checkpoint_tensors, synthesize
 
 

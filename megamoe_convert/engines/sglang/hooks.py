@@ -40,7 +40,7 @@ def wrap_around(original: Callable[..., Any], hook: Callable[..., Any]) -> Calla
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return hook(original, *args, **kwargs)
 
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original
     setattr(wrapper, HOOK_ATTR, hook)
     return wrapper
 
