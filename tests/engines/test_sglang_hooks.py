@@ -5,8 +5,12 @@ this SGLang lacks is logged, and a conversion whose model class its hook missed 
 
 from __future__ import annotations
 
+import ast
 import logging
+import os
 import pkgutil
+import subprocess
+import sys
 import types
 from unittest import mock
 
@@ -45,20 +49,48 @@ def test_a_second_registration_wraps_nothing_twice():
     plugin.register()
     for cls in (h.DeepseekV4ForCausalLM,):
         wrapped = cls.__dict__["load_weights"].__wrapped__
-        assert not hasattr(wrapped, hooks.HOOK_ATTR) and not hasattr(wrapped, "__wrapped__")
+        assert not hooks.hooked(wrapped, model_classes.load_weights_around) and not hasattr(wrapped, "__wrapped__")
     from sglang.srt.utils.hf_transformers import config
 
-    assert not hasattr(config.get_config.__wrapped__, hooks.HOOK_ATTR)
+    assert not hooks.hooked(config.get_config.__wrapped__, model_classes.config_around)
+    from sglang.srt.configs.load_config import LoadConfig
+
+    verify = LoadConfig.__dict__["_verify_load_format"]
+    assert not hasattr(verify.__wrapped__, "__wrapped__")  # the load format's route, wrapped once
 
 
 def test_a_target_this_sglang_lacks_is_logged_and_left(caplog, monkeypatch):
     monkeypatch.setattr(hooks, "MISSING", {})
     calls = []
+    plugins()
     with caplog.at_level(logging.WARNING, logger=hooks.__name__):
-        hooks.around([("sglang.srt.model_loader.loader.no_such_function", lambda *a: calls.append(a)),
-                      ("sglang.srt.no_such_module.f", lambda *a: calls.append(a))])
-    assert set(hooks.MISSING) == {"sglang.srt.model_loader.loader.no_such_function", "sglang.srt.no_such_module.f"}
+        hooks.around([("sglang.srt.model_loader.loader.no_such_function", lambda *a: calls.append(a))])
+    assert set(hooks.MISSING) == {"sglang.srt.model_loader.loader.no_such_function"}
     assert "no_such_function not found in this SGLang" in caplog.text and not calls
+
+
+#: A process that loads plugins before it imports SGLang's models (SGLang's launcher does, before it
+#: starts the schedulers): registering imports none of the hooks' modules; importing one hooks it.
+LAUNCHER = """
+import sys
+from megamoe_convert.engines.sglang import hooks, model_classes, plugin
+plugin.register()
+held = sorted(m for m in (hooks.module_of(t) for t, _ in model_classes.HOOKS) if m in sys.modules)
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+from sglang.srt.configs.model_config import get_config
+print("HELD", held)
+print("HOOKED", hooks.hooked(Qwen3MoeForCausalLM.load_weights, model_classes.load_weights_around),
+      hooks.hooked(get_config, model_classes.config_around))
+"""
+
+
+def test_registering_imports_no_model_module_and_an_import_hooks_it():
+    out = subprocess.run([sys.executable, "-c", h.TORCHVISION_STAND_IN + LAUNCHER], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("HELD", "HOOKED")))
+    assert not any(".models." in m for m in ast.literal_eval(lines["HELD"])), lines
+    assert lines["HOOKED"] == "True True", out.stdout
 
 
 def test_a_conversion_whose_model_class_lost_its_hook_is_refused(sglang_converted):
@@ -78,3 +110,22 @@ def test_a_conversion_whose_model_class_lost_its_hook_is_refused(sglang_converte
                                                "megamoe-convert hooks"):
             utils.get_model_architecture(config)
     assert utils.get_model_architecture(config)[0] is cls  # hooked again: served
+
+
+def test_a_conversion_is_refused_where_another_plugin_replaces_a_target_of_ours(sglang_converted, monkeypatch):
+    """SGLang applies another plugin's ``REPLACE`` around our hook: what it replaces, our install
+    included, never runs, and the copied attributes of the wrapper would not tell."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    plugins()
+    target = model_classes.LOAD_WEIGHTS[0]
+    monkeypatch.setitem(HookRegistry._hooks, target, [(HookType.REPLACE, lambda *a, **k: None, None)])
+    with pytest.raises(InstallError, match=f"another SGLang plugin replaces {target}, where megamoe-convert installs"):
+        parsed(sglang_converted)
+
+
+def test_a_conversion_is_refused_where_this_sglang_lacks_a_gate(sglang_converted, monkeypatch):
+    plugins()
+    monkeypatch.setitem(hooks.MISSING, model_classes.GATES[0], "AttributeError: moved")
+    with pytest.raises(InstallError, match=f"this SGLang has no {model_classes.GATES[0]}, which megamoe-convert hooks"):
+        parsed(sglang_converted)

@@ -1,37 +1,47 @@
 """``AROUND`` hooks on SGLang's names, applied as SGLang's ``HookRegistry`` applies them, at the cost
 they need.
 
-``HookRegistry.apply_hooks`` re-points, for each target, every stale ``from X import name`` binding by
-walking every attribute of every module in ``sys.modules`` (thousands, once torch and SGLang are
-imported), once per target, in every SGLang process that loads plugins. A method has no such
-binding (it is reached through its class), so it is patched on its class alone; a module's function
-is re-pointed in SGLang's own modules (the only ones that import SGLang's functions by name), in one
-walk for all of them. The wrapper is the one ``HookRegistry`` builds (``functools.wraps``,
-``__wrapped__``), so hooks other plugins register through ``HookRegistry`` wrap these as they would
-wrap ours.
+``HookRegistry.apply_hooks`` imports every target's module, and re-points, for each target, every
+stale ``from X import name`` binding by walking every attribute of every module in ``sys.modules``
+(thousands, once torch and SGLang are imported), in every SGLang process that loads plugins: the
+launcher's too, before it starts the schedulers. Here a target's module already imported is hooked at
+once; any other is hooked the moment it is imported (:class:`AfterImport`), so a process that never
+imports a model's module never pays for it. A method is patched on its class alone (it is reached
+through its class); a module's function is re-pointed in SGLang's own modules (the only ones that
+import SGLang's functions by name), in one walk for all the functions hooked together. The wrapper is
+the one ``HookRegistry`` builds (``functools.wraps``, ``__wrapped__``), so hooks other plugins register
+through ``HookRegistry`` wrap these as they would wrap ours.
 
-A target that does not resolve (another SGLang release) is logged and left: the hooks that see a
-conversion refuse it where their partner is missing (:func:`hooked`), as a bare SGLang refuses a
-conversion whose ``get_config`` hook is missing.
+A target that does not resolve (another SGLang release) is logged and left unhooked (:data:`MISSING`);
+``model_classes`` refuses a conversion where that leaves its experts uninstalled, or where another
+plugin replaces a target outright.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import logging
-import pkgutil
 import sys
+import threading
 import types
-from typing import Any, Callable, Iterable
+import weakref
+from typing import Any, Callable, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
-#: The attribute a wrapper carries: the hook it calls (so a second ``register`` wraps nothing twice).
-HOOK_ATTR = "__megamoe_hook__"
 #: Where SGLang's functions are bound by name.
 SGLANG_PREFIX = "sglang."
 #: Targets that did not resolve in this process, and why.
 MISSING: dict[str, str] = {}
+#: Every target given to :func:`around` in this process.
+TARGETS: set[str] = set()
+#: The wrappers made here, and the hook each calls (an outer wrapper copies a wrapper's attributes,
+#: so only identity says which is ours).
+_OURS: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = weakref.WeakKeyDictionary()
+
+Hook = tuple[str, Callable[..., Any]]
 
 
 def wrap_around(original: Callable[..., Any], hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -41,29 +51,61 @@ def wrap_around(original: Callable[..., Any], hook: Callable[..., Any]) -> Calla
         return hook(original, *args, **kwargs)
 
     wrapper.__wrapped__ = original
-    setattr(wrapper, HOOK_ATTR, hook)
+    _OURS[wrapper] = hook
     return wrapper
 
 
 def hooked(fn: Any, hook: Callable[..., Any]) -> bool:
-    """Whether ``fn`` (a function or method, as its owner gives it) is wrapped by ``hook``."""
-    return getattr(fn, HOOK_ATTR, None) is hook
+    """Whether ``fn`` (a function or method, as its owner gives it) is ``hook``'s wrapper, or wraps it
+    (another plugin's hook around ours: ``__wrapped__`` leads to it)."""
+    for _ in range(64):
+        fn = getattr(fn, "__func__", fn)
+        if fn is None:
+            return False
+        try:
+            if _OURS.get(fn) is hook:
+                return True
+        except TypeError:  # not weakly referable: no wrapper of ours
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
-def around(hooks: Iterable[tuple[str, Callable[..., Any]]]) -> None:
-    """Wrap each ``(target, hook)``'s target, a dotted ``module.function`` or ``module.Class.method``;
-    then re-point the functions' bindings in SGLang's modules in one walk."""
+def module_of(target: str) -> str:
+    """The module a dotted target lives in: ``pkg.mod.func`` -> ``pkg.mod``, ``pkg.mod.Class.method`` ->
+    ``pkg.mod`` (a capitalised second-to-last part names a class)."""
+    parts = target.split(".")
+    return ".".join(parts[:-2] if parts[-2][:1].isupper() else parts[:-1])
+
+
+def around(hooks: Iterable[Hook]) -> None:
+    """Wrap each ``(target, hook)``'s target, a dotted ``module.function`` or ``module.Class.method``:
+    now where its module is imported, else when it is."""
+    now: list[Hook] = []
+    for target, hook in hooks:
+        TARGETS.add(target)
+        if module_of(target) in sys.modules:
+            now.append((target, hook))
+        else:
+            AfterImport.install().add(module_of(target), (target, hook))
+    apply(now)
+
+
+def apply(hooks: Sequence[Hook]) -> None:
+    """Wrap each target of an imported module; then re-point the functions' bindings in one walk."""
     functions: dict[int, tuple[Any, Callable[..., Any]]] = {}
     for target, hook in hooks:
         try:
-            owner_path, name = target.rsplit(".", 1)
-            owner = pkgutil.resolve_name(owner_path)
+            owner = sys.modules[module_of(target)]
+            *path, name = target.removeprefix(owner.__name__ + ".").split(".")
+            for part in path:
+                owner = getattr(owner, part)
             raw = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
-        except (ImportError, AttributeError, ValueError) as e:
+        except Exception as e:  # this target left unhooked, every other one still hooked
             MISSING[target] = f"{type(e).__name__}: {e}"
-            log.warning("megamoe: %s not found in this SGLang (%s); a conversion it serves is refused", target, e)
+            log.warning("megamoe: %s not found in this SGLang (%s): left unhooked", target, e)
             continue
-        if hooked(raw, hook) or hooked(getattr(raw, "__func__", None), hook):
+        if hooked(raw, hook):
             continue  # applied already in this process
         if isinstance(raw, (staticmethod, classmethod)):
             setattr(owner, name, type(raw)(wrap_around(raw.__func__, hook)))
@@ -86,3 +128,48 @@ def repoint(functions: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
             found = functions.get(id(value))
             if found is not None and value is found[0]:
                 setattr(module, attr, found[1])
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """On ``sys.meta_path`` while some module's hooks wait for its import: that module's loader runs
+    it, then :func:`apply` hooks it, before whatever imported it binds a name from it."""
+
+    _instance: AfterImport | None = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Hook]] = {}
+
+    @classmethod
+    def install(cls) -> AfterImport:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            if cls._instance not in sys.meta_path:
+                sys.meta_path.insert(0, cls._instance)
+            return cls._instance
+
+    def add(self, module: str, hook: Hook) -> None:
+        with self._lock:
+            self.pending.setdefault(module, []).append(hook)
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.pending:
+            return None
+        spec = next((found for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")
+                     and (found := finder.find_spec(fullname, path, target)) is not None), None)
+        loader = getattr(spec, "loader", None)
+        if spec is None or loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            with self._lock:
+                hooks = self.pending.pop(fullname, [])
+                if not self.pending and self in sys.meta_path:
+                    sys.meta_path.remove(self)
+            apply(hooks)
+
+        loader.exec_module = exec_module  # this spec's own loader: the import it serves, and no other
+        return spec

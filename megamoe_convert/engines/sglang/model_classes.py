@@ -38,7 +38,7 @@ from megamoe_convert.engines.load_formats import (
     prepare_install,
     served_reference,
 )
-from megamoe_convert.engines.sglang import format_table, hooks
+from megamoe_convert.engines.sglang import format_table, hooks, private_hooks
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
 
@@ -87,11 +87,32 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
     section = marker.restore(config)
     if section is None:
         return config
+    if (why := unserved_hooks()) is not None:
+        raise InstallError(f"{model}: {why}")
     revision = _revision(args, kwargs)
     if (refusal := manifest_refusal(str(model), revision)) is not None:
         raise InstallError(f"{model}: {refusal}")
     section[PATH_KEY] = served_reference(str(model), revision)
     return config
+
+
+#: The hooks without which a conversion could be served with its experts uninstalled: the load
+#: formats' and the model classes' gates.
+GATES = (format_table.GET_MODEL_LOADER, GET_MODEL_ARCHITECTURE)
+
+
+def unserved_hooks() -> str | None:
+    """Why this process cannot serve a conversion: a gate left unhooked (this SGLang lacks it), or a
+    target of the plugin's that another plugin replaces outright; ``None`` where neither."""
+    missing = [target for target in GATES if target in hooks.MISSING]
+    if missing:
+        return (f"this SGLang has no {', '.join(missing)}, which megamoe-convert hooks to refuse what would load no "
+                "expert of a conversion; serve the source checkpoint, or an SGLang release megamoe-convert supports")
+    replaced = private_hooks.replaced_elsewhere(hooks.TARGETS)
+    if replaced:
+        return (f"another SGLang plugin replaces {', '.join(replaced)}, where megamoe-convert installs a conversion's "
+                "experts or refuses it; serve the source checkpoint, or disable that plugin (SGLANG_PLUGINS)")
+    return None
 
 
 def _revision(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -127,6 +148,8 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
     if isinstance(section, dict) and section.get("converted_by") == marker.TOOL:
         served = {target.rsplit(".", 2)[-2] for target in LOAD_WEIGHTS}
         where = section.get(PATH_KEY, "the converted directory")
+        if (why := unserved_hooks()) is not None:
+            raise InstallError(f"{where}: {why}")
         if not any(cls.__name__ in served for cls in model_cls.__mro__):
             raise InstallError(f"{where}: SGLang would build {arch}, which megamoe-convert cannot install experts "
                                f"into (it serves {', '.join(sorted(served))}); drop --model-impl transformers")

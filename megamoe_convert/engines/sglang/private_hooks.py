@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +71,7 @@ PRIVATE_NAMES = (
     "sglang.srt.weight_cache.daemon:WeightCacheDaemon.load",
     "sglang.srt.weight_cache.daemon:WeightCacheDaemon._handle_connection",
     "sglang.srt.weight_cache.daemon:run_weight_cache_daemon",
+    "sglang.srt.plugins.hook_registry:HookRegistry._hooks",
 )
 
 #: ``weights(model_config, model, own)``: the weights fed to ``load_weights``, given SGLang's own iterator ``own()``.
@@ -94,6 +95,16 @@ def default_loader_class(name: str, load_config: Callable[[Any], Any], weights: 
                                               "__doc__": f"``--load-format``'s {name}."})
 
 
+def replaced_elsewhere(targets: Iterable[str]) -> list[str]:
+    """Those of ``targets`` another plugin replaces outright through SGLang's ``HookRegistry``
+    (``HookType.REPLACE``, applied around our hook: what it replaces, our hook included, never runs)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    registered = HookRegistry._hooks
+    return sorted(t for t in targets if any(kind == HookType.REPLACE for kind, _, _ in registered.get(t, ())))
+
+
+@functools.cache  # one hook per name: a second registration finds it applied
 def route_load_format(name: str, loader_class: Callable[[], type]) -> tuple[str, Callable[..., None]]:
     """``--load-format NAME`` loads with ``loader_class()``: the ``AROUND`` hook of ``_verify_load_format``
     and its target."""
