@@ -131,8 +131,10 @@ def repoint(functions: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
 
 
 class AfterImport(importlib.abc.MetaPathFinder):
-    """On ``sys.meta_path`` while some module's hooks wait for its import: that module's loader runs
-    it, then :func:`apply` hooks it, before whatever imported it binds a name from it."""
+    """On ``sys.meta_path`` once a module's hooks wait for its import: that module's loader runs it,
+    then :func:`apply` hooks it, before whatever imported it binds a name from it. It stays there,
+    answering nothing once nothing waits (removing it could make another thread's import, iterating
+    ``sys.meta_path`` meanwhile, skip a finder)."""
 
     _instance: AfterImport | None = None
     _lock = threading.Lock()
@@ -156,7 +158,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self.pending:
             return None
-        spec = next((found for finder in sys.meta_path if finder is not self and hasattr(finder, "find_spec")
+        spec = next((found for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")
                      and (found := finder.find_spec(fullname, path, target)) is not None), None)
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
@@ -167,8 +169,6 @@ class AfterImport(importlib.abc.MetaPathFinder):
             run(module)
             with self._lock:
                 hooks = self.pending.pop(fullname, [])
-                if not self.pending and self in sys.meta_path:
-                    sys.meta_path.remove(self)
             apply(hooks)
 
         loader.exec_module = exec_module  # this spec's own loader: the import it serves, and no other
