@@ -6,6 +6,7 @@ logged and left. (In SGLang's real modules: tests/engines/test_sglang_hooks.py.)
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 
@@ -93,3 +94,14 @@ def test_a_target_its_module_lacks_is_logged_and_left(package, caplog, monkeypat
 @pytest.mark.parametrize("target,module", [("a.b.f", "a.b"), ("a.b.Cls.m", "a.b"), ("a.b.c.Cls.m", "a.b.c")])
 def test_a_target_s_module(target, module):
     assert hooks.module_of(target) == module
+
+
+def test_a_module_run_apart_from_the_import_system_leaves_the_hooks_waiting(package):
+    """``importlib.util.find_spec`` + ``exec_module`` by hand (a copy outside ``sys.modules``) is not the
+    import to hook: the hooks still wait for it."""
+    hooks.around(hooks_of(package))
+    spec = importlib.util.find_spec(f"{package}.target")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.add(1, 2) == 3 and f"{package}.target" in hooks.AfterImport.install().pending
+    assert importlib.import_module(f"{package}.target").add(1, 2) == 103

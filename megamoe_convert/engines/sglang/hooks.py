@@ -167,6 +167,8 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: types.ModuleType) -> None:
             run(module)
+            if sys.modules.get(fullname) is not module:  # run apart from the import system: not the one to hook
+                return
             with self._lock:
                 hooks = self.pending.pop(fullname, [])
             apply(hooks)
