@@ -126,6 +126,18 @@ def test_a_conversion_is_refused_where_another_plugin_replaces_a_target_of_ours(
 
 def test_a_conversion_is_refused_where_this_sglang_lacks_a_gate(sglang_converted, monkeypatch):
     plugins()
-    monkeypatch.setitem(hooks.MISSING, model_classes.GATES[0], "AttributeError: moved")
-    with pytest.raises(InstallError, match=f"this SGLang has no {model_classes.GATES[0]}, which megamoe-convert hooks"):
+    gate = next(iter(model_classes.GATES))
+    monkeypatch.setitem(hooks.MISSING, gate, "AttributeError: moved")
+    with pytest.raises(InstallError, match=f"megamoe-convert's hook of {gate} is not in place in this SGLang"):
+        parsed(sglang_converted)
+
+
+def test_a_conversion_is_refused_where_a_gate_is_not_in_place(sglang_converted, monkeypatch):
+    """A gate whose hook did not land (its module hooked while half-imported, say) though nothing
+    recorded it missing: the gate's function as it stands is checked."""
+    from sglang.srt.model_loader import loader
+
+    plugins()
+    monkeypatch.setattr(loader, "get_model_loader", loader.get_model_loader.__wrapped__)
+    with pytest.raises(InstallError, match="hook of sglang.srt.model_loader.loader.get_model_loader is not in place"):
         parsed(sglang_converted)

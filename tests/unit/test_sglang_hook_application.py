@@ -105,3 +105,31 @@ def test_a_module_run_apart_from_the_import_system_leaves_the_hooks_waiting(pack
     spec.loader.exec_module(copy)
     assert copy.add(1, 2) == 3 and f"{package}.target" in hooks.AfterImport.install().pending
     assert importlib.import_module(f"{package}.target").add(1, 2) == 103
+
+
+def test_another_finder_that_asks_the_others_finds_the_spec_without_a_loop(package, monkeypatch):
+    """A finder on ``sys.meta_path`` that, like ours, asks the others (ours included): ours answers
+    nothing while it is itself asking, so the two never call each other without end."""
+    class AsksTheOthers:
+        def find_spec(self, name, path, target=None):
+            return next((spec for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")
+                         and (spec := finder.find_spec(name, path, target)) is not None), None)
+
+    monkeypatch.setattr(sys, "meta_path", [AsksTheOthers(), *sys.meta_path])
+    hooks.around(hooks_of(package))
+    spec = importlib.util.find_spec(f"{package}.target")
+    assert getattr(spec.loader.exec_module, "_megamoe_after", None) is hooks.AfterImport.install()
+    assert importlib.import_module(f"{package}.user").add(1, 2) == 103
+
+
+def test_a_wrapper_that_cannot_be_weakly_referenced_still_leads_to_ours(package):
+    class Slotted:
+        __slots__ = ("__wrapped__",)
+
+        def __init__(self, wrapped):
+            self.__wrapped__ = wrapped
+
+    target = importlib.import_module(f"{package}.target")
+    hooks.around(hooks_of(package))
+    outer = Slotted(target.add)
+    assert hooks.hooked(outer, around_add)

@@ -65,10 +65,22 @@ def hooked(fn: Any, hook: Callable[..., Any]) -> bool:
         try:
             if _OURS.get(fn) is hook:
                 return True
-        except TypeError:  # not weakly referable: no wrapper of ours
-            return False
+        except TypeError:  # not weakly referable: no wrapper of ours, but it may wrap one
+            pass
         fn = getattr(fn, "__wrapped__", None)
     return False
+
+
+def in_place(target: str, hook: Callable[..., Any]) -> bool:
+    """Whether ``target`` is ``hook``'s wrapper in its module as it stands (a module not imported yet
+    is hooked when it is: in place too)."""
+    module = sys.modules.get(module_of(target))
+    if module is None:
+        return True
+    owner: Any = module
+    for part in target.removeprefix(module.__name__ + ".").split("."):
+        owner = getattr(owner, part, None)
+    return hooked(owner, hook)
 
 
 def module_of(target: str) -> str:
@@ -141,6 +153,7 @@ class AfterImport(importlib.abc.MetaPathFinder):
 
     def __init__(self) -> None:
         self.pending: dict[str, list[Hook]] = {}
+        self._finding = threading.local()  # the names this thread is finding (another finder may ask back)
 
     @classmethod
     def install(cls) -> AfterImport:
@@ -156,22 +169,35 @@ class AfterImport(importlib.abc.MetaPathFinder):
             self.pending.setdefault(module, []).append(hook)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in self.pending:
+        finding = self._finding.__dict__.setdefault("names", set())
+        if fullname not in self.pending or fullname in finding:
             return None
-        spec = next((found for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")
-                     and (found := finder.find_spec(fullname, path, target)) is not None), None)
+        finding.add(fullname)
+        try:
+            spec = next((found for finder in list(sys.meta_path) if finder is not self and hasattr(finder, "find_spec")
+                         and (found := finder.find_spec(fullname, path, target)) is not None), None)
+        finally:
+            finding.discard(fullname)
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
-        run = loader.exec_module
+        if getattr(loader.exec_module, "_megamoe_after", None) is not self:  # one wrapper a loader, shared or not
+            run = loader.exec_module
 
-        def exec_module(module: types.ModuleType) -> None:
-            run(module)
-            if sys.modules.get(fullname) is not module:  # run apart from the import system: not the one to hook
-                return
-            with self._lock:
-                hooks = self.pending.pop(fullname, [])
-            apply(hooks)
+            def exec_module(module: types.ModuleType) -> None:
+                run(module)
+                self.imported(module)
 
-        loader.exec_module = exec_module  # this spec's own loader: the import it serves, and no other
+            exec_module._megamoe_after = self  # type: ignore[attr-defined]
+            loader.exec_module = exec_module
         return spec
+
+    def imported(self, module: types.ModuleType) -> None:
+        """``module`` ran: its hooks applied, where the import system put it in ``sys.modules`` (a copy run
+        apart from it is not the one to hook)."""
+        name = getattr(module.__spec__, "name", None) or module.__name__
+        if sys.modules.get(name) is not module:
+            return
+        with self._lock:
+            hooks = self.pending.pop(name, [])
+        apply(hooks)

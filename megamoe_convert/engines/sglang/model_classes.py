@@ -96,18 +96,15 @@ def config_around(get_config: Callable[..., Any], model: Any, *args: Any, **kwar
     return config
 
 
-#: The hooks without which a conversion could be served with its experts uninstalled: the load
-#: formats' and the model classes' gates.
-GATES = (format_table.GET_MODEL_LOADER, GET_MODEL_ARCHITECTURE)
-
-
 def unserved_hooks() -> str | None:
-    """Why this process cannot serve a conversion: a gate left unhooked (this SGLang lacks it), or a
-    target of the plugin's that another plugin replaces outright; ``None`` where neither."""
-    missing = [target for target in GATES if target in hooks.MISSING]
+    """Why this process cannot serve a conversion: a gate left unhooked (this SGLang lacks it, or its
+    module was hooked half-imported), or a target of the plugin's that another plugin replaces
+    outright; ``None`` where neither."""
+    missing = [target for target, hook in GATES.items() if target in hooks.MISSING or not hooks.in_place(target, hook)]
     if missing:
-        return (f"this SGLang has no {', '.join(missing)}, which megamoe-convert hooks to refuse what would load no "
-                "expert of a conversion; serve the source checkpoint, or an SGLang release megamoe-convert supports")
+        return (f"megamoe-convert's hook of {', '.join(missing)} is not in place in this SGLang (the release lacks "
+                "it, or something replaced it), and that hook refuses what would load no expert of a conversion; "
+                "serve the source checkpoint, or an SGLang release megamoe-convert supports")
     replaced = private_hooks.replaced_elsewhere(hooks.TARGETS)
     if replaced:
         return (f"another SGLang plugin replaces {', '.join(replaced)}, where megamoe-convert installs a conversion's "
@@ -165,6 +162,10 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
     return model_cls, arch
 
 
+#: The hooks without which a conversion could be served with its experts uninstalled: the load
+#: formats' and the model classes' gates.
+GATES: dict[str, Callable[..., Any]] = {format_table.GET_MODEL_LOADER: format_table.loader_around,
+                                        GET_MODEL_ARCHITECTURE: architecture_around}
 #: The hooks (target, ``AROUND`` hook) the plugin applies (``hooks.around``); a load format that does
 #: not serve a conversion is refused first (``format_table``).
 HOOKS = ((GET_CONFIG, config_around), (GET_MODEL_ARCHITECTURE, architecture_around), *format_table.HOOKS,
