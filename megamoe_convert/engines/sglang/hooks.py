@@ -74,11 +74,11 @@ def hooked(fn: Any, hook: Callable[..., Any]) -> bool:
 def in_place(target: str, hook: Callable[..., Any]) -> bool:
     """Whether ``target`` is ``hook``'s wrapper in its module as it stands (a module not imported yet
     is hooked when it is: in place too)."""
-    module = sys.modules.get(module_of(target))
-    if module is None:
+    module, path = split_target(target)
+    owner: Any = sys.modules.get(module)
+    if owner is None:
         return True
-    owner: Any = module
-    for part in target.removeprefix(module.__name__ + ".").split("."):
+    for part in path:
         owner = getattr(owner, part, None)
     return hooked(owner, hook)
 
@@ -88,6 +88,12 @@ def module_of(target: str) -> str:
     ``pkg.mod`` (a capitalised second-to-last part names a class)."""
     parts = target.split(".")
     return ".".join(parts[:-2] if parts[-2][:1].isupper() else parts[:-1])
+
+
+def split_target(target: str) -> tuple[str, list[str]]:
+    """The target's module and the attributes that lead from it to the target (``["Class", "method"]``)."""
+    module = module_of(target)
+    return module, target[len(module) + 1:].split(".")
 
 
 def around(hooks: Iterable[Hook]) -> None:
@@ -108,8 +114,8 @@ def apply(hooks: Sequence[Hook]) -> None:
     functions: dict[int, tuple[Any, Callable[..., Any]]] = {}
     for target, hook in hooks:
         try:
-            owner = sys.modules[module_of(target)]
-            *path, name = target.removeprefix(owner.__name__ + ".").split(".")
+            module, (*path, name) = split_target(target)
+            owner = sys.modules[module]
             for part in path:
                 owner = getattr(owner, part)
             raw = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
