@@ -275,10 +275,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, port: int, start: 
         plugin.register()
         fixed["plugin_register_s"] = time.perf_counter() - t0
     marks["plugin"] = time.perf_counter()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=device)
+    device = cuda_device(torch.cuda.is_available())
     marks["cuda"] = time.perf_counter()
     config = engine_config(model, form)
     marks["config"] = time.perf_counter()
@@ -374,6 +371,18 @@ def _cuda_platform(device: Any) -> Iterator[None]:
 
     with cuda():
         yield
+
+
+def cuda_device(on_gpu: bool) -> Any:
+    """The rank's device: GPU 0 with its CUDA context made now (the ``cuda`` phase), else the CPU."""
+    import torch
+
+    if not on_gpu:
+        return torch.device("cpu")
+    torch.cuda.init()
+    device = torch.device("cuda", 0)
+    torch.empty(1, device=device)
+    return device
 
 
 def _sync(device: Any) -> None:

@@ -53,6 +53,7 @@ from boot_child import (
     _phases,
     _ring_report,
     _sync,
+    cuda_device,
     parameters_fingerprint,
     tensor_bytes,
     timed_install,
@@ -231,10 +232,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
     if form == "megamoe":
         load_plugins(fixed)
     marks["plugin"] = time.perf_counter()
-    device = torch.device("cuda", 0) if torch.cuda.device_count() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.init()
-        torch.empty(1, device=device)
+    device = cuda_device(torch.cuda.device_count() > 0)  # SGLang imported as on a machine without CUDA
     marks["cuda"] = time.perf_counter()
     model_config = ModelConfig(model_path=model)
     marks["config"] = time.perf_counter()
