@@ -302,8 +302,9 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
     every lane has stopped reading and its copies are done (no lane writes into a buffer, and no
     copy reads one, after the next load owns it), raising the first error. The lanes' shape is a
     warm or a cold load's (:func:`lane_shape`), as the load's ends are in the page cache or not.
-    ``before_writes``: each lane calls it before its first device copy (its reads go ahead), and
-    stops with what it raises."""
+    ``before_writes``: each lane calls it once it has read into every buffer it owns (its reads go
+    ahead while, say, the layout probe finishes), before its first device copy, and stops with what
+    it raises."""
     shape = ring.last_shape = lane_shape(len(ring.buffers), cold=not in_page_cache(queue.ends))
     events, streams = ring.tools_for(device, shape.parts)
     views, piece_bytes = ring.views(shape.parts), ring.nbytes // shape.parts
@@ -312,9 +313,29 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
     def lane(i: int) -> None:
         own, stream, turn, gate = views[i::lanes], streams[i], 0, before_writes
         owned_events = events[i::lanes]
+        held: list[tuple[Piece, torch.Tensor, torch.cuda.Event]] = []  # read while the gate is shut
         if getattr(_BOUND, "device", None) != device:
             copier.bind(device)
             _BOUND.device = device
+
+        def write(piece: Piece, staged: torch.Tensor, event: torch.cuda.Event) -> None:
+            copier.copy(piece.dest, staged, stream)
+            copier.record(event, stream)
+
+        def release() -> bool:
+            """Once the gate opens, every piece this lane holds written; False where the load failed
+            while it waited (it writes nothing)."""
+            nonlocal gate
+            if gate is not None:
+                gate()
+                gate = None
+            if queue.aborted:
+                return False
+            for kept in held:
+                write(*kept)
+            held.clear()
+            return True
+
         try:
             while (piece := queue.take(piece_bytes)) is not None:
                 buffer, event = own[turn % len(own)], owned_events[turn % len(own)]
@@ -322,13 +343,14 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
                 copier.wait(event)  # this buffer's last copy is done
                 staged = buffer[:piece.dest.numel()]
                 read_into(piece.fd, piece.file_offset, staged)
-                if gate is not None:  # this lane's first write: once the gate opens
-                    gate()
-                    gate = None
-                    if queue.aborted:  # the load failed while this lane waited: it writes nothing
-                        break
-                copier.copy(piece.dest, staged, stream)
-                copier.record(event, stream)
+                if gate is None:
+                    write(piece, staged, event)
+                    continue
+                held.append((piece, staged, event))
+                if len(held) == len(own) and not release():  # every buffer it owns read ahead first
+                    break
+            if held:  # the queue ran out while this lane read ahead
+                release()
         except BaseException:
             queue.abort()  # the other lanes stop at their next piece
             raise

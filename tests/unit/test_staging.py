@@ -141,7 +141,8 @@ class _Ring(staging.PinnedRing):
         return [_Event() for _ in self.views(parts)], self.streams
 
 
-def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None):
+def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None, before_writes=None,
+               copier=None):
     """``_lane_copy`` of ``spans`` with host destinations; the reads still running when it
     returned or raised are counted in the result's ``running``, the copies left queued in ``queued``."""
     import threading
@@ -165,7 +166,7 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
 
     monkeypatch.setattr(staging, "read_into", read_into)
     monkeypatch.setenv("MEGAMOE_READ_THREADS", "3")  # a cold load runs twice as many: 6
-    copier = _HostCopier()
+    copier = copier or _HostCopier()
     if fail_copy_at is not None:
         real_copy, copies = copier.copy, [0]
 
@@ -182,7 +183,7 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
         with ThreadPoolExecutor(4) as readers:
             try:
                 queue = WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests, strict=True)])
-                staging._lane_copy(queue, _Ring(7, 4096, 3), 0, readers, copier)
+                staging._lane_copy(queue, _Ring(7, 4096, 3), 0, readers, copier, before_writes)
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 outcome["error"] = e
             outcome["running"] = running[0]
@@ -199,6 +200,55 @@ def test_the_lanes_put_every_piece_where_it_belongs(tmp_path, monkeypatch):
     assert "error" not in outcome and outcome["queued"] == 0
     for dest, (offset, n) in zip(outcome["dests"], spans, strict=True):
         assert torch.equal(dest, data[offset:offset + n])
+
+
+def test_each_lane_reads_ahead_into_every_buffer_it_owns_before_its_first_write_waits_on_the_gate(
+        tmp_path, monkeypatch):
+    """The gate (an install's layout probe) holds back the writes, not the reads: each lane calls it
+    once it has read into every buffer it owns, and no byte lands before the first call returns."""
+    import collections
+    import threading
+
+    path, data = _file(tmp_path, 200_000)
+    reads_by_lane: collections.Counter[int] = collections.Counter()
+    real_read = staging.read_into
+
+    def counted(fd, offset, out, source=None):
+        reads_by_lane[threading.get_ident()] += 1
+        real_read(fd, offset, out, source)
+
+    monkeypatch.setattr(staging, "read_into", counted)
+    copier, at_gate, lock = _HostCopier(), [], threading.Lock()
+
+    def gate():
+        with lock:
+            at_gate.append((reads_by_lane[threading.get_ident()], sum(copier.queued.values())))
+
+    outcome = _lane_load(monkeypatch, path, [(0, 200_000)], before_writes=gate, copier=copier)
+    assert "error" not in outcome and torch.equal(outcome["dests"][0], data)
+    # _Ring(7, 4096, 3): the three lanes own 3, 2 and 2 of its buffers
+    assert sorted(reads for reads, _ in at_gate) == [2, 2, 3]
+    assert at_gate[0][1] == 0, "a byte was written before the gate first opened"
+
+
+def test_a_gate_that_raises_leaves_every_destination_unwritten_and_no_read_running(tmp_path, monkeypatch):
+    path, _ = _file(tmp_path, 100_000)
+
+    def refuse():
+        raise RuntimeError("the layout probe refused")
+
+    outcome = _lane_load(monkeypatch, path, [(0, 100_000)], read_delay=0.002, before_writes=refuse)
+    assert isinstance(outcome.get("error"), RuntimeError) and "layout probe" in str(outcome["error"])
+    assert not outcome["dests"][0].any(), "bytes landed though the gate refused"
+    assert outcome["running"] == 0 and outcome["queued"] == 0
+
+
+def test_a_load_smaller_than_the_ring_still_opens_the_gate_and_lands_every_byte(tmp_path, monkeypatch):
+    path, data = _file(tmp_path, 10_000)
+    calls = []
+    outcome = _lane_load(monkeypatch, path, [(0, 5_000), (6_000, 100)], before_writes=lambda: calls.append(1))
+    assert "error" not in outcome and calls
+    assert torch.equal(outcome["dests"][0], data[:5_000]) and torch.equal(outcome["dests"][1], data[6_000:6_100])
 
 
 def test_a_failed_read_ends_every_read_in_flight_before_it_is_raised(tmp_path, monkeypatch):
