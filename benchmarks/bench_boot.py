@@ -192,8 +192,8 @@ def measure(info: dict[str, Any], form: str, cache: str, rnd: int, args: argpars
     logs = [args.work / "logs" / f"{info['name']}-{form}-{cache}-r{rnd}-{rank}.err" for rank in range(args.n)]
     port = 29500 + 97 * (args.calls % 50)
     args.calls += 1
-    procs = [child(form, model, rank, info["ep_size"], args.n, rank if args.gpus else None, args.threads, log,
-                   port + rank, args.engine) for rank, log in enumerate(logs)]
+    procs = [child(form, model, rank, info["ep_size"], args.n, rank % args.gpus if args.gpus else None,
+                   args.threads, log, port + rank, args.engine) for rank, log in enumerate(logs)]
     try:
         reports = [report_of(p, log, args.timeout) for p, log in zip(procs, logs, strict=True)]
     except RuntimeError as e:
@@ -253,7 +253,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, default=Path("/tmp/megamoe-boot"))
     p.add_argument("--save", type=Path)
-    p.add_argument("--n", type=int, default=0, help="rank processes (default: one per GPU)")
+    p.add_argument("--n", type=int, default=0, help="rank processes (default: one per GPU; more share the GPUs "
+                                                   "in turn: a node of more GPUs, as its disk and page cache see it)")
     p.add_argument("--engine", choices=sorted(PRESETS), default="vllm",
                    help="vllm: vLLM 0.33's DeepSeek-V4; sglang: SGLang 0.5.23's Qwen3-MoE (FP8, Hopper's MegaMoE)")
     p.add_argument("--preset", help="the synth preset of its dims (default: the engine's)")

@@ -175,8 +175,11 @@ def slopes(run: dict[str, Any], got: dict) -> str:
 
 
 def node_kind(run: dict[str, Any]) -> str:
-    """The node a run measured (``4 x H200, 64 CPUs``): runs on the same kind pool their node shapes."""
-    return f"{gpus_of(run)}, {run['machine']['cpus']} CPUs"
+    """The node a run measured (``4 x H200, 64 CPUs``; ``8 rank processes on 4 x H100, 64 CPUs`` where
+    ranks share the GPUs): runs on the same kind pool their node shapes."""
+    m = run["machine"]
+    shared = f"{m['rank_processes']} rank processes on " if m["rank_processes"] > max(1, len(m["gpus"])) else ""
+    return f"{shared}{gpus_of(run)}, {m['cpus']} CPUs"
 
 
 def pooled(found: list[tuple[str, dict[str, Any]]], cache: str) -> dict[str, tuple[list[str], dict]]:
