@@ -139,10 +139,14 @@ def repoint(functions: dict[int, tuple[Any, Callable[..., Any]]]) -> None:
     """Every SGLang module's binding of an original function (``id`` -> (original, wrapper)) made the wrapper."""
     if not functions:
         return
+    wanted = functions.keys()
     for module_name, module in list(sys.modules.items()):
         if not module_name.startswith(SGLANG_PREFIX) or not isinstance(module, types.ModuleType):
             continue
-        for attr, value in list(vars(module).items()):
+        bindings = vars(module)
+        if wanted.isdisjoint(map(id, list(bindings.values()))):  # most modules: one pass in C
+            continue
+        for attr, value in list(bindings.items()):
             found = functions.get(id(value))
             if found is not None and value is found[0]:
                 setattr(module, attr, found[1])
