@@ -84,23 +84,29 @@ def entry_point_installed() -> bool:
     return any(ep.value == ENTRY_POINT for ep in entry_points(group="sglang.srt.plugins"))
 
 
-def load_plugins(fixed: dict[str, float]) -> None:
-    """The plugin as SGLang's processes load it: its import, then SGLang's ``load_plugins`` (its
-    ``register``, the hooks applied); where the entry point is not installed (a tree unpacked
-    beside SGLang), ``register`` and the hooks' application are called as ``load_plugins`` would."""
+def load_plugins(fixed: dict[str, float], form: str) -> None:
+    """SGLang's ``load_plugins``, which every SGLang process runs (its scan of the entry points). Under
+    ``megamoe`` the plugin as SGLang's processes load it: its import, then ``load_plugins`` (its
+    ``register``, the hooks applied; where the entry point is not installed, a tree unpacked beside
+    SGLang, ``register`` and the hooks' application are called as ``load_plugins`` would), timed as
+    ``plugin_register_s``. Under ``auto`` the same call with this plugin left out, as on a machine
+    without it, timed as ``engine_plugins_s``: what the report takes from ``megamoe``'s."""
     installed = entry_point_installed()
-    t0 = time.perf_counter()
-    from megamoe_convert.engines.sglang import plugin
-    fixed["plugin_import_s"] = time.perf_counter() - t0
+    if form == "megamoe":
+        t0 = time.perf_counter()
+        from megamoe_convert.engines.sglang import plugin
+        fixed["plugin_import_s"] = time.perf_counter() - t0
+    elif installed:
+        os.environ["SGLANG_PLUGINS"] = "-"  # a name no plugin has: SGLang scans and loads none
     t0 = time.perf_counter()
     from sglang.srt.plugins import load_plugins as sglang_load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     sglang_load_plugins()
-    if not installed:
+    if form == "megamoe" and not installed:
         plugin.register()
         HookRegistry.apply_hooks()
-    fixed["plugin_register_s"] = time.perf_counter() - t0
+    fixed["plugin_register_s" if form == "megamoe" else "engine_plugins_s"] = time.perf_counter() - t0
 
 
 @contextlib.contextmanager
@@ -229,8 +235,7 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
 
     marks["imports"] = time.perf_counter()
     fixed: dict[str, float] = {}
-    if form == "megamoe":
-        load_plugins(fixed)
+    load_plugins(fixed, form)
     marks["plugin"] = time.perf_counter()
     device = cuda_device(torch.cuda.device_count() > 0)  # SGLang imported as on a machine without CUDA
     marks["cuda"] = time.perf_counter()

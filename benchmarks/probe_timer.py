@@ -60,10 +60,21 @@ class ProbeTimer:
     @contextlib.contextmanager
     def while_building(self) -> Iterator[None]:
         """The probe the model build starts (``early_probe``), its own time on its thread timed
-        (``probe_early_s``): enter before the model is built."""
+        (``probe_early_s``): enter before the model is built. What its steps took is its own, not the
+        install's probe (``probe_s``), where :meth:`timing` is entered before it runs too."""
         from megamoe_convert.engines import early_probe
 
-        with mock.patch.object(early_probe, "_probe", _timed(early_probe._probe, self.seconds, "early")):
+        real = early_probe._probe
+
+        def early(*args: Any, **kwargs: Any) -> Any:
+            before, t0 = dict(self.seconds), time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.seconds.update({key: before.get(key, 0.0) for key in self.seconds})
+                self.seconds["early"] = self.seconds.get("early", 0.0) + time.perf_counter() - t0
+
+        with mock.patch.object(early_probe, "_probe", early):
             yield
 
     def report(self) -> dict[str, Any]:

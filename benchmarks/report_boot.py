@@ -39,7 +39,9 @@ def engine_of(run: dict[str, Any]) -> Engine:
 
 def phases(engine: Engine) -> tuple[tuple[str, str], ...]:
     """:data:`PHASES`, their labels naming ``engine``."""
-    names = {"imports": f"Python + {engine.name} imports", "post": engine.post}
+    names = {"imports": f"Python + {engine.name} imports", "post": engine.post,
+             **({"plugin": "SGLang's load_plugins (megamoe: with the plugin's import and register)"}
+                if engine.name == "SGLang" else {})}
     return tuple((key, names.get(key, label)) for key, label in PHASES)
 
 
@@ -266,6 +268,7 @@ def fixed_costs(got: dict, shape: str, cache: str) -> list[dict[str, float]]:
     out = []
     for rank in sorted({r["rank"] for row in ours for r in row["ranks"]}):
         cost = {key: rank_median(ours, rank, key) for key, _ in FIXED_FIELDS}
+        cost["plugin_register_s"] -= rank_median(auto, rank, "engine_plugins_s")  # the engine's own, auto's too
         if not reported(ours, "probe_wait_s"):
             cost["probe_wait_s"] = rank_median(ours, rank, "probe_s")
         cost.update({key: rank_median(ours, rank, key) - rank_median(auto, rank, key) for key, _ in FIXED_DELTAS})
@@ -297,7 +300,8 @@ def fixed_table(got: dict, shapes: list[str]) -> str:
     if not rows:
         return ""
     return ("What the plugin adds to a rank process's critical path beyond the bytes it moves (`megamoe` against "
-            "`auto`, ms, the rank with the largest total): its import, `register`, what the first call imports, how "
+            "`auto`, ms, the rank with the largest total): its import, `register` (less the engine's own plugin "
+            "loading where `auto` timed it: SGLang's `load_plugins` runs in every process), what the first call imports, how "
             "long the load waited for the layout probe (the probe runs on its own thread: beside the first reads, "
             "or while the model builds where the last column says so; a run that did not time the wait counts "
             "the probe whole) and the loader's making. Beside the total, not "

@@ -472,8 +472,11 @@ def test_bench_boot_smoke_in_sglang_0523(tmp_path):
         assert auto["tensors"]["experts"] > 0 and ours["tensors"]["experts"] == 0  # the experts installed, not read
         assert ours["tensors"]["rest"] == auto["tensors"]["rest"] > 0
         assert ours["plugin_import_s"] > 0 and ours["plugin_register_s"] > 0 and ours["probe_calls"] >= 1
-        assert ours["phases"]["plugin"] >= ours["plugin_import_s"] and auto["phases"]["plugin"] < 0.01
+        assert ours["phases"]["plugin"] >= ours["plugin_import_s"]
+        # SGLang's own load_plugins runs in every process: auto's is timed, the plugin left out
+        assert "plugin_import_s" not in auto and auto["phases"]["plugin"] >= auto["engine_plugins_s"] > 0
         assert ours["probe_while_building"] is True and ours["probe_early_s"] > 0  # SGLang's build ran the probe
+        assert ours["probe_s"] < ours["probe_early_s"]  # the install found it passed: its time is the build's
     # SGLang's auto reads every expert tensor of the source, whatever the rank holds: two layers, twice one
     experts = {shape: rows[shape, "auto"]["ranks"][0]["tensors"]["experts"] for shape in ("slice-l2", "node-l1")}
     assert experts["slice-l2"] == 2 * experts["node-l1"]
