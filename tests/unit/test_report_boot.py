@@ -15,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import report_boot  # noqa: E402
+import report_fixed  # noqa: E402
 
 PHASES = ("imports", "plugin", "cuda", "config", "process_group", "loader", "construct", "weights", "post")
 #: Node seconds by (shape, form, round): not on one line, so the fit has residuals to get right.
@@ -115,7 +116,7 @@ def test_no_slope_from_fewer_than_three_layer_counts(run):
 def test_the_plugins_cost_on_a_rank_process_critical_path(run):
     """The total is the plugin's own steps, the load's wait for the probe and the loader's making over
     ``auto``'s; the probe's own time and the model build over ``auto``'s stand beside it, not in it."""
-    costs = {c["rank"]: c for c in report_boot.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
+    costs = {c["rank"]: c for c in report_fixed.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
     for r in (0, 1):
         own = sum(statistics.median(v) for k, v in FIXED[r].items() if k != "probe_s")
         waited = statistics.median(WAIT_S[r])
@@ -140,9 +141,30 @@ def test_a_run_that_did_not_time_the_wait_counts_the_probe_whole(run):
     for row in run["rows"]:
         for r in row["ranks"]:
             r.pop("probe_wait_s", None)
-    costs = {c["rank"]: c for c in report_boot.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
+    costs = {c["rank"]: c for c in report_fixed.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
     for r in (0, 1):
         assert costs[r]["probe_wait_s"] == pytest.approx(statistics.median(FIXED[r]["probe_s"]))
+
+
+def test_the_engines_own_plugin_loading_timed_under_auto_is_not_the_plugins_cost(run):
+    """SGLang runs its load_plugins in every process: where ``auto`` timed it, ``register`` is less it."""
+    own = {0: 0.0006, 1: 0.0004}
+    for row in run["rows"]:
+        if row["form"] == "auto":
+            for r in row["ranks"]:
+                r["engine_plugins_s"] = own[r["rank"]]
+    costs = {c["rank"]: c for c in report_fixed.fixed_costs(report_boot.cells(run), "node-l4", "warm")}
+    for r in (0, 1):
+        register = statistics.median(FIXED[r]["plugin_register_s"])
+        assert costs[r]["plugin_register_s"] == pytest.approx(register - own[r])
+
+
+def test_a_node_of_more_rank_processes_than_gpus_is_a_node_kind_of_its_own(run):
+    four = {**run, "machine": {**run["machine"], "gpus": ["NVIDIA H100 80GB HBM3"] * 4, "rank_processes": 4}}
+    eight = {**four, "machine": {**four["machine"], "rank_processes": 8}}
+    assert report_boot.node_kind(four) == f"4 x H100, {four['machine']['cpus']} CPUs"
+    assert report_boot.node_kind(eight) == f"8 rank processes on 4 x H100, {four['machine']['cpus']} CPUs"
+    assert len(report_boot.pooled([("boot-4", four), ("boot-8", eight)], "warm")) == 2
 
 
 def test_the_whole_model_estimate_pools_a_node_kinds_runs(run):
