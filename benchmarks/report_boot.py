@@ -175,12 +175,17 @@ def slopes(run: dict[str, Any], got: dict) -> str:
                    f"slice of {whole_layers} layers, s (measured)"], rows))
 
 
-def node_kind(run: dict[str, Any]) -> str:
-    """The node a run measured (``4 x H200, 64 CPUs``; ``8 rank processes on 4 x H100, 64 CPUs`` where
-    ranks share the GPUs): runs on the same kind pool their node shapes."""
+def node_of(run: dict[str, Any]) -> str:
+    """The node's GPUs (``4 x H200``), and its rank processes where they share them (``8 rank processes
+    on 4 x H100``: a node of more GPUs as its disk and page cache see it)."""
     m = run["machine"]
     shared = f"{m['rank_processes']} rank processes on " if 0 < len(m["gpus"]) < m["rank_processes"] else ""
-    return f"{shared}{gpus_of(run)}, {m['cpus']} CPUs"
+    return f"{shared}{gpus_of(run)}"
+
+
+def node_kind(run: dict[str, Any]) -> str:
+    """The node a run measured (``4 x H200, 64 CPUs``): runs on the same kind pool their node shapes."""
+    return f"{node_of(run)}, {run['machine']['cpus']} CPUs"
 
 
 def pooled(found: list[tuple[str, dict[str, Any]]], cache: str) -> dict[str, tuple[list[str], dict]]:
@@ -294,6 +299,9 @@ def section_of(name: str, run: dict[str, Any]) -> str:
     parts += [text for text in (rest_table(got, names, engine), fixed_table(got, names), slopes(run, got)) if text]
     if run.get("skipped"):
         parts.append("Not run (the run's time budget): " + "; ".join(run["skipped"]) + ".")
+    if run.get("invocations"):
+        parts.append("Made of several invocations on the same machine: " + "; ".join(run["invocations"]) + ".")
+    parts += [run["note"]] if run.get("note") else []
     every = any("rest_fingerprint" in r for row in run["rows"] for r in row.get("ranks", []))
     parts.append(f"Identical {'bytes of every parameter' if every else 'kernel bytes'} across forms: " +
                  ", ".join(f"{k}: {v}" for k, v in run["identical"].items()))

@@ -126,14 +126,16 @@ def engine_start(found: list[tuple[str, dict[str, Any]]], engine: report_boot.En
                 experts = report_boot.slowest(auto, "weights_experts_s")
                 imports = report_boot.slowest(auto, "imports")
                 mine = report_boot.node_s(ours) if ours else None
-                rows.append([report_boot.gpus_of(run), f"{report_boot.shape_label(run, info)}, {info['layers']} MoE layers",
+                rows.append([report_boot.node_of(run), f"{report_boot.shape_label(run, info)}, {info['layers']} MoE layers",
                              cache, f"{mine:.1f}" if mine is not None else "not run", f"{base:.1f}",
                              f"{base - mine:.1f} s ({(base - mine) / base:.0%})" if mine is not None else "-",
                              f"{experts:.1f} s ({experts / base:.0%})", f"{imports:.1f} s ({imports / base:.0%})",
                              f"`{name}`"])
     if not rows:
         return ""
-    return ("Process start to a loaded model, every rank process of the node at once, one per GPU, through "
+    return ("Process start to a loaded model, every rank process of the node at once, one per GPU (where the "
+            "node names more rank processes than GPUs, they share the GPUs in turn: a node of that many GPUs as its "
+            "disk and page cache see it), through "
             f"{engine.label}'s real `{engine.model}` ({engine.dims} at the layers named), `--load-format megamoe` "
             f"against {engine.label}'s own `auto` in the same run (`bench_boot.py`; the slowest rank, medians over "
             "the rounds):\n\n" + table(["node", "shape", "cache", "`megamoe` s", f"{engine.label} `auto` s",
