@@ -349,7 +349,7 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
                 held.append((piece, staged, event))
                 if len(held) == len(own) and not release():  # every buffer it owns read ahead first
                     break
-            if held:  # the queue ran out while this lane read ahead
+            if held and not queue.aborted:  # the queue ran out while this lane read ahead
                 release()
         except BaseException:
             queue.abort()  # the other lanes stop at their next piece
