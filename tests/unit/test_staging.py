@@ -222,13 +222,16 @@ def test_each_lane_reads_ahead_into_every_buffer_it_owns_before_its_first_write_
 
     def gate():
         with lock:
-            at_gate.append((reads_by_lane[threading.get_ident()], sum(copier.queued.values())))
+            at_gate.append((reads_by_lane[threading.get_ident()], sum(reads_by_lane.values()),
+                            sum(copier.queued.values())))
 
     outcome = _lane_load(monkeypatch, path, [(0, 200_000)], before_writes=gate, copier=copier)
     assert "error" not in outcome and torch.equal(outcome["dests"][0], data)
-    # _Ring(7, 4096, 3): the three lanes own 3, 2 and 2 of its buffers
-    assert sorted(reads for reads, _ in at_gate) == [2, 2, 3]
-    assert at_gate[0][1] == 0, "a byte was written before the gate first opened"
+    pieces = -(-200_000 // 4096)
+    # _Ring(7, 4096, 3): the lanes own 3, 2 and 2 of its buffers; a lane calls the gate once they are
+    # full, or once the queue ran out (a lane the others left no piece to never calls it)
+    assert at_gate and all(mine in (2, 3) or total == pieces for mine, total, _ in at_gate), at_gate
+    assert at_gate[0][2] == 0, "a byte was written before the gate first opened"
 
 
 def test_a_gate_that_raises_leaves_every_destination_unwritten_and_no_read_running(tmp_path, monkeypatch):
