@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import time
 from typing import Any, Callable, Iterator
 from unittest import mock
@@ -36,9 +37,31 @@ class ProbeTimer:
         self.seconds: dict[str, float] = {}
         self.calls = 0
         self.waits: dict[str, float] = {}
+        #: Per thread: inside the install's probe (its steps count), inside the early probe (nothing does).
+        self._inside = threading.local()
+
+    def _within(self, fn: Any, key: str, where: str, sets: str = "") -> Any:
+        """``fn``, its seconds summed into ``seconds[key]`` where this thread is inside ``where`` (``""``:
+        anywhere) and not inside the early probe; ``sets``: what a call of it is inside."""
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            inside = self._inside
+            counted = (not where or getattr(inside, where, False)) and not getattr(inside, "early", False)
+            if sets:
+                setattr(inside, sets, True)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if sets:
+                    setattr(inside, sets, False)
+                if counted:
+                    self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+        return timed
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[None]:
+        """The install's probe (``probe_s``) and its steps, timed only within it: the steps a thread of
+        the model build ran ahead (``probe.prepare``) and the early probe's are not the install's."""
         from megamoe_convert.engines import driver
 
         probe, start = driver.layout_probe, driver.layout_probe.in_background
@@ -51,29 +74,19 @@ class ProbeTimer:
 
         with contextlib.ExitStack() as stack:
             stack.enter_context(mock.patch.object(driver, "probe_layouts",
-                                                  _timed(driver.probe_layouts, self.seconds, "probe")))
+                                                  self._within(driver.probe_layouts, "probe", "", sets="probe")))
             stack.enter_context(mock.patch.object(probe, "in_background", started))
             for name, part in PROBE_STEPS.items():
-                stack.enter_context(mock.patch.object(probe, name, _timed(getattr(probe, name), self.seconds, part)))
+                stack.enter_context(mock.patch.object(probe, name, self._within(getattr(probe, name), part, "probe")))
             yield
 
     @contextlib.contextmanager
     def while_building(self) -> Iterator[None]:
         """The probe the model build starts (``early_probe``), its own time on its thread timed
-        (``probe_early_s``): enter before the model is built. What its steps took is its own, not the
-        install's probe (``probe_s``), where :meth:`timing` is entered before it runs too."""
+        (``probe_early_s``): enter before the model is built."""
         from megamoe_convert.engines import early_probe
 
-        real = early_probe._probe
-
-        def early(*args: Any, **kwargs: Any) -> Any:
-            before, t0 = dict(self.seconds), time.perf_counter()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.seconds.update({key: before.get(key, 0.0) for key in self.seconds})
-                self.seconds["early"] = self.seconds.get("early", 0.0) + time.perf_counter() - t0
-
+        early = self._within(early_probe._probe, "early", "", sets="early")
         with mock.patch.object(early_probe, "_probe", early):
             yield
 
