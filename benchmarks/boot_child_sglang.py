@@ -97,7 +97,7 @@ def load_plugins(fixed: dict[str, float], form: str) -> None:
         from megamoe_convert.engines.sglang import plugin
         fixed["plugin_import_s"] = time.perf_counter() - t0
     elif installed:
-        os.environ["SGLANG_PLUGINS"] = "-"  # a name no plugin has: SGLang scans and loads none
+        os.environ["SGLANG_PLUGINS"] = "-"  # a name no plugin has: SGLang scans and loads none (nor another's)
     t0 = time.perf_counter()
     from sglang.srt.plugins import load_plugins as sglang_load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
