@@ -323,8 +323,7 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
             copier.record(event, stream)
 
         def release() -> bool:
-            """Once the gate opens, every piece this lane holds written; False where the load failed
-            while it waited (it writes nothing)."""
+            """Once the gate opens, what this lane holds written; False: the load failed meanwhile."""
             nonlocal gate
             if gate is not None:
                 gate()

@@ -40,6 +40,7 @@ def test_every_script_has_a_test():
               "report_node.py",
               "node_forms_sglang.py", "report_node_sglang.py",  # bench_node --engine sglang --quick: below
               "bench_boot.py", "boot_child.py", "device_boot.sh", "report_boot.py",
+              "report_fixed.py",  # tests/unit/test_report_boot.py, and make_report below
               "boot_child_sglang.py",  # bench_boot --engine sglang --smoke: below
               "probe_timer.py",  # through bench_boot and bench_node's rank processes, below
               "bench_recovery.py", "report_recovery.py", "device_recovery.sh",
