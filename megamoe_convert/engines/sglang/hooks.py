@@ -179,8 +179,10 @@ class AfterImport(importlib.abc.MetaPathFinder):
             self.pending.setdefault(module, []).append(hook)
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self.pending:  # every import of the process asks: answered at once
+            return None
         finding = self._finding.__dict__.setdefault("names", set())
-        if fullname not in self.pending or fullname in finding:
+        if fullname in finding:
             return None
         finding.add(fullname)
         try:
