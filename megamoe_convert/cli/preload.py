@@ -61,7 +61,7 @@ def chosen_engine(model: str, engine: str | None) -> str:
     serves its family; an ``--engine`` other than the conversion's placement is refused."""
     from megamoe_convert.errors import PreloadError
     from megamoe_convert.hub.resolve import open_converted
-    from megamoe_convert.output.manifest import ANY_ENGINE
+    from megamoe_convert.output.naming import ANY_ENGINE
     from megamoe_convert.source import engines_table
 
     if engine is not None and engine not in engines_table.ENGINE_NAMES:

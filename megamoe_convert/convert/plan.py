@@ -22,8 +22,8 @@ from megamoe_convert.layout.placement import (
     layer_placement_problem,
 )
 from megamoe_convert.layout.serving import serving_refusal
-from megamoe_convert.output.manifest import ANY_ENGINE, FORMAT_VERSION, Manifest
-from megamoe_convert.output.naming import format_ranges
+from megamoe_convert.output.manifest import FORMAT_VERSION, Manifest
+from megamoe_convert.output.naming import ANY_ENGINE, format_ranges
 from megamoe_convert.output.shards import LAYOUT_VERSION
 from megamoe_convert.output.stamps import stamp_files
 from megamoe_convert.output.writer import FileRecord

@@ -30,6 +30,7 @@ from megamoe_convert.layout.placement import (
 )
 from megamoe_convert.output import marker
 from megamoe_convert.output.naming import (
+    ANY_ENGINE,
     MANIFEST_NAME,
     PART_GLOB,
     STATE_DIR,
@@ -49,8 +50,6 @@ FORMAT_NAME = "megamoe-convert"
 #: Version of this directory format (file names, manifest fields, the manifest's own checksum
 #: ``manifest_checksum``: :mod:`seal`); a manifest of any other version is refused.
 FORMAT_VERSION = 2
-#: A store's ``engine``: it holds no engine's placement; the engine's own one is read at install.
-ANY_ENGINE = "any"
 #: :attr:`Manifest.layout` of a manifest this code makes: the layout identity of what it writes is
 #: recorded when the manifest is written (:meth:`Manifest.layout_record`).
 ON_WRITE: Any = object()

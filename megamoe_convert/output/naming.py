@@ -14,6 +14,9 @@ from pathlib import Path
 from megamoe_convert.source.layers import MoELayer
 
 MANIFEST_NAME = "manifest.json"
+#: A store's ``engine`` in its manifest: it holds no engine's placement; the engine's own one is
+#: read at install. Here, not in the manifest's module, so an engine's config hook reads it cheaply.
+ANY_ENGINE = "any"
 #: Hidden folder for conversion state (locks, journal, plan); never read by loaders.
 STATE_DIR = ".megamoe"
 #: The store's folder (``convert`` without ``--ep-size``): one file per MoE layer holding its

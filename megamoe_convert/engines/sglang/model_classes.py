@@ -41,6 +41,7 @@ from megamoe_convert.engines.load_formats import (
 from megamoe_convert.engines.sglang import format_table, hooks, private_hooks
 from megamoe_convert.errors import InstallError
 from megamoe_convert.output import marker
+from megamoe_convert.output.naming import ANY_ENGINE
 
 #: SGLang's config reader (``ModelConfig`` and the tokenizer manager import it by name; ``hooks.around``
 #: re-points those bindings).
@@ -68,8 +69,7 @@ def manifest_refusal(path: str, revision: str | None = None) -> str | None:
     data = conversion_manifest(path, revision)
     if data is None:
         return None
-    from megamoe_convert.output.manifest import ANY_ENGINE  # a conversion's: at first use
-    from megamoe_convert.source import engines_table, families
+    from megamoe_convert.source import engines_table, families  # a conversion's: at first use
 
     family = next((f for f in families.FAMILIES if f.name == data.get("family")), None)
     if family is not None and (why := engines_table.family_refusal(family, "sglang")) is not None:
