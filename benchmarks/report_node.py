@@ -224,9 +224,12 @@ def shape_table(rows: dict[tuple[str, str], list[dict[str, Any]]], forms: list[s
                  f"{r['warm_vs_auto']:.2f}x" if "warm_vs_auto" in r else "-",
                  " / ".join(f"{s:.3f}" if s else "-" for s in slow)]
         lines.append(f"| {NAMES[form]} | " + " | ".join(cells) + " |")
-    lines.append(f"| ceilings: the disk's parallel read (cold); page cache -> pinned -> device (warm) | {disk:.2f} "
-                 "| 1.00x | | | "
-                 f"{ceiling:.3f} | 1.00x | | |" if disk and ceiling else "| ceilings | not measured | | | | | | | |")
+    if disk or ceiling:
+        lines.append("| ceilings: the disk's parallel read (cold); page cache -> pinned -> device (warm) | "
+                     + (f"{disk:.2f} | 1.00x" if disk else "not measured | -") + " | | | "
+                     + (f"{ceiling:.3f} | 1.00x" if ceiling else "not measured | -") + " | | |")
+    else:
+        lines.append("| ceilings | not measured | | | | | | | |")
     if (bound := halves(rows)) is not None and bound != ceiling:
         lines.append(f"| warm bound: its halves timed apart (not reachable together) | | | | | {bound:.3f} "
                      f"| {ceiling / bound:.2f}x | | |" if ceiling else "")
@@ -238,8 +241,8 @@ def growth(result: dict[str, Any], forms: list[str]) -> str:
     shapes = by_shape(result)
     layers = sorted({s["layers"] for s in result["steps"]})
     if len(layers) < 2:
-        return (f"How each form's time grows with the MoE layers: not measured in this run (only {layers[0]} "
-                f"layers ran before its time was up; `--layers 8,2` times both).")
+        return (f"How each form's time grows with the MoE layers: not measured in this run (it timed {layers[0]} "
+                f"layers only; `--layers 8,2` times both).")
     lines = ["| form | shape | cache | " + " | ".join(f"{n} layers s" for n in layers) + " | per added layer s |",
              "|---|---|---|" + "---:|" * (len(layers) + 1)]
     for form in forms:
@@ -318,6 +321,20 @@ on a GPU machine, {COMMAND}.
     return "".join(parts)
 
 
+def goal_parts(ratios: dict[str, float]) -> str:
+    """A form's ratios against the goals, each cache whose form and ceiling both ran ('' where neither)."""
+    parts = []
+    if "cold_vs_disk" in ratios:
+        cold = ratios["cold_vs_disk"]
+        parts.append(f"cold {cold:.2f}x of the disk's parallel read (goal {COLD_GOAL}x: "
+                     f"{'met' if cold >= COLD_GOAL else '**not met**'})")
+    if "warm_vs_ceiling" in ratios:
+        warm = ratios["warm_vs_ceiling"]
+        parts.append(f"warm {warm:.2f}x of the node's ceiling (goal {WARM_GOAL}x: "
+                     f"{'met' if warm >= WARM_GOAL else '**not met**'})")
+    return ", ".join(parts)
+
+
 def goal_lines(result: dict[str, Any]) -> str:
     """Whether the megamoe forms reach the node's limits, shape by shape (the largest checkpoint's
     shapes are the goals'; the smaller ones' show how far a shorter load gets)."""
@@ -328,19 +345,15 @@ def goal_lines(result: dict[str, Any]) -> str:
         _, ratios = shape_table(rows, result["forms"])
         got = {f: ratios.get(f, {}) for f in OURS}
         smaller = "" if shape.endswith(f"-l{top}") else " (a smaller checkpoint)"
-        if not disk or not any(got.values()):
-            lines.append(f"- `{shape}`{smaller}: the megamoe forms and the ceilings did not run before the run's "
-                         "time was up: goals not measured for this shape.")
+        judged = [(form, part) for form, r in got.items() if (part := goal_parts(r))]
+        if not judged:
+            lines.append(f"- `{shape}`{smaller}: the megamoe forms or the ceilings beside them did not run before the "
+                         "run's time was up: goals not measured for this shape.")
             continue
-        for form, r in got.items():
-            cold, warm = r.get("cold_vs_disk", float("nan")), r.get("warm_vs_ceiling", float("nan"))
-            lines.append(f"- `{shape}`{smaller}, {NAMES[form]}: cold {cold:.2f}x of the disk's parallel read "
-                         f"(goal {COLD_GOAL}x: {'met' if cold >= COLD_GOAL else '**not met**'}), warm "
-                         f"{warm:.2f}x of the node's ceiling (goal {WARM_GOAL}x: "
-                         f"{'met' if warm >= WARM_GOAL else '**not met**'}).")
-        fastest = min(wall(r) or float("inf") for (f, c), r in rows.items()
-                      if c == "cold" and f not in ("disk_read", "disk_read_ranks"))
-        if fastest < disk:
+        lines += [f"- `{shape}`{smaller}, {NAMES[form]}: {part}." for form, part in judged]
+        fastest = min((wall(r) or float("inf") for (f, c), r in rows.items()
+                       if c == "cold" and f not in ("disk_read", "disk_read_ranks")), default=float("inf"))
+        if disk and fastest < disk:
             lines.append(f"- `{shape}`: the disk ceiling's readers took {disk:.2f} s at best, "
                          f"slower than the fastest cold form ({fastest:.2f} s): the disk reads the node's bytes at "
                          f"least at {(expert_bytes(rows) or 0) / fastest / 1e9:.2f} "
