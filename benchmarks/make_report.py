@@ -23,6 +23,7 @@ import report_gains
 import report_load
 import report_node
 import report_node_sglang
+import report_pin
 import report_probe
 import report_recovery
 import report_startup
@@ -159,7 +160,8 @@ those folders. `make bench` runs the quick convert benchmark.
 
 {report_node.section()}
 {report_node_sglang.section()}
-{boot}{report_startup.section(startup_png)}
+{boot}{report_pin.section()}
+{report_startup.section(startup_png)}
 {report_daemon.section()}
 {report_store.section()}
 {report_probe.section()}

@@ -32,6 +32,7 @@ def test_every_script_has_a_test():
     tested = {"bench_convert.py", "bench_verify.py", "bench_load.py", "load_paths.py", "bench_startup.py",
               "probe_register.py",
               "bench_probe.py",
+              "bench_pin.py", "report_pin.py",  # bench_pin --smoke: below
               "profile_convert.py", "make_report.py", "report_startup.py", "device_startup.sh",
               "bench_store.py", "store_child.py",  # bench_store.py --quick: below
               "bench_daemon.py", "report_daemon.py",
@@ -370,6 +371,19 @@ def test_node_report_sets_apart_warm_rows_run_right_after_their_files_first_read
 
 
 @pytest.mark.engines  # builds or reuses an engine's environment (tests/engine_envs.py)
+def test_bench_pin_smoke_starts_every_rank_and_checks_their_bytes(tmp_path):
+    """The ring-pinning benchmark on the CPU: every rank process started at once, each building and
+    loading its own file, the bytes checked, and the medians against the no-ring reference."""
+    run("bench_pin.py", "--smoke", "--work", tmp_path, "--save", tmp_path / "pin.json")
+    result = json.loads((tmp_path / "pin.json").read_text())
+    (row,) = result["rows"]
+    assert result["smoke"] and row["mode"] == "pageable" and [r["rank"] for r in row["ranks"]] == [0, 1]
+    assert all(r["bytes_ok"] and r["build_s"] > 0 and r["load_s"] > 0 for r in row["ranks"])
+    assert result["load_bytes"] == (tmp_path / "load-1.bin").stat().st_size > 0
+    got = result["summary"]["pageable"]
+    assert got["build_over_pageable_s"] == 0 and got["total_s"] >= got["build_s"]
+
+
 def test_bench_probe_smoke_in_vllm_033(tmp_path):
     """The layout probe's benchmark: fresh children install into vLLM 0.33's real modules (on the CPU here)
     with and without the probe; the probe ran (once per process) and both give the same experts."""

@@ -1,0 +1,60 @@
+"""docs/benchmarks.md's section on what pinning the staging ring costs a rank's start, from
+``benchmarks/results/pin-*/pin.json`` (``bench_pin.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common import short_gpu, table
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: How each mode reaches the GPU, in words.
+MODES = {"fast": "huge pages registered with CUDA by several threads (`MEGAMOE_FAST_PIN=1`)",
+         "torch": "torch's pinned allocator (`MEGAMOE_FAST_PIN=0`)"}
+
+
+def load_all() -> list[tuple[str, dict[str, Any]]]:
+    return [(p.parent.name, json.loads(p.read_text())) for p in sorted(RESULTS.glob("pin-*/pin.json"))]
+
+
+def mode_label(mode: str) -> str:
+    method, _, count = mode.partition(":")
+    if not count:
+        return "no ring: the file read into ordinary memory, copied to the GPU"
+    return f"{count} x 16 MB ring ({int(count) * 16} MB), {MODES.get(method, method)}"
+
+
+def run_section(name: str, result: dict[str, Any]) -> str:
+    m = result["machine"]
+    gpus = f"{len(m['gpus'])} x {short_gpu(m['gpus'][0])}" if m["gpus"] else "CPU"
+    rounds = len({r["round"] for r in result["rows"]})
+    rows = [[mode_label(mode), f"{got['build_s']:.3f}", f"{got['build_over_pageable_s']:+.3f}" if
+             "build_over_pageable_s" in got else "-", f"{got['pin_s']:.3f}", f"{got['load_s']:.3f}",
+             f"{got['total_s']:.3f}", f"{got['slowest_total_s']:.3f}"]
+            for mode, got in result["summary"].items()]
+    failed = [f"- `{r['mode']}` round {r['round']}: {r['failed']}" for r in result["rows"] if "failed" in r]
+    ok = all(x["bytes_ok"] for r in result["rows"] for x in r.get("ranks", []))
+    return (f"\n### {name}: {gpus}, {m['cpus']} CPUs, {m['rank_processes']} rank processes at once, OpenMP threads "
+            f"{m['omp_threads']}, torch {m['torch']}; {result['load_bytes'] / 1e9:.2f} GB a rank, {rounds} round(s)\n\n"
+            + table(["how the bytes reach the GPU", "build s", "build over no ring s", "ring pinned s", "load s",
+                     "build + load s", "slowest rank's build + load s"], rows)
+            + ("\n\n" + "\n".join(failed) if failed else "")
+            + f"\n\nEvery load's bytes matched its file: {'yes' if ok else 'NO'}.\n")
+
+
+def section() -> str:
+    head = """## The staging ring's pinning at start-up (bench_pin.py)
+
+`benchmarks/bench_pin.py` starts one process per GPU, all at once, as a node's ranks start. Each
+times, from its CUDA context on, a model-build-like loop (288 parameters of 1-48 MB allocated on its
+GPU, layer by layer) while megamoe's staging ring is pinned on a thread as the loaders start it,
+then one warm load of its file through the ring; for reference, the same without a ring (the file
+read into ordinary memory and copied to the GPU). Medians over ranks and rounds; "build over no
+ring" is what the pinning costs the engine's model build. `--smoke` runs it on the CPU in CI.
+"""
+    runs = [(name, r) for name, r in load_all() if not r.get("smoke")]
+    if not runs:
+        return head + "\nNot measured yet: `python3 benchmarks/bench_pin.py --work DIR --save FILE` on a GPU machine.\n"
+    return head + "".join(run_section(name, result) for name, result in runs)
