@@ -151,7 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, help="folder for the ranks' load files")
     parser.add_argument("--n", type=int, default=None, help="rank processes (default: one per GPU)")
-    parser.add_argument("--load-gb", type=float, default=1.7, help="each rank's warm load (default: 1.7 GB, a "
+    parser.add_argument("--load-gib", type=float, default=1.7, help="each rank's warm load, GiB (default: 1.7, about a "
                         "rank's experts of DeepSeek-V4-Flash's dims at 2 MoE layers, EP 4)")
     parser.add_argument("--modes", default=",".join(MODES), help="pinning:ring buffers, or pageable")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the modes' order reversed in odd ones")
@@ -163,12 +163,12 @@ def main() -> None:
     gpus = torch.cuda.device_count()
     modes = args.modes.split(",")
     if args.smoke or not gpus:
-        gpus, modes, args.load_gb, args.n, args.rounds = 0, ["pageable"], 8 / 1024, args.n or 2, 1
+        gpus, modes, args.load_gib, args.n, args.rounds = 0, ["pageable"], 8 / 1024, args.n or 2, 1
     n = args.n or gpus
     threads = max(1, (os.cpu_count() or 1) // n)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    files = [load_file(work, rank, int(args.load_gb * (1 << 30)) // 4096 * 4096) for rank in range(n)]
+    files = [load_file(work, rank, int(args.load_gib * (1 << 30)) // 4096 * 4096) for rank in range(n)]
     rows = []
     for rnd in range(args.rounds):
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
