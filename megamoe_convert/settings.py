@@ -62,12 +62,12 @@ def _integer(name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def _switch(name: str) -> bool:
-    """A switch that is on unless set to ``0``."""
+def _switch(name: str, default: bool = True) -> bool:
+    """A switch that is ``default`` unless set to ``0`` (off) or ``1`` (on)."""
     raw = _raw(name)
     if raw not in (None, "0", "1"):
         raise SettingError(f"{name}={raw!r}: expected 0 (off) or 1 (on)")
-    return raw != "0"
+    return default if raw is None else raw == "1"
 
 
 def read_threads() -> int:
@@ -76,8 +76,8 @@ def read_threads() -> int:
 
 
 def fast_pin() -> bool:
-    """Pin the staging ring by registering huge pages (``0``: with ``torch``'s allocator)."""
-    return _switch(FAST_PIN)
+    """Pin the staging ring by registering huge pages (``1``; default: with ``torch``'s allocator)."""
+    return _switch(FAST_PIN, default=False)
 
 
 def cudart() -> bool:

@@ -1,5 +1,7 @@
-"""Page-locked host memory made fast: one anonymous mapping backed by transparent huge pages, cut into
-buffers that several threads fault in and register with CUDA (``cudaHostRegister``) at once.
+"""Page-locked host memory by registration (``MEGAMOE_FAST_PIN=1``): one anonymous mapping backed by
+transparent huge pages, cut into buffers that several threads fault in and register with CUDA
+(``cudaHostRegister``) at once; faster than ``torch``'s allocator for one process alone on some
+hosts, slower where every rank of a node pins at once (``benchmarks/bench_pin.py``).
 
 Apart from :mod:`.staging`, whose pinned ring is made of these buffers, because this is the one part of
 the GPU path that talks to the kernel's memory and CUDA's registration rather than moving a load's bytes;

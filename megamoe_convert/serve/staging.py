@@ -14,12 +14,13 @@ Reads from the page cache (or the disk) land in page-locked host buffers, many i
 host-to-device copy). The buffers, the lanes' streams and the reader threads are made once per
 process and reused by every load.
 
-Pinning is the one cost a fresh process pays before its first byte moves, so the ring is pinned
-the fast way: one anonymous mapping backed by transparent huge pages, its buffers faulted in and
-registered with CUDA (``cudaHostRegister``) by several threads at once (:mod:`.pinning`), several times faster than
-the CUDA allocator's ``cudaHostAlloc`` (measurements: ``docs/benchmarks.md``). Where registering
-fails, the ring falls back to ``torch``'s pinned allocator. Engines start the pinning in the
-background when their loader is made (:func:`prepare_gpu_staging`), so it overlaps building the model.
+Pinning is the one cost a fresh process pays before its first byte moves. The ring is pinned with
+``torch``'s pinned allocator: with every rank of a node pinning at once, registering huge pages from
+several threads (:mod:`.pinning`, ``MEGAMOE_FAST_PIN=1``), faster for one process alone on some
+hosts, took longer, held up the engine's own GPU allocations longer and loaded slower
+(``benchmarks/bench_pin.py``, ``docs/benchmarks.md``). Engines start the pinning in the background
+when their loader is made (:func:`prepare_gpu_staging`), beside building the model, which it still
+slows (``docs/benchmarks.md``).
 
 Settings, read when a ring is made or a load starts (:mod:`megamoe_convert.settings`; a bad value is
 refused in one line naming it):
@@ -27,8 +28,8 @@ refused in one line naming it):
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
   load. A cold load runs twice as many; the pinned ring is two 16 MB buffers per lane. Lower it
   on a host whose cores or page-locked memory serve other work.
-- ``MEGAMOE_FAST_PIN=0``: pin the ring with ``torch``'s allocator instead of registering huge pages
-  (what the ring falls back to anyway where registering fails).
+- ``MEGAMOE_FAST_PIN=1``: pin the ring by registering huge pages from several threads instead of
+  with ``torch``'s allocator (which it falls back to where registering fails).
 - ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
   entry points (what happens anyway where the runtime ``torch`` loaded cannot be found).
 """

@@ -130,9 +130,9 @@ def test_unreadable_rank_file_and_folder_are_refused_and_verify_goes_on(ep2, src
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fast_pin", ["1", "0"])
 def test_cuda_staging_ring_is_page_locked_either_way_and_loads_exact_bytes(tiny_converted, fast_pin):
-    """The ring pinned by registering huge-page memory (the default) or by torch's allocator
-    (``MEGAMOE_FAST_PIN=0``, also the fallback) is page-locked, and a fresh process's first load
-    through it equals the CPU load."""
+    """The ring pinned by torch's allocator (the default, also the fallback) or by registering huge-page
+    memory (``MEGAMOE_FAST_PIN=1``) is page-locked, and a fresh process's first load through it equals
+    the CPU load."""
     code = f"""
 import torch
 from megamoe_convert.serve import staging

@@ -58,16 +58,17 @@ def test_settings_are_read_when_used_not_at_import(monkeypatch):
     assert staging.lane_shape(100, cold=True).lanes == 6  # a cold load runs twice as many
     monkeypatch.setenv("MEGAMOE_READ_THREADS", "256")
     assert settings.read_threads() == 256
-    monkeypatch.setenv("MEGAMOE_FAST_PIN", "0")
-    monkeypatch.setenv("MEGAMOE_CUDART", "1")
-    assert not settings.fast_pin() and settings.cudart()
+    monkeypatch.setenv("MEGAMOE_FAST_PIN", "1")
+    monkeypatch.setenv("MEGAMOE_CUDART", "0")
+    assert settings.fast_pin() and not settings.cudart()
 
 
 def test_unset_or_empty_is_the_default(monkeypatch):
     for name in settings.NAMES:
         monkeypatch.setenv(name, "")
     assert 4 <= settings.read_threads() <= 16
-    assert settings.fast_pin() and settings.cudart() and settings.layout_probe() and settings.staged_rest()
+    assert not settings.fast_pin()  # torch's pinned allocator, unless asked
+    assert settings.cudart() and settings.layout_probe() and settings.staged_rest()
     assert settings.injected_fault() is None
     for name in settings.NAMES:
         monkeypatch.delenv(name)
