@@ -21,8 +21,8 @@ def rank_median(rows: list[dict[str, Any]], rank: int, key: str) -> float:
 
 def node_median(rows: list[dict[str, Any]], key: str) -> float:
     """The median of a phase over every rank and round: a form's effect on a phase that varies from rank
-    to rank by as much as the forms differ (vLLM's config reading: 70-140 ms a rank either way), which
-    one rank against the same rank of the other form would take for the plugin's."""
+    to rank by as much as the forms differ (vLLM's config reading), which one rank against the same rank
+    of the other form would take for the plugin's."""
     return statistics.median(r["phases"].get(key, r.get(key, 0.0)) for row in rows for r in row["ranks"])
 
 
