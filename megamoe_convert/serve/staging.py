@@ -19,8 +19,7 @@ Pinning is the one cost a fresh process pays before its first byte moves. The ri
 several threads (:mod:`.pinning`, ``MEGAMOE_FAST_PIN=1``), faster for one process alone on some
 hosts, took longer, held up the engine's own GPU allocations longer and loaded slower
 (``benchmarks/bench_pin.py``, ``docs/benchmarks.md``). Engines start the pinning in the background
-when their loader is made (:func:`prepare_gpu_staging`), beside building the model, which it still
-slows (``docs/benchmarks.md``).
+when their loader is made (:func:`prepare_gpu_staging`), beside building the model (which it slows).
 
 Settings, read when a ring is made or a load starts (:mod:`megamoe_convert.settings`; a bad value is
 refused in one line naming it):
