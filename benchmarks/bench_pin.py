@@ -116,13 +116,12 @@ def measure(mode: str, files: list[Path], gpus: int, threads: int) -> dict[str, 
     procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, str(f),
                                f"cuda:{rank % gpus}" if gpus else "cpu"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank, f in enumerate(files)]
-    ranks = []
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate()
+    ended = [(proc, *proc.communicate()) for proc in procs]  # every rank waited for, whichever fails
+    for proc, _, err in ended:
         if proc.returncode != 0:
             return {"mode": mode, "failed": (err.strip().splitlines() or ["no output"])[-1][:200]}
-        ranks.append({"rank": rank, **json.loads(out.strip().splitlines()[-1])})
-    return {"mode": mode, "ranks": ranks}
+    return {"mode": mode, "ranks": [{"rank": rank, **json.loads(out.strip().splitlines()[-1])}
+                                    for rank, (_, out, _) in enumerate(ended)]}
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
