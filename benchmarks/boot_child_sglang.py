@@ -269,6 +269,8 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
               "parameters": sum(p.numel() for p in net.parameters()), "kernel_tuples": kernel["kernel_tuples"],
               "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
     report["rest_staged"] = "megamoe_convert.serve.tensor_stream" in sys.modules  # the rest through the ring
+    report["experts_on"] = sorted({str(m.w13_weight.device) for m in net.modules() if hasattr(m, "moe_ep_rank")})
+    report["staging_loaded"] = "megamoe_convert.serve.staging" in sys.modules  # beside ring_pin_s: why it is absent
     report["fingerprint"] = kernel["fingerprint"]
     report["rest_fingerprint"] = parameters_fingerprint(net, [m for m in net.modules() if hasattr(m, "moe_ep_rank")])
     return report
