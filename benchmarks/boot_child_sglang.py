@@ -62,6 +62,8 @@ from probe_timer import ProbeTimer
 
 #: The family's model module (its class is what SGLang's registry resolves for the architecture).
 MODEL_MODULES = {"qwen3_moe": "sglang.srt.models.qwen3_moe", "deepseek_v3": "sglang.srt.models.deepseek_v2"}
+#: megamoe's staging ring and its reader of whole shards (the non-expert weights through the ring).
+STAGING, TENSOR_STREAM = "megamoe_convert.serve.staging", "megamoe_convert.serve.tensor_stream"
 #: What a routed expert's checkpoint name holds.
 EXPERTS = ".mlp.experts."
 #: SGLang's stacked parameters: fused name -> the checkpoint's names, in shard order.
@@ -260,17 +262,19 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
         _sync(device)
         marks["post"] = time.perf_counter()
         kernel = kernel_report(net)
+        # Read here: the harness's patch of sys.modules takes every module the load imported out of it again
+        ring, loaded = _ring_report(marks), {m: m in sys.modules for m in (STAGING, TENSOR_STREAM)}
     phases = _phases(marks)
     experts = took[0] if form == "megamoe" else split.seconds["experts"]
     report = {"form": form, "rank": rank, "phases": phases, "process_s": marks["post"] - start,
               "spawned_unix": spawned, "end_unix": time.time(), "model_class": type(net).__name__,
               "weights_experts_s": experts, "weights_rest_s": phases["weights"] - experts,
-              "tensors": split.tensors, **fixed, **probe.report(), **_ring_report(marks),
+              "tensors": split.tensors, **fixed, **probe.report(), **ring,
               "parameters": sum(p.numel() for p in net.parameters()), "kernel_tuples": kernel["kernel_tuples"],
               "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
-    report["rest_staged"] = "megamoe_convert.serve.tensor_stream" in sys.modules  # the rest through the ring
+    report["rest_staged"] = loaded[TENSOR_STREAM]  # the rest through the ring
+    report["staging_loaded"] = loaded[STAGING]  # the experts' reader (its ring, on a GPU: ring_pin_s)
     report["experts_on"] = sorted({str(m.w13_weight.device) for m in net.modules() if hasattr(m, "moe_ep_rank")})
-    report["staging_loaded"] = "megamoe_convert.serve.staging" in sys.modules  # beside ring_pin_s: why it is absent
     report["fingerprint"] = kernel["fingerprint"]
     report["rest_fingerprint"] = parameters_fingerprint(net, [m for m in net.modules() if hasattr(m, "moe_ep_rank")])
     return report
