@@ -240,14 +240,6 @@ def run(args: argparse.Namespace, results: dict[str, Any], save: Any) -> None:
             shutil.rmtree(args.work / name, ignore_errors=True)
 
 
-def machine(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    return {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-            "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
-            "rank_processes": args.n, "omp_threads": args.threads}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -304,7 +296,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.deadline = time.time() + args.budget_s if args.budget_s else float("inf")
     args.calls = 0
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"benchmark": "boot", "engine": engine_version(args.engine), "machine": machine(args),
+    from common import node_machine
+
+    results: dict[str, Any] = {"benchmark": "boot", "engine": engine_version(args.engine),
+                               "machine": node_machine(args.n, args.threads),
                                "setup": [], "rows": [], "skipped": [], "smoke": args.smoke}
 
     def save() -> None:

@@ -240,14 +240,6 @@ def setup(args: argparse.Namespace, layers: int) -> tuple[list[Shape], dict[str,
                     "store_bytes": sum(f.stat().st_size for f in (base / "store").rglob("*.safetensors"))}
 
 
-def machine(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpus": gpus, "cpus": os.cpu_count(), "torch": torch.__version__, "python": sys.version.split()[0],
-            "omp_threads": args.threads, "rank_processes": args.n}
-
-
 def identical(results: dict[str, Any]) -> dict[str, bool]:
     """Per shape and rank, whether every form left the same kernel bytes (round 0 fingerprints)."""
     prints: dict[str, set[str]] = {}
@@ -372,7 +364,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.deadline = time.time() + args.budget_s if args.budget_s else float("inf")
     (args.work / "logs").mkdir(parents=True, exist_ok=True)
     args.sockets = tempfile.mkdtemp(prefix="wc", dir="/tmp")  # short: a Unix socket's path is bounded
-    results: dict[str, Any] = {"benchmark": "node", "engine": args.engine, "machine": machine(args), "setup": [],
+    from common import node_machine
+
+    results: dict[str, Any] = {"benchmark": "node", "engine": args.engine,
+                               "machine": node_machine(args.n, args.threads), "setup": [],
                                "steps": [], "preset": args.preset,
                                "forms": args.forms, "ceilings": list(CEILINGS), "warm_reads": args.warm_reads,
                                "layout_probe": layout_probe()}  # MEGAMOE_LAYOUT_PROBE=0: a diagnostic run

@@ -139,13 +139,6 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def machine(gpus: int, n: int, threads: int) -> dict[str, Any]:
-    import torch
-
-    return {"gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "cpus": os.cpu_count(),
-            "torch": torch.__version__, "rank_processes": n, "omp_threads": threads}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", required=True, help="folder for the ranks' load files")
@@ -176,7 +169,9 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "ranks"}
                              | ({"total_s": [round(x["total_s"], 3) for x in row["ranks"]]} if "ranks" in row else {})),
                   flush=True)
-    result = {"benchmark": "pin", "machine": machine(gpus, n, threads), "load_bytes": files[0].stat().st_size,
+    from common import node_machine
+
+    result = {"benchmark": "pin", "machine": node_machine(n, threads, gpus), "load_bytes": files[0].stat().st_size,
               "modes": modes, "smoke": bool(args.smoke or not gpus), "rows": rows, "summary": summary(rows)}
     Path(args.save).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
