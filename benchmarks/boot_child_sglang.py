@@ -274,9 +274,10 @@ def rank_main(form: str, rank: int, ep_size: int, model: str, start: float, spaw
               "gpu_peak_mb": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None}
     report["rest_staged"] = loaded[TENSOR_STREAM]  # the rest through the ring
     report["staging_loaded"] = loaded[STAGING]  # the experts' reader (its ring, on a GPU: ring_pin_s)
-    report["experts_on"] = sorted({str(m.w13_weight.device) for m in net.modules() if hasattr(m, "moe_ep_rank")})
+    moe = [m for m in net.modules() if hasattr(m, "moe_ep_rank")]  # SGLang's MoE experts modules
+    report["experts_on"] = sorted({str(m.w13_weight.device) for m in moe})
     report["fingerprint"] = kernel["fingerprint"]
-    report["rest_fingerprint"] = parameters_fingerprint(net, [m for m in net.modules() if hasattr(m, "moe_ep_rank")])
+    report["rest_fingerprint"] = parameters_fingerprint(net, moe)
     return report
 
 
