@@ -82,10 +82,9 @@ class LaneShape:
 
 def lane_shape(buffers: int, cold: bool) -> LaneShape:
     """The lanes of a warm load (:func:`read_threads`) or a cold one (:func:`cold_read_threads`)
-    over a ring of ``buffers`` buffers, every lane owning at least two pieces of it where it can."""
-    if not cold:
-        return LaneShape(max(1, min(read_threads(), buffers)), 1)
-    lanes = cold_read_threads()
+    over a ring of ``buffers`` buffers, every lane owning at least two pieces of it (the buffers
+    cut in parts where they are fewer): a lane with one piece waits for its copy before it reads on."""
+    lanes = cold_read_threads() if cold else read_threads()
     parts = max(1, -(-2 * lanes // buffers))
     return LaneShape(max(1, min(lanes, buffers * parts)), parts)
 

@@ -142,7 +142,7 @@ class _Ring(staging.PinnedRing):
 
 
 def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None, before_writes=None,
-               copier=None):
+               copier=None, buffers=7):
     """``_lane_copy`` of ``spans`` with host destinations; the reads still running when it
     returned or raised are counted in the result's ``running``, the copies left queued in ``queued``."""
     import threading
@@ -183,7 +183,7 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
         with ThreadPoolExecutor(4) as readers:
             try:
                 queue = WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests, strict=True)])
-                staging._lane_copy(queue, _Ring(7, 4096, 3), 0, readers, copier, before_writes)
+                staging._lane_copy(queue, _Ring(buffers, 4096, 3), 0, readers, copier, before_writes)
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 outcome["error"] = e
             outcome["running"] = running[0]
@@ -342,3 +342,17 @@ def test_a_cold_load_runs_more_lanes_on_parts_of_the_buffers_and_every_piece_lan
             assert torch.equal(dest, data[offset:offset + n])
     assert max(loads["cold"]) == 4096 // 2, "a cold load read whole buffers, not their parts"
     assert max(loads["warm"]) == 4096
+
+
+def test_a_warm_load_over_fewer_buffers_than_two_a_lane_cuts_them_so_every_lane_owns_two(tmp_path, monkeypatch):
+    """A lane owning one buffer waits for its copy before it reads on: a small ring is cut in parts."""
+    path, data = _file(tmp_path, 200_000)
+    spans = [(7, 50_000), (100_000, 33_333), (199_999, 1)]
+    reads: list[int] = []
+    monkeypatch.setattr(staging, "in_page_cache", lambda ranges: True)
+    outcome = _lane_load(monkeypatch, path, spans, reads=reads, buffers=4)
+    assert staging.lane_shape(4, cold=False) == staging.LaneShape(3, 2)  # 3 lanes, 8 pieces
+    assert "error" not in outcome and outcome["queued"] == 0
+    for dest, (offset, n) in zip(outcome["dests"], spans, strict=True):
+        assert torch.equal(dest, data[offset:offset + n])
+    assert max(reads) == 4096 // 2
