@@ -4,8 +4,9 @@
 Each rank process (one per GPU, all started together, a fresh process per measurement) times, from
 its CUDA context on: a model-build-like loop (parameters allocated on its GPU, layer by layer, as an
 engine builds its model) while the staging ring is pinned on a thread as the loaders start it
-(``staging.prepare_gpu_staging``), then one warm load of its file through the ring
-(``staging.fill_device``). Per pinning (``fast``: huge pages registered with CUDA by several threads;
+(``staging.prepare_gpu_staging``), then one load of its file through the ring
+(``staging.fill_device``), warm (the file in the page cache) or cold (the page cache dropped first).
+Per pinning (``fast``: huge pages registered with CUDA by several threads;
 ``torch``: torch's pinned allocator; ``MEGAMOE_FAST_PIN``) and ring size (16 MB buffers), and for
 reference no ring at all (``pageable``: the file read into ordinary memory and copied to the GPU).
 The build's time against ``pageable``'s is what the pinning costs the engine's model build; the
@@ -29,9 +30,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from common import drop_page_cache, node_machine  # noqa: E402
 
 #: The measured ways to the GPU: (pinning, ring buffers); ``pageable``: no ring.
-MODES = ("fast:32", "torch:32", "torch:8", "pageable")
+MODES = ("torch:32", "torch:16", "torch:8", "torch:4", "pageable")
 #: The build-like loop: layers x parameters of 1-48 MB each (as an MoE model's, in size and number).
 LAYERS, PARAMETERS = 12, 24
 PIECE = 256 << 20  # the load's ranges, as an engine's large expert tensors
@@ -94,7 +96,7 @@ def _same_bytes(dest: Any, path: str, size: int) -> bool:
 
 
 def load_file(work: Path, rank: int, nbytes: int) -> Path:
-    """The rank's file of ``nbytes`` (distinct bytes), written once and read into the page cache."""
+    """The rank's file of ``nbytes`` (distinct bytes), written once."""
     path = work / f"load-{rank}.bin"
     if not path.exists() or path.stat().st_size != nbytes:
         import numpy as np
@@ -103,14 +105,24 @@ def load_file(work: Path, rank: int, nbytes: int) -> Path:
         tmp = path.with_suffix(".tmp")
         words.tofile(tmp)
         tmp.replace(path)
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
     return path
 
 
-def measure(mode: str, files: list[Path], gpus: int, threads: int) -> dict[str, Any]:
-    """Every rank process of the node started at once for ``mode``; their reports."""
+def warm_up(path: Path) -> None:
+    """``path`` read into the page cache."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+def measure(mode: str, files: list[Path], gpus: int, threads: int, cache: str) -> dict[str, Any]:
+    """Every rank process of the node started at once for ``mode``; their reports. ``cold``: the
+    page cache dropped first (needs root), ``warm``: every file read into it first."""
+    if cache == "cold" and not drop_page_cache():
+        return {"mode": mode, "cache": cache, "failed": "could not drop the page cache (needs root)"}
+    if cache == "warm":
+        for path in files:
+            warm_up(path)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, str(f),
@@ -119,23 +131,25 @@ def measure(mode: str, files: list[Path], gpus: int, threads: int) -> dict[str, 
     ended = [(proc, *proc.communicate()) for proc in procs]  # every rank waited for, whichever fails
     for proc, _, err in ended:
         if proc.returncode != 0:
-            return {"mode": mode, "failed": (err.strip().splitlines() or ["no output"])[-1][:200]}
-    return {"mode": mode, "ranks": [{"rank": rank, **json.loads(out.strip().splitlines()[-1])}
+            return {"mode": mode, "cache": cache, "failed": (err.strip().splitlines() or ["no output"])[-1][:200]}
+    return {"mode": mode, "cache": cache, "ranks": [{"rank": rank, **json.loads(out.strip().splitlines()[-1])}
                                     for rank, (_, out, _) in enumerate(ended)]}
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per mode, the medians over ranks and rounds, and the build over ``pageable``'s."""
-    out: dict[str, dict[str, float]] = {}
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        ranks = [x for r in rows if r["mode"] == mode for x in r.get("ranks", [])]
-        if ranks:
-            out[mode] = {k: statistics.median(x[k] for x in ranks) for k in ("build_s", "pin_s", "load_s", "total_s")}
-            out[mode]["slowest_total_s"] = statistics.median(
-                max(x["total_s"] for x in r["ranks"]) for r in rows if r["mode"] == mode and "ranks" in r)
-    if "pageable" in out:
-        for got in out.values():
-            got["build_over_pageable_s"] = got["build_s"] - out["pageable"]["build_s"]
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mode and cache, the medians over ranks and rounds, and the build over ``pageable``'s."""
+    out = []
+    for mode, cache in dict.fromkeys((r["mode"], r.get("cache", "warm")) for r in rows):
+        runs = [r for r in rows if r["mode"] == mode and r.get("cache", "warm") == cache and "ranks" in r]
+        if runs:
+            ranks = [x for r in runs for x in r["ranks"]]
+            got = {k: statistics.median(x[k] for x in ranks) for k in ("build_s", "pin_s", "load_s", "total_s")}
+            got["slowest_total_s"] = statistics.median(max(x["total_s"] for x in r["ranks"]) for r in runs)
+            out.append({"mode": mode, "cache": cache, **got})
+    for got in out:
+        pageable = [p for p in out if p["mode"] == "pageable" and p["cache"] == got["cache"]]
+        if pageable:
+            got["build_over_pageable_s"] = got["build_s"] - pageable[0]["build_s"]
     return out
 
 
@@ -146,6 +160,7 @@ def main() -> None:
     parser.add_argument("--load-gib", type=float, default=1.7, help="each rank's warm load, GiB (default: 1.7, about a "
                         "rank's experts of DeepSeek-V4-Flash's dims at 2 MoE layers, EP 4)")
     parser.add_argument("--modes", default=",".join(MODES), help="pinning:ring buffers, or pageable")
+    parser.add_argument("--caches", default="warm", help="warm, cold (drops the page cache: root), or both: warm,cold")
     parser.add_argument("--rounds", type=int, default=2, help="rounds; the modes' order reversed in odd ones")
     parser.add_argument("--save", required=True)
     parser.add_argument("--smoke", action="store_true", help="CPU: two processes, 8 MB, pageable only")
@@ -162,17 +177,18 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     files = [load_file(work, rank, int(args.load_gib * (1 << 30)) // 4096 * 4096) for rank in range(n)]
     rows = []
+    caches = args.caches.split(",")
     for rnd in range(args.rounds):
-        for mode in modes if rnd % 2 == 0 else modes[::-1]:
-            row = {**measure(mode, files, gpus, threads), "round": rnd}
+        for mode, cache in [(m, c) for c in caches for m in (modes if rnd % 2 == 0 else modes[::-1])]:
+            row = {**measure(mode, files, gpus, threads, cache), "round": rnd}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "ranks"}
                              | ({"total_s": [round(x["total_s"], 3) for x in row["ranks"]]} if "ranks" in row else {})),
                   flush=True)
-    from common import node_machine
 
     result = {"benchmark": "pin", "machine": node_machine(n, threads, gpus), "load_bytes": files[0].stat().st_size,
-              "modes": modes, "smoke": bool(args.smoke or not gpus), "rows": rows, "summary": summary(rows)}
+              "modes": modes, "caches": caches, "smoke": bool(args.smoke or not gpus), "rows": rows,
+              "summary": summary(rows)}
     Path(args.save).write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))
 

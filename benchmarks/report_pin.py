@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench_pin import summary
 from common import short_gpu, table
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -30,17 +31,18 @@ def run_section(name: str, result: dict[str, Any]) -> str:
     m = result["machine"]
     gpus = f"{len(m['gpus'])} x {short_gpu(m['gpus'][0])}" if m["gpus"] else "CPU"
     rounds = len({r["round"] for r in result["rows"]})
-    rows = [[mode_label(mode), f"{got['build_s']:.3f}", f"{got['build_over_pageable_s']:+.3f}" if
-             "build_over_pageable_s" in got else "-", f"{got['pin_s']:.3f}", f"{got['load_s']:.3f}",
+    rows = [[mode_label(got["mode"]), got["cache"], f"{got['build_s']:.3f}", f"{got['build_over_pageable_s']:+.3f}"
+             if "build_over_pageable_s" in got else "-", f"{got['pin_s']:.3f}", f"{got['load_s']:.3f}",
              f"{got['total_s']:.3f}", f"{got['slowest_total_s']:.3f}"]
-            for mode, got in result["summary"].items()]
+            for got in summary(result["rows"])]  # from the rows: a run before caches were measured was warm
     failed = [f"- `{r['mode']}` round {r['round']}: {r['failed']}" for r in result["rows"] if "failed" in r]
     ok = all(x["bytes_ok"] for r in result["rows"] for x in r.get("ranks", []))
     return (f"\n### {name}: {gpus}, {m['cpus']} CPUs, {m['rank_processes']} rank processes at once, OpenMP threads "
             f"{m['omp_threads']}, torch {m['torch']}; {result['load_bytes'] / 1e9:.2f} GB a rank, {rounds} round(s)\n\n"
-            + table(["how the bytes reach the GPU", "build s", "build over no ring s", "ring pinned s", "load s",
-                     "build + load s", "slowest rank's build + load s"], rows)
+            + table(["how the bytes reach the GPU", "page cache", "build s", "build over no ring s", "ring pinned s",
+                     "load s", "build + load s", "slowest rank's build + load s"], rows)
             + ("\n\n" + "\n".join(failed) if failed else "")
+            + (f"\n\n{result['note']}" if result.get("note") else "")
             + f"\n\nEvery load's bytes matched its file: {'yes' if ok else 'NO'}.\n")
 
 
@@ -50,8 +52,10 @@ def section() -> str:
 `benchmarks/bench_pin.py` starts one process per GPU, all at once, as a node's ranks start. Each
 times, from its CUDA context on, a model-build-like loop (288 parameters of 1-48 MB allocated on its
 GPU, layer by layer) while megamoe's staging ring is pinned on a thread as the loaders start it,
-then one warm load of its file through the ring; for reference, the same without a ring (the file
-read into ordinary memory and copied to the GPU). Medians over ranks and rounds; "build over no
+then one load of its file through the ring, warm (the file in the page cache) or cold (the page
+cache dropped first); for reference, the same without a ring (the file read into ordinary memory and
+copied to the GPU). A ring with fewer buffers than two a lane is cut in parts, every lane owning two
+pieces (a run's note says where its lanes did not). Medians over ranks and rounds; "build over no
 ring" is what the pinning costs the engine's model build. `--smoke` runs it on the CPU in CI.
 """
     runs = [(name, r) for name, r in load_all() if not r.get("smoke")]

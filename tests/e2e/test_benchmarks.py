@@ -380,7 +380,8 @@ def test_bench_pin_smoke_starts_every_rank_and_checks_their_bytes(tmp_path):
     assert result["smoke"] and row["mode"] == "pageable" and [r["rank"] for r in row["ranks"]] == [0, 1]
     assert all(r["bytes_ok"] and r["build_s"] > 0 and r["load_s"] > 0 for r in row["ranks"])
     assert result["load_bytes"] == (tmp_path / "load-1.bin").stat().st_size > 0
-    got = result["summary"]["pageable"]
+    (got,) = result["summary"]
+    assert (got["mode"], got["cache"]) == ("pageable", "warm")
     assert got["build_over_pageable_s"] == 0 and got["total_s"] >= got["build_s"]
 
 
