@@ -32,15 +32,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common import drop_page_cache, node_machine  # noqa: E402
 
-#: The measured ways to the GPU: (pinning, ring buffers); ``pageable``: no ring.
-MODES = ("torch:32", "torch:16", "torch:8", "torch:4", "pageable")
+#: The measured ways to the GPU: pinning[:ring buffers, warm or cold] (no count: the loaders' own
+#: ring, grown for a cold load); ``pageable``: no ring.
+MODES = ("torch", "torch:32", "torch:16", "torch:8", "pageable")
 #: The build-like loop: layers x parameters of 1-48 MB each (as an MoE model's, in size and number).
 LAYERS, PARAMETERS = 12, 24
 PIECE = 256 << 20  # the load's ranges, as an engine's large expert tensors
 
 
 def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
-    """One rank process: the build beside the ring's pinning, then the warm load; its report."""
+    """One rank process: the build beside the ring's pinning, then the load; its report."""
     import torch
 
     device = torch.device(device_name)
@@ -49,13 +50,15 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
         torch.cuda.set_device(device)
         torch.empty(1, device=device)  # the CUDA context, before the clock (the engine made it earlier)
     method, _, count = mode.partition(":")
+    ringed = method != "pageable"
     from megamoe_convert.serve import staging
 
-    if count:
+    if ringed:
         os.environ["MEGAMOE_FAST_PIN"] = "1" if method == "fast" else "0"
-        staging.ring_buffers = lambda: int(count)  # the ring's size, as the loaders would pin it
-    start = time.perf_counter()
     if count:
+        staging.ring_buffers = lambda cold=False: int(count)  # one size, warm or cold
+    start = time.perf_counter()
+    if ringed:
         staging.prepare_gpu_staging()
     held = [torch.empty((1 + (i * 7919 + layer) % 48) << 20, dtype=torch.uint8, device=device)
             for layer in range(LAYERS) for i in range(PARAMETERS)]
@@ -63,7 +66,7 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
     built = time.perf_counter()
     size = os.path.getsize(path)
     dest = torch.empty(size, dtype=torch.uint8, device=device)
-    if count:
+    if ringed:
         fd = os.open(path, os.O_RDONLY)
         try:
             staging.fill_device([(fd, o, dest[o:o + PIECE]) for o in range(0, size, PIECE)], device)
@@ -75,7 +78,8 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
     loaded = time.perf_counter()
     ring = staging._RING
     return {"mode": mode, "build_s": built - start, "load_s": loaded - built, "total_s": loaded - start,
-            "pin_s": ring.pin_seconds if ring is not None else 0.0, "parameters": len(held),
+            "pin_s": ring.pin_seconds if ring is not None else 0.0, "grow_s": ring.grow_seconds if ring else 0.0,
+            "ring_buffers": len(ring.buffers) if ring else 0, "parameters": len(held),
             "bytes_ok": _same_bytes(dest, path, size)}
 
 
@@ -145,6 +149,8 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ranks = [x for r in runs for x in r["ranks"]]
             got = {k: statistics.median(x[k] for x in ranks) for k in ("build_s", "pin_s", "load_s", "total_s")}
             got["slowest_total_s"] = statistics.median(max(x["total_s"] for x in r["ranks"]) for r in runs)
+            got["grow_s"] = statistics.median(x.get("grow_s", 0.0) for x in ranks)
+            got["ring_buffers"] = max(x.get("ring_buffers", int(mode.partition(":")[2] or 0)) for x in ranks)
             out.append({"mode": mode, "cache": cache, **got})
     for got in out:
         pageable = [p for p in out if p["mode"] == "pageable" and p["cache"] == got["cache"]]

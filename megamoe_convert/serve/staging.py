@@ -5,14 +5,11 @@ in file order: a cold disk reads a store rank's gapped ranges in one sweep), rea
 its own pinned buffers, and queues that buffer's device copy on its own stream at once, through
 the CUDA runtime's entry points without the GIL (:mod:`.device_copy`). No thread serializes the
 copies, and while one buffer is being copied the reader fills the next, so a warm first call runs
-close to the page cache -> pinned -> device ceiling. A load whose bytes are not in the page cache
-runs more lanes on smaller pieces of the same buffers (:func:`lane_shape`): a disk wants more reads
-in flight than memory wants copiers.
-
-Reads from the page cache (or the disk) land in page-locked host buffers, many in flight at once
-(each read is a memory copy by the kernel, one core each: it takes many to keep up with a PCIe 5
-host-to-device copy). The buffers, the lanes' streams and the reader threads are made once per
-process and reused by every load.
+close to the page cache -> pinned -> device ceiling (each read is a memory copy by the kernel, one
+core each: it takes many to keep up with a PCIe 5 host-to-device copy). A load whose bytes are not
+in the page cache runs more lanes on smaller pieces of a larger ring (:func:`lane_shape`,
+:func:`ring_buffers`): a disk wants more reads in flight than memory wants copiers. The buffers,
+the lanes' streams and the reader threads are made once per process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves. The ring is pinned with
 ``torch``'s pinned allocator: with every rank of a node pinning at once, registering huge pages from
@@ -25,8 +22,8 @@ Settings, read when a ring is made or a load starts (:mod:`megamoe_convert.setti
 refused in one line naming it):
 
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
-  load. A cold load runs twice as many; the pinned ring is two 16 MB buffers per lane. Lower it
-  on a host whose cores or page-locked memory serve other work.
+  load, a 16 MB pinned buffer each. A cold load runs twice as many, and twice the buffers. Lower
+  it on a host whose cores or page-locked memory serve other work.
 - ``MEGAMOE_FAST_PIN=1``: pin the ring by registering huge pages from several threads instead of
   with ``torch``'s allocator (which it falls back to where registering fails).
 - ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
@@ -59,9 +56,12 @@ def read_threads() -> int:
     return settings.read_threads()
 
 
-def ring_buffers() -> int:
-    """Buffers of the pinned ring the lanes share out, each lane owning every ``read_threads()``-th."""
-    return 2 * read_threads()
+def ring_buffers(cold: bool = False) -> int:
+    """Buffers of the pinned ring the lanes share out: one a warm lane (cut in two: two pieces a
+    lane), pinned beside the engine's model build, which the pinning slows; a cold load first grows
+    the ring to two a warm lane, since a disk reads faster with more bytes in flight
+    (``benchmarks/bench_pin.py``)."""
+    return (2 if cold else 1) * read_threads()
 
 
 def cold_read_threads() -> int:
@@ -103,11 +103,12 @@ class PinnedRing:
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         count = ring_buffers() if count is None else count
         registered = self._registered(count, nbytes) if settings.fast_pin() else None
-        self.buffers: list[torch.Tensor] = registered if registered is not None else [
-            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+        self.buffers: list[torch.Tensor] = registered if registered is not None else self._allocated(count)
         #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
         self.ready_at = time.perf_counter()
         self.pin_seconds = self.ready_at - started
+        #: How long growing the ring for a cold load took (:meth:`grow`).
+        self.grow_seconds = 0.0
         #: The lanes' shape of the last load (benchmarks report it).
         self.last_shape: LaneShape | None = None
 
@@ -121,6 +122,20 @@ class PinnedRing:
             return None  # the mapping goes with the last view of it
         self._mapping = mapping
         return buffers
+
+    def _allocated(self, count: int) -> list[torch.Tensor]:
+        return [torch.empty(self.nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
+
+    def grow(self, count: int) -> None:
+        """At least ``count`` buffers, the new ones from ``torch``'s pinned allocator (callers hold
+        :data:`RING_LOCK`, between loads: the views and events are made again for the new count)."""
+        if count <= len(self.buffers):
+            return
+        started = time.perf_counter()
+        self.buffers = self.buffers + self._allocated(count - len(self.buffers))
+        self._views.clear()
+        self._events.clear()
+        self.grow_seconds += time.perf_counter() - started
 
     def views(self, parts: int) -> list[torch.Tensor]:
         """Every buffer cut in ``parts`` equal pieces, in order (``parts=1``: the buffers)."""
@@ -295,16 +310,16 @@ def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
 
 
 def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadPoolExecutor,
-               copier: device_copy.Copier, before_writes: BeforeWrites = None) -> None:
+               copier: device_copy.Copier, before_writes: BeforeWrites, cold: bool) -> None:
     """Every piece of ``queue`` to the device, through the lanes: each reads into its own buffers
     and queues their copies on its own stream. Returns once every copy is done; on an error, once
     every lane has stopped reading and its copies are done (no lane writes into a buffer, and no
     copy reads one, after the next load owns it), raising the first error. The lanes' shape is a
-    warm or a cold load's (:func:`lane_shape`), as the load's ends are in the page cache or not.
+    warm or a ``cold`` load's (:func:`lane_shape`).
     ``before_writes``: each lane calls it once it has read into every buffer it owns (its reads go
     ahead while, say, the layout probe finishes), before its first device copy, and stops with what
     it raises."""
-    shape = ring.last_shape = lane_shape(len(ring.buffers), cold=not in_page_cache(queue.ends))
+    shape = ring.last_shape = lane_shape(len(ring.buffers), cold)
     events, streams = ring.tools_for(device, shape.parts)
     views, piece_bytes = ring.views(shape.parts), ring.nbytes // shape.parts
     lanes = min(shape.lanes, len(streams))
@@ -369,14 +384,6 @@ def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadP
             raise future.exception()  # type: ignore[misc]
 
 
-def copy_pieces_to_device(pieces: list[Piece], ring: PinnedRing, stream: torch.cuda.Stream,
-                          readers: ThreadPoolExecutor) -> None:
-    """``pieces`` through the ring's lanes on ``stream``'s device (each range cut as the lanes take it)."""
-    index = torch.cuda._get_device_index(stream.device, optional=True)
-    _lane_copy(WorkQueue([(p.fd, p.file_offset, p.dest) for p in pieces]), ring, index, readers,
-               device_copy.copier(settings.cudart()))
-
-
 #: One read of a load: ``(fd, file offset, flat uint8 destination)``, the destination's size bytes.
 Range = tuple[int, int, torch.Tensor]
 
@@ -391,9 +398,12 @@ def fill_device(ranges: Iterable[Range], device: torch.device, before_writes: Be
     index = torch.cuda._get_device_index(device, optional=True)
     copier = device_copy.copier(settings.cudart())
     with RING_LOCK:
+        cold = not in_page_cache(queue.ends)  # the load's first or last bytes are not in the page cache
+        if cold:
+            ring.grow(ring_buffers(cold=True))
         _, streams = ring.tools_for(index)  # every lane's stream, warm or cold
         caller_done = torch.cuda.Event()
         caller_done.record(torch.cuda.current_stream(index))
         for stream in streams:
             stream.wait_event(caller_done)  # after the caller's work (the destinations' memory may be reused)
-        _lane_copy(queue, ring, index, readers, copier, before_writes)
+        _lane_copy(queue, ring, index, readers, copier, before_writes, cold)

@@ -98,6 +98,26 @@ def test_a_range_past_the_files_end_fails_cleanly_and_the_next_load_is_exact(tmp
     assert torch.equal(dests[0].cpu(), data[1:])
 
 
+@gpu
+def test_a_cold_load_grows_the_ring_to_a_cold_ones_buffers_and_is_exact(tmp_path):
+    path, data = _file(tmp_path, 40 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if staging.in_page_cache([(fd, 0, data[:4096]), (fd, (40 << 20) - 4096, data[:4096])]):
+            pytest.skip(f"{tmp_path}'s file system keeps its files in memory: no cold load here")
+    finally:
+        os.close(fd)
+    ring = staging.shared_ring()
+    warm_size = len(ring.buffers)
+    spans = [(5, (40 << 20) - 5)]
+    (dest,) = _load(path, spans)
+    assert torch.equal(dest.cpu(), data[5:])
+    assert len(ring.buffers) == max(warm_size, staging.ring_buffers(cold=True)) > staging.ring_buffers()
+    assert all(b.is_pinned() for b in ring.buffers) and ring.last_shape == staging.lane_shape(len(ring.buffers), True)
+
+
 # ----------------------------------------------------------------------------- the lanes, on the CPU
 
 
@@ -139,6 +159,28 @@ class _Ring(staging.PinnedRing):
 
     def tools_for(self, device, parts=1):
         return [_Event() for _ in self.views(parts)], self.streams
+
+
+class _HostRing(staging.PinnedRing):
+    """The real ring, its buffers in plain host memory."""
+
+    def _allocated(self, count):
+        return [torch.zeros(self.nbytes, dtype=torch.uint8) for _ in range(count)]
+
+
+def test_growing_the_ring_keeps_its_buffers_and_cuts_every_one_again(monkeypatch):
+    monkeypatch.setenv("MEGAMOE_FAST_PIN", "0")
+    ring = _HostRing(3, 4096)
+    first = list(ring.buffers)
+    assert len(ring.views(2)) == 6
+    ring._events[0, 2] = []
+    ring.grow(2)  # never shrinks
+    assert len(ring.buffers) == 3 and ring.grow_seconds == 0
+    ring.grow(5)
+    assert all(a is b for a, b in zip(ring.buffers[:3], first, strict=True)) and len(ring.buffers) == 5
+    assert ring.grow_seconds > 0
+    assert len(ring.views(2)) == 10 and ring.views(2)[9].data_ptr() == ring.buffers[4].data_ptr() + 2048
+    assert not ring._events, "events made for the old count would leave the new buffers unguarded"
 
 
 def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None, before_writes=None,
@@ -183,7 +225,8 @@ def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, read
         with ThreadPoolExecutor(4) as readers:
             try:
                 queue = WorkQueue([(fd, o, d) for (o, _), d in zip(spans, dests, strict=True)])
-                staging._lane_copy(queue, _Ring(buffers, 4096, 3), 0, readers, copier, before_writes)
+                staging._lane_copy(queue, _Ring(buffers, 4096, 3), 0, readers, copier, before_writes,
+                                   cold=not staging.in_page_cache(queue.ends))
             except Exception as e:  # noqa: BLE001 - the test looks at it
                 outcome["error"] = e
             outcome["running"] = running[0]
