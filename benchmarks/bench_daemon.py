@@ -191,7 +191,7 @@ def role_install(args: argparse.Namespace) -> None:
     dev = device()
     if dev.type == "cuda":
         torch.empty(1, device=dev)
-    prepare_gpu_staging()
+    prepare_gpu_staging(args.model)
     with patches(args):
         model = tree(args, dev)
         sync()

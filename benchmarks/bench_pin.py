@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common import drop_page_cache, node_machine  # noqa: E402
 
-#: The measured ways to the GPU: pinning[:ring buffers, warm or cold] (no count: the loaders' own
-#: ring, grown for a cold load); ``pageable``: no ring.
+#: The measured ways to the GPU: pinning[:ring buffers, warm or cold] (no count: the engines' own
+#: ring, sized by whether the load's file is in the page cache); ``pageable``: no ring.
 MODES = ("torch", "torch:32", "torch:16", "torch:8", "pageable")
 #: The build-like loop: layers x parameters of 1-48 MB each (as an MoE model's, in size and number).
 LAYERS, PARAMETERS = 12, 24
@@ -57,9 +57,11 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
         os.environ["MEGAMOE_FAST_PIN"] = "1" if method == "fast" else "0"
     if count:
         staging.ring_buffers = lambda cold=False: int(count)  # one size, warm or cold
+    else:  # the ring sized as for a conversion, by whether the file is in the page cache
+        staging.conversion_cached = lambda file: _cached(file)
     start = time.perf_counter()
     if ringed:
-        staging.prepare_gpu_staging()
+        staging.prepare_gpu_staging(path)
     held = [torch.empty((1 + (i * 7919 + layer) % 48) << 20, dtype=torch.uint8, device=device)
             for layer in range(LAYERS) for i in range(PARAMETERS)]
     _sync(device)
@@ -78,9 +80,21 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
     loaded = time.perf_counter()
     ring = staging._RING
     return {"mode": mode, "build_s": built - start, "load_s": loaded - built, "total_s": loaded - start,
-            "pin_s": ring.pin_seconds if ring is not None else 0.0, "grow_s": ring.grow_seconds if ring else 0.0,
-            "ring_buffers": len(ring.buffers) if ring else 0, "parameters": len(held),
+            "pin_s": ring.pin_seconds if ring is not None else 0.0, "ring_buffers": len(ring.buffers) if ring else 0,
+            "parameters": len(held),
             "bytes_ok": _same_bytes(dest, path, size)}
+
+
+def _cached(path: str) -> bool:
+    import torch
+
+    from megamoe_convert.serve.residency import in_page_cache
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return in_page_cache([(fd, 0, torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta"))])
+    finally:
+        os.close(fd)
 
 
 def _sync(device: Any) -> None:
@@ -149,7 +163,6 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ranks = [x for r in runs for x in r["ranks"]]
             got = {k: statistics.median(x[k] for x in ranks) for k in ("build_s", "pin_s", "load_s", "total_s")}
             got["slowest_total_s"] = statistics.median(max(x["total_s"] for x in r["ranks"]) for r in runs)
-            got["grow_s"] = statistics.median(x.get("grow_s", 0.0) for x in ranks)
             got["ring_buffers"] = max(x.get("ring_buffers", int(mode.partition(":")[2] or 0)) for x in ranks)
             out.append({"mode": mode, "cache": cache, **got})
     for got in out:

@@ -108,7 +108,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.empty(1, device=device)
     cuda_ready = time.perf_counter()
     if code == "install":
-        prepare_gpu_staging()  # what --load-format megamoe's loader does when vLLM makes it
+        prepare_gpu_staging(out_dir(args, with_redundant))  # what --load-format megamoe does as vLLM builds it
     config = h.hf_config(Path(args.src))
     with h.patched(args.rank, args.ep_size), torch.device(device):
         model = h.build_main_model(config, args.rank, args.ep_size, redundant)

@@ -209,7 +209,7 @@ def prepare_install(kind: str, rank: int, shape: Shape, stack: contextlib.ExitSt
     if torch.cuda.is_available():
         from megamoe_convert.serve.staging import prepare_gpu_staging
 
-        prepare_gpu_staging()
+        prepare_gpu_staging(out)
     stack.enter_context(h.patched(rank, shape.ep_size))
     prepare_ahead(str(out), "megamoe_convert.engines.vllm.installing").join()
     model = _tree(shape, rank, _device())

@@ -238,11 +238,11 @@ def prepare(kind: str, rank: int, shape: Any, stack: contextlib.ExitStack) -> Pr
     if kind in ("megamoe_per_rank", "megamoe_store"):
         from megamoe_convert.engines.sglang import install
 
+        out = shape.store if kind == "megamoe_store" else shape.per_rank
         if gpu():
             from megamoe_convert.serve.staging import prepare_gpu_staging
 
-            prepare_gpu_staging()
-        out = shape.store if kind == "megamoe_store" else shape.per_rank
+            prepare_gpu_staging(out)
         return Prepared(lambda: install(model, str(out), rank=rank), model, model_config)
     prepared = Prepared(lambda: None, config=model_config)
     if kind in ("presharded_dump", "presharded"):

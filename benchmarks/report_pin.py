@@ -21,12 +21,12 @@ def load_all() -> list[tuple[str, dict[str, Any]]]:
 
 
 def mode_label(mode: str, buffers: int) -> str:
-    """``buffers``: the ring's after the load (the loaders' own ring grows for a cold load)."""
+    """``buffers``: the ring's (the engines' own is sized by whether the load is cold)."""
     method, _, count = mode.partition(":")
     if method == "pageable":
         return "no ring: the file read into ordinary memory, copied to the GPU"
     size = f"{buffers} x 16 MB ring ({buffers * 16} MB)"
-    return f"{size}, {MODES.get(method, method)}" + ("" if count else ", the loaders' own")
+    return f"{size}, {MODES.get(method, method)}" + ("" if count else ", sized as the engines size it")
 
 
 def run_section(name: str, result: dict[str, Any]) -> str:
@@ -34,7 +34,7 @@ def run_section(name: str, result: dict[str, Any]) -> str:
     gpus = f"{len(m['gpus'])} x {short_gpu(m['gpus'][0])}" if m["gpus"] else "CPU"
     rounds = len({r["round"] for r in result["rows"]})
     rows = [[mode_label(got["mode"], got["ring_buffers"]), got["cache"], f"{got['build_s']:.3f}", f"{got['build_over_pageable_s']:+.3f}"
-             if "build_over_pageable_s" in got else "-", f"{got['pin_s']:.3f}", f"{got['grow_s']:.3f}", f"{got['load_s']:.3f}",
+             if "build_over_pageable_s" in got else "-", f"{got['pin_s']:.3f}", f"{got['load_s']:.3f}",
              f"{got['total_s']:.3f}", f"{got['slowest_total_s']:.3f}"]
             for got in summary(result["rows"])]  # from the rows: a run before caches were measured was warm
     failed = [f"- `{r['mode']}` round {r['round']}: {r['failed']}" for r in result["rows"] if "failed" in r]
@@ -42,7 +42,7 @@ def run_section(name: str, result: dict[str, Any]) -> str:
     return (f"\n### {name}: {gpus}, {m['cpus']} CPUs, {m['rank_processes']} rank processes at once, OpenMP threads "
             f"{m['omp_threads']}, torch {m['torch']}; {result['load_bytes'] / 1e9:.2f} GB a rank, {rounds} round(s)\n\n"
             + table(["how the bytes reach the GPU", "page cache", "build s", "build over no ring s", "ring pinned s",
-                     "ring grown at the load s", "load s", "build + load s", "slowest rank's build + load s"], rows)
+                     "load s", "build + load s", "slowest rank's build + load s"], rows)
             + ("\n\n" + "\n".join(failed) if failed else "")
             + (f"\n\n{result['note']}" if result.get("note") else "")
             + f"\n\nEvery load's bytes matched its file: {'yes' if ok else 'NO'}.\n")

@@ -96,8 +96,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     preparing = None
     if args.staging != "none" and device.type == "cuda":
         torch.cuda.init()
-        # as the engines' loaders do when they are made, before the model is built
-        preparing = staging.prepare_gpu_staging()
+        # as the engines do as they build the model
+        preparing = staging.prepare_gpu_staging(args.store if args.child == "store" else args.per_rank)
     dests, slots, nbytes = destinations(Path(args.store), args.ep, args.rank, args.device)
     if args.staging == "ready" and preparing is not None:
         preparing.join()  # a model build long enough to hide all of it (a real model's is seconds)
@@ -120,7 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         flat.copy_(host, non_blocking=True)
     elif args.child in ("host_read", "disk_read"):  # the rank's store ranges, best of the reader shapes
         ranges = store_ranges(Path(args.store), args.ep, args.rank)
-        cold = staging.lane_shape(staging.ring_buffers(), cold=True)  # the loader's own shape for a cold load
+        cold = staging.lane_shape(staging.ring_buffers(cold=True), cold=True)  # the loader's own cold shape
         shapes = [(staging.read_threads(), staging.RING_BUFFER_BYTES)] if args.child == "host_read" \
             else [(staging.read_threads(), staging.RING_BUFFER_BYTES),
                   (cold.lanes, staging.RING_BUFFER_BYTES // cold.parts),

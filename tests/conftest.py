@@ -12,7 +12,8 @@ from cli_runs import run_cli, run_cli_process
 
 from megamoe_convert.synth.write import synthesize
 
-__all__ = ["REPO", "output_files", "run_cli", "run_cli_process"]
+__all__ = ["REPO", "disk_folder", "drop_from_page_cache", "nowait_supported", "output_files", "run_cli",
+           "run_cli_process"]
 
 REPO = Path(__file__).resolve().parent.parent
 #: The damage fixtures (sources of three kinds and their conversions), for every tier.
@@ -73,3 +74,41 @@ def tiny_converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
     run_cli("convert", tiny_ckpt, out, "--ep-size", 4, "--num-redundant-experts", 4)
     return out
 
+
+
+def disk_folder(tmp_path: Path) -> Path:
+    """``tmp_path``, or where that is on tmpfs (which has no disk to drop pages to) a folder under the
+    checkout's ignored ``.cache``: files here can be dropped from the page cache."""
+    import tempfile
+
+    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    mount = max((m for m in mounts if str(tmp_path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
+    if mount[2] != "tmpfs":
+        return tmp_path
+    cache = REPO / ".cache"
+    cache.mkdir(exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=cache))
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """``path``'s pages out of the page cache (made clean first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def nowait_supported(path: Path) -> bool:
+    """Whether ``path``'s file system answers a read that may not wait (``RWF_NOWAIT``) at all."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

@@ -7,8 +7,9 @@ the CUDA runtime's entry points without the GIL (:mod:`.device_copy`). No thread
 copies, and while one buffer is being copied the reader fills the next, so a warm first call runs
 close to the page cache -> pinned -> device ceiling (each read is a memory copy by the kernel, one
 core each: it takes many to keep up with a PCIe 5 host-to-device copy). A load whose bytes are not
-in the page cache runs more lanes on smaller pieces of a larger ring (:func:`lane_shape`,
-:func:`ring_buffers`): a disk wants more reads in flight than memory wants copiers. The buffers,
+in the page cache runs more lanes on smaller pieces (:func:`lane_shape`), of a larger ring where the
+engine's conversion was not in the page cache either when the ring was pinned (:func:`ring_buffers`):
+a disk wants more reads in flight than memory wants copiers. The buffers,
 the lanes' streams and the reader threads are made once per process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves. The ring is pinned with
@@ -16,14 +17,14 @@ Pinning is the one cost a fresh process pays before its first byte moves. The ri
 several threads (:mod:`.pinning`, ``MEGAMOE_FAST_PIN=1``), faster for one process alone on some
 hosts, took longer, held up the engine's own GPU allocations longer and loaded slower
 (``benchmarks/bench_pin.py``, ``docs/benchmarks.md``). Engines start the pinning in the background
-when their loader is made (:func:`prepare_gpu_staging`), beside building the model (which it slows).
+as they build the model (:func:`prepare_gpu_staging`), beside the build (which it slows).
 
 Settings, read when a ring is made or a load starts (:mod:`megamoe_convert.settings`; a bad value is
 refused in one line naming it):
 
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
-  load, a 16 MB pinned buffer each. A cold load runs twice as many, and twice the buffers. Lower
-  it on a host whose cores or page-locked memory serve other work.
+  load, a 16 MB pinned buffer each. A cold load runs twice as many (on twice the buffers where the
+  ring was pinned for one). Lower it on a host whose cores or page-locked memory serve other work.
 - ``MEGAMOE_FAST_PIN=1``: pin the ring by registering huge pages from several threads instead of
   with ``torch``'s allocator (which it falls back to where registering fails).
 - ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
@@ -44,6 +45,7 @@ import torch
 
 from megamoe_convert import settings
 from megamoe_convert.serve import device_copy, pinning
+from megamoe_convert.serve.residency import conversion_cached, in_page_cache
 from megamoe_convert.source.safetensors_io import read_into
 
 #: Bytes of one pinned ring buffer: two 16 MB buffers a lane made the fastest first call, ahead of
@@ -58,9 +60,9 @@ def read_threads() -> int:
 
 def ring_buffers(cold: bool = False) -> int:
     """Buffers of the pinned ring the lanes share out: one a warm lane (cut in two: two pieces a
-    lane), pinned beside the engine's model build, which the pinning slows; a cold load first grows
-    the ring to two a warm lane, since a disk reads faster with more bytes in flight
-    (``benchmarks/bench_pin.py``)."""
+    lane), or two where the load will be cold, as a disk reads faster with more bytes in flight. The
+    ring is pinned beside the engine's model build, which the pinning slows: a warm load through
+    the larger ring is no faster (``benchmarks/bench_pin.py``)."""
     return (2 if cold else 1) * read_threads()
 
 
@@ -103,12 +105,11 @@ class PinnedRing:
         self._mapping: mmap.mmap | None = None  # owns the registered buffers' memory for the process's life
         count = ring_buffers() if count is None else count
         registered = self._registered(count, nbytes) if settings.fast_pin() else None
-        self.buffers: list[torch.Tensor] = registered if registered is not None else self._allocated(count)
+        self.buffers: list[torch.Tensor] = registered if registered is not None else [
+            torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
         #: When pinning ended (``time.perf_counter``) and how long it took: benchmarks report the wait.
         self.ready_at = time.perf_counter()
         self.pin_seconds = self.ready_at - started
-        #: How long growing the ring for a cold load took (:meth:`grow`).
-        self.grow_seconds = 0.0
         #: The lanes' shape of the last load (benchmarks report it).
         self.last_shape: LaneShape | None = None
 
@@ -122,20 +123,6 @@ class PinnedRing:
             return None  # the mapping goes with the last view of it
         self._mapping = mapping
         return buffers
-
-    def _allocated(self, count: int) -> list[torch.Tensor]:
-        return [torch.empty(self.nbytes, dtype=torch.uint8, device="cpu", pin_memory=True) for _ in range(count)]
-
-    def grow(self, count: int) -> None:
-        """At least ``count`` buffers, the new ones from ``torch``'s pinned allocator (callers hold
-        :data:`RING_LOCK`, between loads: the views and events are made again for the new count)."""
-        if count <= len(self.buffers):
-            return
-        started = time.perf_counter()
-        self.buffers = self.buffers + self._allocated(count - len(self.buffers))
-        self._views.clear()
-        self._events.clear()
-        self.grow_seconds += time.perf_counter() - started
 
     def views(self, parts: int) -> list[torch.Tensor]:
         """Every buffer cut in ``parts`` equal pieces, in order (``parts=1``: the buffers)."""
@@ -171,13 +158,14 @@ _READERS: ThreadPoolExecutor | None = None
 RING_LOCK = threading.Lock()
 
 
-def shared_ring() -> PinnedRing:
+def shared_ring(cold: bool = False) -> PinnedRing:
     """One pinned ring per process, pinned once, ideally early (:func:`prepare_gpu_staging`),
-    never per call. Calls that use it hold :data:`RING_LOCK`."""
+    never per call (``cold``: a cold load's size, where this makes it). Calls that use it hold
+    :data:`RING_LOCK`."""
     global _RING
     with RING_LOCK:
         if _RING is None:
-            _RING = PinnedRing()
+            _RING = PinnedRing(ring_buffers(cold))
         return _RING
 
 
@@ -203,8 +191,8 @@ def _start_readers() -> None:
     list(readers.map(lambda _: everyone.wait(timeout=10), range(count)))
 
 
-def _prepare(device: int) -> None:
-    ring = shared_ring()
+def _prepare(device: int, conversion: str | os.PathLike[str] | None) -> None:
+    ring = shared_ring(cold=conversion is not None and not conversion_cached(conversion))
     with RING_LOCK:
         for cold in (False, True):
             ring.tools_for(device, lane_shape(len(ring.buffers), cold).parts)
@@ -215,11 +203,13 @@ def _prepare(device: int) -> None:
         pass
 
 
-def prepare_gpu_staging() -> threading.Thread | None:
+def prepare_gpu_staging(conversion: str | os.PathLike[str] | None = None) -> threading.Thread | None:
     """Pin the staging ring, start the reader threads, make the caller's device's events and
-    streams and find the CUDA runtime, in the background, now. Engines call this when their loader
-    or model is made, so all of it overlaps building the model instead of delaying the first load; a load that starts
-    before it is done waits for the ring. Does nothing without CUDA, or once started."""
+    streams and find the CUDA runtime, in the background, now. Engines call this when their model
+    is made, so all of it overlaps building the model instead of delaying the first load; a load
+    that starts before it is done waits for the ring. ``conversion``: the one the engine will load,
+    whose files not in the page cache make the ring a cold load's (:func:`ring_buffers`). Does
+    nothing without CUDA, or once started."""
     global _PINNING
     if not torch.cuda.is_available():
         return None
@@ -228,7 +218,8 @@ def prepare_gpu_staging() -> threading.Thread | None:
             return None
         # Not a daemon: a process that ends (or fails) while the ring is being pinned waits the few
         # milliseconds left instead of tearing CUDA down under a registration (which aborts it).
-        _PINNING = threading.Thread(target=_prepare, args=(torch.cuda.current_device(),), name="megamoe-pin")
+        _PINNING = threading.Thread(target=_prepare, args=(torch.cuda.current_device(), conversion),
+                                    name="megamoe-pin")
         _PINNING.start()
         return _PINNING
 
@@ -284,29 +275,6 @@ class WorkQueue:
 
 #: The device each reader thread's CUDA runtime has current (set once per thread, not per load).
 _BOUND = threading.local()
-
-
-_PROBE_BYTES = 4096
-
-
-def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
-    """Whether the first and last page of each of ``ranges`` is in the page cache: a read that must
-    not wait (``RWF_NOWAIT``) gets them. True where the kernel or file system cannot tell."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    if nowait is None:
-        return True
-    probe = memoryview(bytearray(_PROBE_BYTES))
-    for fd, offset, dest in ranges:
-        n = min(_PROBE_BYTES, dest.numel())
-        for at in sorted({offset, offset + dest.numel() - n}):
-            try:
-                if os.preadv(fd, [probe[:n]], at, nowait) < n:
-                    return False
-            except BlockingIOError:
-                return False
-            except OSError:  # RWF_NOWAIT not supported here: the warm shape, as before it existed
-                return True
-    return True
 
 
 def _lane_copy(queue: WorkQueue, ring: PinnedRing, device: int, readers: ThreadPoolExecutor,
@@ -393,14 +361,12 @@ def fill_device(ranges: Iterable[Range], device: torch.device, before_writes: Be
     copies are done when it returns. ``before_writes``: called before the first byte lands in a
     destination (the reads start at once): what it raises stops the load with nothing written."""
     queue = WorkQueue(ranges)
-    ring = shared_ring()  # waits for a ring still being pinned in the background
+    cold = not in_page_cache(queue.ends)  # the load's first or last bytes are not in the page cache
+    ring = shared_ring(cold)  # waits for a ring still being pinned in the background
     readers = shared_readers()
     index = torch.cuda._get_device_index(device, optional=True)
     copier = device_copy.copier(settings.cudart())
     with RING_LOCK:
-        cold = not in_page_cache(queue.ends)  # the load's first or last bytes are not in the page cache
-        if cold:
-            ring.grow(ring_buffers(cold=True))
         _, streams = ring.tools_for(index)  # every lane's stream, warm or cold
         caller_done = torch.cuda.Event()
         caller_done.record(torch.cuda.current_stream(index))

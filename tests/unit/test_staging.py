@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import disk_folder, drop_from_page_cache, nowait_supported
 
 from megamoe_convert.serve import staging
 from megamoe_convert.serve.staging import WorkQueue
@@ -98,26 +99,6 @@ def test_a_range_past_the_files_end_fails_cleanly_and_the_next_load_is_exact(tmp
     assert torch.equal(dests[0].cpu(), data[1:])
 
 
-@gpu
-def test_a_cold_load_grows_the_ring_to_a_cold_ones_buffers_and_is_exact(tmp_path):
-    path, data = _file(tmp_path, 40 << 20)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if staging.in_page_cache([(fd, 0, data[:4096]), (fd, (40 << 20) - 4096, data[:4096])]):
-            pytest.skip(f"{tmp_path}'s file system keeps its files in memory: no cold load here")
-    finally:
-        os.close(fd)
-    ring = staging.shared_ring()
-    warm_size = len(ring.buffers)
-    spans = [(5, (40 << 20) - 5)]
-    (dest,) = _load(path, spans)
-    assert torch.equal(dest.cpu(), data[5:])
-    assert len(ring.buffers) == max(warm_size, staging.ring_buffers(cold=True)) > staging.ring_buffers()
-    assert all(b.is_pinned() for b in ring.buffers) and ring.last_shape == staging.lane_shape(len(ring.buffers), True)
-
-
 # ----------------------------------------------------------------------------- the lanes, on the CPU
 
 
@@ -159,28 +140,6 @@ class _Ring(staging.PinnedRing):
 
     def tools_for(self, device, parts=1):
         return [_Event() for _ in self.views(parts)], self.streams
-
-
-class _HostRing(staging.PinnedRing):
-    """The real ring, its buffers in plain host memory."""
-
-    def _allocated(self, count):
-        return [torch.zeros(self.nbytes, dtype=torch.uint8) for _ in range(count)]
-
-
-def test_growing_the_ring_keeps_its_buffers_and_cuts_every_one_again(monkeypatch):
-    monkeypatch.setenv("MEGAMOE_FAST_PIN", "0")
-    ring = _HostRing(3, 4096)
-    first = list(ring.buffers)
-    assert len(ring.views(2)) == 6
-    ring._events[0, 2] = []
-    ring.grow(2)  # never shrinks
-    assert len(ring.buffers) == 3 and ring.grow_seconds == 0
-    ring.grow(5)
-    assert all(a is b for a, b in zip(ring.buffers[:3], first, strict=True)) and len(ring.buffers) == 5
-    assert ring.grow_seconds > 0
-    assert len(ring.views(2)) == 10 and ring.views(2)[9].data_ptr() == ring.buffers[4].data_ptr() + 2048
-    assert not ring._events, "events made for the old count would leave the new buffers unguarded"
 
 
 def _lane_load(monkeypatch, path, spans, read_delay=0.0, fail_copy_at=None, reads=None, before_writes=None,
@@ -317,40 +276,10 @@ def test_a_failed_copy_stops_every_lane_and_is_raised(tmp_path, monkeypatch):
 
 
 def _uncached_file(tmp_path, nbytes: int):
-    """A file written and then dropped from the page cache (its pages clean: fsync first). Not on
-    tmpfs, which has no disk to drop them to: there, a folder under the checkout's ignored .cache."""
-    import tempfile
-    from pathlib import Path
-
-    folder = tmp_path
-    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
-    mount = max((m for m in mounts if str(tmp_path).startswith(m[1].rstrip("/") + "/")), key=lambda m: len(m[1]))
-    if mount[2] == "tmpfs":
-        cache = Path(__file__).resolve().parents[2] / ".cache"
-        cache.mkdir(exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=cache))
-    path, data = _file(folder, nbytes)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    """A file written and then dropped from the page cache."""
+    path, data = _file(disk_folder(tmp_path), nbytes)
+    drop_from_page_cache(path)
     return path, data
-
-
-def _nowait_supported(path) -> bool:
-    """Whether this file system answers a read that may not wait (``RWF_NOWAIT``) at all."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-        return True
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
@@ -367,7 +296,7 @@ def test_a_load_tells_bytes_in_the_page_cache_from_bytes_on_disk(tmp_path):
         assert staging.in_page_cache(ranges) is True
     finally:
         os.close(fd)
-    assert dropped is (not _nowait_supported(path))
+    assert dropped is (not nowait_supported(path))
 
 
 def test_a_cold_load_runs_more_lanes_on_parts_of_the_buffers_and_every_piece_lands(tmp_path, monkeypatch):

@@ -30,11 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def loader_config(load_config: Any) -> Any:
-    """The default loader's config underneath (plain safetensors, rank folders ignored); the read
-    ring is pinned meanwhile, while the engine builds the model."""
-    from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (every process loads the plugin)
-
-    prepare_gpu_staging()
+    """The default loader's config underneath (plain safetensors, rank folders ignored)."""
     return as_safetensors_config(load_config)
 
 

@@ -156,7 +156,7 @@ def architecture_around(get_model_architecture: Callable[..., Any], model_config
                                "checkpoint, or an SGLang release megamoe-convert supports")
         from megamoe_convert.serve.staging import prepare_gpu_staging  # a conversion's: at first use
 
-        prepare_gpu_staging()  # in the worker, right before the model is built: pin the read ring meanwhile
+        prepare_gpu_staging(section.get(PATH_KEY))  # in the worker, right before the model is built: pin meanwhile
         if section.get(PATH_KEY):  # and make the install's imports, the probe's input, and the probe meanwhile
             prepare_install(str(section[PATH_KEY]), INSTALLING)
     return model_cls, arch

@@ -47,9 +47,6 @@ def make_loader_class(default_loader: Any) -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(as_safetensors_config(load_config))
-            from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use: the plugin stays light
-
-            prepare_gpu_staging()  # pin the read ring while the engine builds the model
 
         #: Where the model's weights live: where the non-expert tensors are handed to it.
         weights_device: torch.device | None = None

@@ -88,7 +88,7 @@ def make_model_class(base: Any, draft: bool) -> type:
                 format_table.refuse_unserved(out, vllm_config)  # before vLLM builds anything
                 from megamoe_convert.serve.staging import prepare_gpu_staging  # at first use (the plugin's cost)
 
-                prepare_gpu_staging()  # pin the read ring while vLLM builds the model
+                prepare_gpu_staging(out)  # pin the read ring while vLLM builds the model
                 prepare_install(out, "megamoe_convert.engines.vllm.installing")  # its imports and probe input too
             super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
             setattr(self, CONVERSION_ATTR, out)

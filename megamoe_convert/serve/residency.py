@@ -1,0 +1,62 @@
+"""Whether a load's bytes are in the page cache, asked without reading them: the GPU path sizes its
+pinned ring (:func:`conversion_cached`) and shapes a load's reader lanes (:func:`in_page_cache`) by it,
+since a disk wants more reads in flight than memory does."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+_PROBE_BYTES = 4096
+#: The conversion's files :func:`conversion_cached` looks at, spread over its list.
+_SAMPLED_FILES = 8
+
+
+def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
+    """Whether the first and last page of each of ``ranges`` (``(fd, offset, destination)``, the
+    destination's size bytes) is in the page cache: a read that must not wait (``RWF_NOWAIT``) gets
+    them. True where the kernel or file system cannot tell."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return True
+    probe = memoryview(bytearray(_PROBE_BYTES))
+    for fd, offset, dest in ranges:
+        n = min(_PROBE_BYTES, dest.numel())
+        for at in sorted({offset, offset + dest.numel() - n}):
+            try:
+                if os.preadv(fd, [probe[:n]], at, nowait) < n:
+                    return False
+            except BlockingIOError:
+                return False
+            except OSError:  # RWF_NOWAIT not supported here: the warm shape, as before it existed
+                return True
+    return True
+
+
+def conversion_cached(conversion: str | os.PathLike[str]) -> bool:
+    """Whether a conversion's files (a few, spread over its manifest's list: their first and last
+    pages) are in the page cache. True where it cannot tell (no manifest, a file missing: the
+    install says what is wrong)."""
+    from megamoe_convert.errors import MegamoeError
+    from megamoe_convert.output.manifest import read_manifest
+
+    out = Path(conversion)
+    try:
+        files = read_manifest(out).files
+    except (MegamoeError, OSError, ValueError):
+        return True
+    for record in files[::max(1, -(-len(files) // _SAMPLED_FILES))]:
+        try:
+            fd = os.open(out / record.path, os.O_RDONLY)
+        except OSError:
+            return True
+        try:
+            whole = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta")  # its size, no memory
+            if not in_page_cache([(fd, 0, whole)]):
+                return False
+        finally:
+            os.close(fd)
+    return True
