@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from common import drop_page_cache, node_machine  # noqa: E402
 
 #: The measured ways to the GPU: pinning[:ring buffers, warm or cold] (no count: the engines' own
-#: ring, sized by whether the load's file is in the page cache); ``pageable``: no ring.
+#: ring, sized by the load's file: its size and whether it is in the page cache); ``pageable``: no ring.
 MODES = ("torch", "torch:32", "torch:16", "torch:8", "pageable")
 #: The build-like loop: layers x parameters of 1-48 MB each (as an MoE model's, in size and number).
 LAYERS, PARAMETERS = 12, 24
@@ -57,8 +57,8 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
         os.environ["MEGAMOE_FAST_PIN"] = "1" if method == "fast" else "0"
     if count:
         staging.ring_buffers = lambda cold=False: int(count)  # one size, warm or cold
-    else:  # the ring sized as for a conversion, by whether the file is in the page cache
-        staging.conversion_cached = lambda file: _cached(file)
+    else:  # the ring sized as for a conversion of the file's size, by whether it is in the page cache
+        staging.conversion_load = lambda file: (_cached(file), os.path.getsize(file))
     start = time.perf_counter()
     if ringed:
         staging.prepare_gpu_staging(path)

@@ -57,8 +57,11 @@ GPU, layer by layer) while megamoe's staging ring is pinned on a thread as the l
 then one load of its file through the ring, warm (the file in the page cache) or cold (the page
 cache dropped first); for reference, the same without a ring (the file read into ordinary memory and
 copied to the GPU). A ring with fewer buffers than two a lane is cut in parts, every lane owning two
-pieces (a run's note says where its lanes did not). Medians over ranks and rounds; "build over no
-ring" is what the pinning costs the engine's model build. `--smoke` runs it on the CPU in CI.
+pieces (a run's note says where its lanes did not). The engines size their ring when they pin it:
+16 MB a warm lane, twice that where the load will be cold or a rank's share is 8 GiB or more
+(`serve/staging.py`'s `ring_buffers`); "sized as the engines size it" rows ran that. Medians over
+ranks and rounds; "build over no ring" is what the pinning costs the engine's model build. `--smoke`
+runs it on the CPU in CI.
 """
     runs = [(name, r) for name, r in load_all() if not r.get("smoke")]
     if not runs:

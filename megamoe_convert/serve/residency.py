@@ -1,5 +1,5 @@
 """Whether a load's bytes are in the page cache, asked without reading them: the GPU path sizes its
-pinned ring (:func:`conversion_cached`) and shapes a load's reader lanes (:func:`in_page_cache`) by it,
+pinned ring (:func:`conversion_load`) and shapes a load's reader lanes (:func:`in_page_cache`) by it,
 since a disk wants more reads in flight than memory does."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 
 _PROBE_BYTES = 4096
-#: The conversion's files :func:`conversion_cached` looks at, spread over its list.
+#: The conversion's files :func:`conversion_load` looks at, spread over its list.
 _SAMPLED_FILES = 8
 
 
@@ -36,27 +36,31 @@ def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
     return True
 
 
-def conversion_cached(conversion: str | os.PathLike[str]) -> bool:
-    """Whether a conversion's files (a few, spread over its manifest's list: their first and last
-    pages) are in the page cache. True where it cannot tell (no manifest, a file missing: the
-    install says what is wrong)."""
+def conversion_load(conversion: str | os.PathLike[str]) -> tuple[bool, int]:
+    """What loading a conversion will be like on this host: whether its files (a few, spread over its
+    manifest's list: their first and last pages) are in the page cache, and about how many bytes a
+    rank reads (its files over its EP size, or over the GPUs here where more: a store serves any EP
+    size). ``(True, 0)`` where it cannot tell (no manifest, a file missing: the install says what is
+    wrong)."""
     from megamoe_convert.errors import MegamoeError
     from megamoe_convert.output.manifest import read_manifest
 
     out = Path(conversion)
     try:
-        files = read_manifest(out).files
+        manifest = read_manifest(out)
     except (MegamoeError, OSError, ValueError):
-        return True
+        return True, 0
+    files = manifest.files
+    share = sum(record.size for record in files) // max(1, manifest.ep_size, torch.cuda.device_count())
     for record in files[::max(1, -(-len(files) // _SAMPLED_FILES))]:
         try:
             fd = os.open(out / record.path, os.O_RDONLY)
         except OSError:
-            return True
+            return True, 0
         try:
             whole = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta")  # its size, no memory
             if not in_page_cache([(fd, 0, whole)]):
-                return False
+                return False, share
         finally:
             os.close(fd)
-    return True
+    return True, share

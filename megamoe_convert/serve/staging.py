@@ -8,8 +8,8 @@ copies, and while one buffer is being copied the reader fills the next, so a war
 close to the page cache -> pinned -> device ceiling (each read is a memory copy by the kernel, one
 core each: it takes many to keep up with a PCIe 5 host-to-device copy). A load whose bytes are not
 in the page cache runs more lanes on smaller pieces (:func:`lane_shape`), of a larger ring where the
-engine's conversion was not in the page cache either when the ring was pinned (:func:`ring_buffers`):
-a disk wants more reads in flight than memory wants copiers. The buffers,
+engine's conversion was not in the page cache either when the ring was pinned, or is large
+(:func:`ring_buffers`): a disk wants more reads in flight than memory wants copiers. The buffers,
 the lanes' streams and the reader threads are made once per process and reused by every load.
 
 Pinning is the one cost a fresh process pays before its first byte moves. The ring is pinned with
@@ -24,7 +24,7 @@ refused in one line naming it):
 
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
   load, a 16 MB pinned buffer each. A cold load runs twice as many (on twice the buffers where the
-  ring was pinned for one). Lower it on a host whose cores or page-locked memory serve other work.
+  ring was pinned for one, or for a large load). Lower it on a host whose cores or page-locked memory serve other work.
 - ``MEGAMOE_FAST_PIN=1``: pin the ring by registering huge pages from several threads instead of
   with ``torch``'s allocator (which it falls back to where registering fails).
 - ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
@@ -45,12 +45,15 @@ import torch
 
 from megamoe_convert import settings
 from megamoe_convert.serve import device_copy, pinning
-from megamoe_convert.serve.residency import conversion_cached, in_page_cache
+from megamoe_convert.serve.residency import conversion_load, in_page_cache
 from megamoe_convert.source.safetensors_io import read_into
 
 #: Bytes of one pinned ring buffer: two 16 MB buffers a lane made the fastest first call, ahead of
 #: more, smaller ones (``docs/benchmarks.md``).
 RING_BUFFER_BYTES = 16 << 20
+#: A rank's load from which a warm one through two buffers a lane is faster by more than pinning the
+#: second costs (``docs/benchmarks.md``, ``benchmarks/bench_pin.py``).
+LARGE_LOAD_BYTES = 8 << 30
 
 
 def read_threads() -> int:
@@ -58,12 +61,12 @@ def read_threads() -> int:
     return settings.read_threads()
 
 
-def ring_buffers(cold: bool = False) -> int:
+def ring_buffers(cold: bool = False, load_bytes: int = 0) -> int:
     """Buffers of the pinned ring the lanes share out: one a warm lane (cut in two: two pieces a
-    lane), or two where the load will be cold, as a disk reads faster with more bytes in flight. The
-    ring is pinned beside the engine's model build, which the pinning slows: a warm load through
-    the larger ring is no faster (``benchmarks/bench_pin.py``)."""
-    return (2 if cold else 1) * read_threads()
+    lane), or two where the load will be cold (a disk reads faster with more bytes in flight) or
+    large. The ring is pinned beside the engine's model build, which the pinning slows: a small warm
+    load through the larger ring does not win that back (``benchmarks/bench_pin.py``)."""
+    return (2 if cold or load_bytes >= LARGE_LOAD_BYTES else 1) * read_threads()
 
 
 def cold_read_threads() -> int:
@@ -158,14 +161,14 @@ _READERS: ThreadPoolExecutor | None = None
 RING_LOCK = threading.Lock()
 
 
-def shared_ring(cold: bool = False) -> PinnedRing:
+def shared_ring(buffers: int | None = None) -> PinnedRing:
     """One pinned ring per process, pinned once, ideally early (:func:`prepare_gpu_staging`),
-    never per call (``cold``: a cold load's size, where this makes it). Calls that use it hold
+    never per call (``buffers``: its size, where this makes it). Calls that use it hold
     :data:`RING_LOCK`."""
     global _RING
     with RING_LOCK:
         if _RING is None:
-            _RING = PinnedRing(ring_buffers(cold))
+            _RING = PinnedRing(buffers)
         return _RING
 
 
@@ -191,8 +194,14 @@ def _start_readers() -> None:
     list(readers.map(lambda _: everyone.wait(timeout=10), range(count)))
 
 
+def ring_for(conversion: str | os.PathLike[str] | None) -> int:
+    """The ring's buffers for loading ``conversion`` (``None``: a warm load's)."""
+    cached, load_bytes = conversion_load(conversion) if conversion is not None else (True, 0)
+    return ring_buffers(not cached, load_bytes)
+
+
 def _prepare(device: int, conversion: str | os.PathLike[str] | None) -> None:
-    ring = shared_ring(cold=conversion is not None and not conversion_cached(conversion))
+    ring = shared_ring(ring_for(conversion))
     with RING_LOCK:
         for cold in (False, True):
             ring.tools_for(device, lane_shape(len(ring.buffers), cold).parts)
@@ -208,8 +217,8 @@ def prepare_gpu_staging(conversion: str | os.PathLike[str] | None = None) -> thr
     streams and find the CUDA runtime, in the background, now. Engines call this when their model
     is made, so all of it overlaps building the model instead of delaying the first load; a load
     that starts before it is done waits for the ring. ``conversion``: the one the engine will load,
-    whose files not in the page cache make the ring a cold load's (:func:`ring_buffers`). Does
-    nothing without CUDA, or once started."""
+    which sizes the ring: its files out of the page cache, or a large share a rank, make it a cold
+    load's (:func:`ring_buffers`). Does nothing without CUDA, or once started."""
     global _PINNING
     if not torch.cuda.is_available():
         return None
@@ -362,7 +371,7 @@ def fill_device(ranges: Iterable[Range], device: torch.device, before_writes: Be
     destination (the reads start at once): what it raises stops the load with nothing written."""
     queue = WorkQueue(ranges)
     cold = not in_page_cache(queue.ends)  # the load's first or last bytes are not in the page cache
-    ring = shared_ring(cold)  # waits for a ring still being pinned in the background
+    ring = shared_ring(ring_buffers(cold))  # waits for a ring still being pinned in the background
     readers = shared_readers()
     index = torch.cuda._get_device_index(device, optional=True)
     copier = device_copy.copier(settings.cudart())
