@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import types
 from pathlib import Path
 from typing import Iterator
@@ -50,7 +49,7 @@ def patched(ep_rank: int, ep_size: int, redundant: int, **server_args) -> Iterat
     with contextlib.ExitStack() as stack:
         stack.enter_context(override_platform(is_cuda=True, is_sm90=True))
         stack.enter_context(mock.patch.object(fp8_py, "_is_cpu", False))
-        stack.enter_context(mock.patch.dict(sys.modules, {"deep_gemm": types.ModuleType("deep_gemm")}))
+        stack.enter_context(h.one_module("deep_gemm", types.ModuleType("deep_gemm")))
         args = ServerArgs(model_path="dummy", tp_size=ep_size, ep_size=ep_size,
                           **{"moe_a2a_backend": "megamoe", **server_args},
                           ep_num_redundant_experts=redundant, device="cpu")

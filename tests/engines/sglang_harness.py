@@ -101,11 +101,28 @@ def hf_config(ckpt: Path) -> types.SimpleNamespace:
 
 
 @contextlib.contextmanager
+def one_module(name: str, module: types.ModuleType | None) -> Iterator[None]:
+    """``sys.modules[name]`` is ``module`` meanwhile, and no other key changes: ``mock.patch.dict``
+    would put the whole dict back, dropping every module imported meanwhile, so that a later import
+    makes a second copy of it, with state of its own (a second staging ring, for one)."""
+    missing = object()
+    before = sys.modules.get(name, missing)
+    sys.modules[name] = module  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if before is missing:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = before  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
 def patched(ep_rank: int, ep_size: int, redundant: int, **server_args) -> Iterator[types.SimpleNamespace]:
     """SGLang's topology for one rank of ``--moe-a2a-backend megamoe`` (TP = EP, DP attention off)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(override_platform(is_cuda=True, is_sm100=True))
-        stack.enter_context(mock.patch.dict(sys.modules, {"deep_gemm": _deep_gemm()}))
+        stack.enter_context(one_module("deep_gemm", _deep_gemm()))
         stack.enter_context(mock.patch.object(fp8_py, "_is_cpu", False))
         args = ServerArgs(model_path="dummy", tp_size=ep_size, ep_size=ep_size, moe_a2a_backend="megamoe",
                           ep_num_redundant_experts=redundant, device="cpu", **server_args)

@@ -6,7 +6,6 @@ refuses unless the caller opts out, and the opt-out is logged."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -116,7 +115,7 @@ def test_a_release_whose_code_changed_but_not_its_bytes_is_served(sglang_ckpt, s
 def test_without_deep_gemm_the_probe_refuses_unless_the_caller_opts_out(sglang_ckpt, sglang_converted, caplog,
                                                                         monkeypatch):
     config = h.hf_config(sglang_ckpt)
-    with h.patched(0, EP_SIZE, REDUNDANT), mock.patch.dict(sys.modules, {"deep_gemm": None}):
+    with h.patched(0, EP_SIZE, REDUNDANT), h.one_module("deep_gemm", None):
         main = h.build_main_model(config, 0, REDUNDANT)
 
         def opted_out() -> int:
