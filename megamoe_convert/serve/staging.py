@@ -24,7 +24,8 @@ refused in one line naming it):
 
 - ``MEGAMOE_READ_THREADS`` (1..256; default: the CPU count, 4 to 16): the reader lanes of a warm
   load, a 16 MB pinned buffer each. A cold load runs twice as many (on twice the buffers where the
-  ring was pinned for one, or for a large load). Lower it on a host whose cores or page-locked memory serve other work.
+  ring was pinned for one, or for a large load). Lower it on a host whose cores or page-locked
+  memory serve other work.
 - ``MEGAMOE_FAST_PIN=1``: pin the ring by registering huge pages from several threads instead of
   with ``torch``'s allocator (which it falls back to where registering fails).
 - ``MEGAMOE_CUDART=0``: issue the lanes' copies through ``torch`` instead of the CUDA runtime's
@@ -217,8 +218,8 @@ def prepare_gpu_staging(conversion: str | os.PathLike[str] | None = None) -> thr
     streams and find the CUDA runtime, in the background, now. Engines call this when their model
     is made, so all of it overlaps building the model instead of delaying the first load; a load
     that starts before it is done waits for the ring. ``conversion``: the one the engine will load,
-    which sizes the ring: its files out of the page cache, or a large share a rank, make it a cold
-    load's (:func:`ring_buffers`). Does nothing without CUDA, or once started."""
+    which sizes the ring: its files out of the page cache, or a large share of it a rank, give it two
+    buffers a lane (:func:`ring_buffers`). Does nothing without CUDA, or once started."""
     global _PINNING
     if not torch.cuda.is_available():
         return None
