@@ -58,7 +58,9 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
     if count:
         staging.ring_buffers = lambda cold=False: int(count)  # one size, warm or cold
     else:  # the ring sized as for a conversion of the file's size, by whether it is in the page cache
-        staging.conversion_load = lambda file: (_cached(file), os.path.getsize(file))
+        from megamoe_convert.serve.residency import file_cached
+
+        staging.conversion_load = lambda file: (file_cached(file), os.path.getsize(file))
     start = time.perf_counter()
     if ringed:
         staging.prepare_gpu_staging(path)
@@ -83,18 +85,6 @@ def child(mode: str, path: str, device_name: str) -> dict[str, Any]:
             "pin_s": ring.pin_seconds if ring is not None else 0.0, "ring_buffers": len(ring.buffers) if ring else 0,
             "parameters": len(held),
             "bytes_ok": _same_bytes(dest, path, size)}
-
-
-def _cached(path: str) -> bool:
-    import torch
-
-    from megamoe_convert.serve.residency import in_page_cache
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return in_page_cache([(fd, 0, torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta"))])
-    finally:
-        os.close(fd)
 
 
 def _sync(device: Any) -> None:
@@ -126,21 +116,15 @@ def load_file(work: Path, rank: int, nbytes: int) -> Path:
     return path
 
 
-def warm_up(path: Path) -> None:
-    """``path`` read into the page cache."""
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-
-
 def measure(mode: str, files: list[Path], gpus: int, threads: int, cache: str) -> dict[str, Any]:
     """Every rank process of the node started at once for ``mode``; their reports. ``cold``: the
     page cache dropped first (needs root), ``warm``: every file read into it first."""
     if cache == "cold" and not drop_page_cache():
         return {"mode": mode, "cache": cache, "failed": "could not drop the page cache (needs root)"}
     if cache == "warm":
-        for path in files:
-            warm_up(path)
+        from bench_startup import warm
+
+        warm(files)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, __file__, "--child", mode, str(f),

@@ -19,7 +19,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-
 def node_machine(rank_processes: int, omp_threads: int, gpus: int | None = None) -> dict[str, Any]:
     """The machine a node's run measured: its GPUs (the first ``gpus``; default every one), CPUs, torch
     and Python, and the rank processes it started with their OpenMP threads each."""
@@ -29,6 +28,7 @@ def node_machine(rank_processes: int, omp_threads: int, gpus: int | None = None)
     return {"gpus": [torch.cuda.get_device_name(i) for i in range(count)], "cpus": os.cpu_count(),
             "torch": torch.__version__, "python": sys.version.split()[0], "rank_processes": rank_processes,
             "omp_threads": omp_threads}
+
 
 # --------------------------------------------------------------------------------------
 # Checkpoints

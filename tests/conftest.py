@@ -75,7 +75,6 @@ def tiny_converted(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-
 def disk_folder(tmp_path: Path) -> Path:
     """``tmp_path``, or where that is on tmpfs (which has no disk to drop pages to) a folder under the
     checkout's ignored ``.cache``: files here can be dropped from the page cache."""

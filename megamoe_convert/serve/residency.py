@@ -36,6 +36,16 @@ def in_page_cache(ranges: Iterable[tuple[int, int, torch.Tensor]]) -> bool:
     return True
 
 
+def file_cached(path: str | os.PathLike[str]) -> bool:
+    """Whether a file's first and last page are in the page cache (:func:`in_page_cache`)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        whole = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta")  # its size, no memory
+        return in_page_cache([(fd, 0, whole)])
+    finally:
+        os.close(fd)
+
+
 def conversion_load(conversion: str | os.PathLike[str]) -> tuple[bool, int]:
     """What loading a conversion will be like on this host: whether its files (a few, spread over its
     manifest's list: their first and last pages) are in the page cache, and about how many bytes a
@@ -54,13 +64,8 @@ def conversion_load(conversion: str | os.PathLike[str]) -> tuple[bool, int]:
     share = sum(record.size for record in files) // max(1, manifest.ep_size, torch.cuda.device_count())
     for record in files[::max(1, -(-len(files) // _SAMPLED_FILES))]:
         try:
-            fd = os.open(out / record.path, os.O_RDONLY)
+            if not file_cached(out / record.path):
+                return False, share
         except OSError:
             return True, 0
-        try:
-            whole = torch.empty(os.fstat(fd).st_size, dtype=torch.uint8, device="meta")  # its size, no memory
-            if not in_page_cache([(fd, 0, whole)]):
-                return False, share
-        finally:
-            os.close(fd)
     return True, share
